@@ -1,0 +1,1 @@
+"""Benchmarks that print JSON, each comparing orchestra against raw Ray in the same run."""

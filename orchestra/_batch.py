@@ -1,0 +1,352 @@
+"""Batch: the unit of data that flows between workers.
+
+A Batch is a ``tensordict.TensorDict`` with one batch dimension (N rows), per-row non-tensor columns (numpy object
+arrays: strings, ids, ground truths) and a small ``meta`` dict that travels with every shard and part.
+Tensor work (slicing, concatenation, selection) is delegated to TensorDict; what TensorDict lacks (row-aligned
+non-tensor columns, padding that remembers its pad count, a zero-copy wire format) lives here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+__all__ = ["Batch"]
+
+# Tensors received through the object store are views of read-only shared memory; torch warns about it on every
+# conversion. The framework never writes into them (see Batch.clone for a private copy), so the warning is noise.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+_NUMPY_UNSUPPORTED = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+def _as_object_array(values: Any, name: str) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        if values.ndim == 0:
+            raise ValueError(f"column {name!r}: a 0-d array has no rows; pass one value per row")
+        return values
+    arr = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        arr[i] = v
+    return arr
+
+
+def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """A numpy view of ``t`` (zero-copy through Ray's object store) plus the dtype to restore, if numpy lacks it."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    view = _NUMPY_UNSUPPORTED.get(t.dtype)
+    if view is not None:
+        return t.view(view).numpy(), str(t.dtype).removeprefix("torch.")
+    return t.numpy(), None
+
+
+def _tensor_from_wire(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
+    t = torch.from_numpy(arr)
+    if dtype is not None:
+        t = t.view(getattr(torch, dtype))
+    return t
+
+
+def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
+    td = TensorDict({k: _tensor_from_wire(a, d) for k, (a, d) in tensors.items()}, batch_size=[n])
+    return Batch(td, non_tensors, meta, _pad=pad, _validate=False)
+
+
+class Batch:
+    """Rows of tensor and non-tensor columns plus a ``meta`` dict; the value every data endpoint takes and returns.
+
+    Build one with ``Batch.from_dict({...})``. Column access is ``b["key"]``; ``len(b)`` is the row count.
+    Tensors received from another worker share read-only memory with the object store: replace columns
+    (``b["x"] = b["x"] + 1``) rather than writing into them, or take ``b.clone()`` first.
+    """
+
+    __slots__ = ("_td", "_nt", "meta", "_pad")
+
+    def __init__(
+        self,
+        tensors: TensorDict | Mapping[str, torch.Tensor] | None = None,
+        non_tensors: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        _pad: int = 0,
+        _validate: bool = True,
+    ) -> None:
+        nt = dict(non_tensors or {})
+        if isinstance(tensors, TensorDict):
+            td = tensors
+        else:
+            tensors = dict(tensors or {})
+            n = None
+            for k, v in tensors.items():
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    raise TypeError(f"column {k!r}: tensor columns need a tensor with a row dimension, got {v!r:.60}")
+                n = v.shape[0] if n is None else n
+            if n is None:
+                n = len(next(iter(nt.values()))) if nt else 0
+            td = TensorDict(tensors, batch_size=[n])
+        if len(td.batch_size) != 1:
+            td = TensorDict(dict(td.items()), batch_size=td.batch_size[:1])
+        self._td = td
+        self._nt = {k: _as_object_array(v, k) for k, v in nt.items()} if _validate else nt
+        self.meta = dict(meta or {})
+        self._pad = _pad
+        if _validate:
+            n = self._td.batch_size[0]
+            for k, v in self._nt.items():
+                if len(v) != n:
+                    raise ValueError(f"column {k!r} has {len(v)} rows but the batch has {n}; every column needs one value per row")
+                if k in self._td.keys():
+                    raise ValueError(f"column {k!r} is both a tensor and a non-tensor column")
+
+    # -- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, columns: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> Batch:
+        """Tensors become tensor columns; lists, tuples and numpy arrays become per-row non-tensor columns."""
+        tensors, others = {}, {}
+        for k, v in columns.items():
+            if isinstance(v, torch.Tensor):
+                tensors[k] = v
+            elif isinstance(v, (list, tuple, np.ndarray)):
+                others[k] = v
+            else:
+                raise TypeError(
+                    f"column {k!r}: expected a tensor, list or numpy array with one entry per row, got "
+                    f"{type(v).__name__}; put per-batch values in meta=..."
+                )
+        n_t = {v.shape[0] for v in tensors.values()}
+        n_o = {len(v) for v in others.values()}
+        if len(n_t | n_o) > 1:
+            sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in columns.items()}
+            raise ValueError(f"columns have different row counts: {sizes}")
+        n = next(iter(n_t | n_o), 0)
+        return cls(TensorDict(tensors, batch_size=[n]), others, meta)
+
+    # -- basic protocol -------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._td.batch_size[0])
+
+    def __getitem__(self, key: str | slice | Sequence[int] | torch.Tensor) -> Any:
+        if isinstance(key, str):
+            if key in self._nt:
+                return self._nt[key]
+            try:
+                return self._td.get(key)
+            except KeyError:
+                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}") from None
+        return self._rows(key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        n = len(self)
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != n:
+                raise ValueError(f"column {key!r} needs {n} rows, got shape {tuple(value.shape)}")
+            self._nt.pop(key, None)
+            self._td.set(key, value)
+        else:
+            arr = _as_object_array(value, key)
+            if len(arr) != n:
+                raise ValueError(f"column {key!r} needs {n} rows, got {len(arr)}")
+            if key in self._td.keys():
+                del self._td[key]
+            self._nt[key] = arr
+
+    def __delitem__(self, key: str) -> None:
+        if key in self._nt:
+            del self._nt[key]
+        else:
+            del self._td[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nt or key in self._td.keys()
+
+    def keys(self) -> list[str]:
+        """All column names: tensor columns first, then non-tensor columns."""
+        return [*self._td.keys(), *self._nt.keys()]
+
+    @property
+    def tensors(self) -> TensorDict:
+        """The tensor columns as a TensorDict (batch size [N])."""
+        return self._td
+
+    @property
+    def non_tensors(self) -> dict[str, np.ndarray]:
+        """The non-tensor columns: name -> numpy array with one entry per row."""
+        return self._nt
+
+    @property
+    def pad_count(self) -> int:
+        """How many trailing rows are padding added by ``pad_to_multiple`` (0 if none)."""
+        return self._pad
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by tensor columns and numeric non-tensor columns (object columns count 8 bytes a row)."""
+        return sum(t.numel() * t.element_size() for t in self._td.values()) + sum(a.nbytes for a in self._nt.values())
+
+    def __repr__(self) -> str:
+        cols = ", ".join(
+            [f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self._td.items()]
+            + [f"{k}: [{v.dtype}]" for k, v in self._nt.items()]
+        )
+        pad = f", pad={self._pad}" if self._pad else ""
+        return f"Batch(rows={len(self)}{pad}, {{{cols}}}, meta={self.meta!r:.80})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Batch) or len(self) != len(other) or set(self.keys()) != set(other.keys()):
+            return False
+        for k, v in self._td.items():
+            if not torch.equal(v, other._td.get(k)):
+                return False
+        return all(np.array_equal(v, other._nt[k]) for k, v in self._nt.items()) and self.meta == other.meta
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # -- row operations -------------------------------------------------------------------------------------------
+    def _rows(self, index: slice | Sequence[int] | torch.Tensor | np.ndarray) -> Batch:
+        if isinstance(index, slice):
+            td, nt = self._td[index], {k: v[index] for k, v in self._nt.items()}
+        else:
+            idx = torch.as_tensor(index, dtype=torch.long)
+            np_idx = idx.numpy()
+            td, nt = self._td[idx], {k: v[np_idx] for k, v in self._nt.items()}
+        return Batch(td, nt, self.meta, _validate=False)
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Rows [start, stop) as views (no copy)."""
+        return self._rows(slice(start, stop))
+
+    def split(self, sizes: Sequence[int]) -> list[Batch]:
+        """Consecutive pieces of the given row counts (they must add up to ``len(self)``); views, no copy."""
+        sizes = [int(s) for s in sizes]
+        if any(s < 0 for s in sizes) or sum(sizes) != len(self):
+            raise ValueError(f"split sizes {sizes} must be >= 0 and add up to the batch's {len(self)} rows")
+        out, start = [], 0
+        for s in sizes:
+            out.append(self.slice(start, start + s))
+            start += s
+        return out
+
+    def chunk(self, n: int) -> list[Batch]:
+        """``n`` balanced pieces (sizes differ by at most one, larger first), e.g. 10 rows in 4 -> 3, 3, 2, 2."""
+        return self.split(balanced_sizes(len(self), n))
+
+    @staticmethod
+    def concat(batches: Iterable[Batch]) -> Batch:
+        """Rows of all batches in order; meta is taken from the first. Columns must match."""
+        batches = list(batches)
+        if not batches:
+            raise ValueError("Batch.concat needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+        keys = set(first.keys())
+        for i, b in enumerate(batches[1:], 1):
+            if set(b.keys()) != keys:
+                raise ValueError(
+                    f"Batch.concat: batch {i} has columns {sorted(b.keys())}, batch 0 has {sorted(keys)}"
+                )
+        tds = [b._td for b in batches]
+        td = torch.cat(tds, dim=0) if tds[0].keys() else TensorDict({}, batch_size=[sum(len(b) for b in batches)])
+        nt = {k: np.concatenate([b._nt[k] for b in batches]) for k in first._nt}
+        return Batch(td, nt, first.meta, _validate=False)
+
+    def select(self, *keys: str) -> Batch:
+        """A batch with only the named columns (views)."""
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise KeyError(f"select: no column(s) {missing}; the batch has {sorted(self.keys())}")
+        tk = [k for k in keys if k not in self._nt]
+        return Batch(self._td.select(*tk), {k: self._nt[k] for k in keys if k in self._nt}, self.meta,
+                     _pad=self._pad, _validate=False)
+
+    def exclude(self, *keys: str) -> Batch:
+        """A batch without the named columns (views)."""
+        keep = [k for k in self.keys() if k not in keys]
+        return self.select(*keep)
+
+    def union(self, other: Batch) -> Batch:
+        """Columns of both batches, row-aligned; ``other`` wins on a name clash; meta is merged the same way."""
+        if len(self) != len(other):
+            raise ValueError(f"union of row-misaligned batches: {len(self)} rows | {len(other)} rows")
+        td = self._td.clone(recurse=False)
+        td.update(other._td)
+        nt = {**self._nt, **other._nt}
+        for k in other._td.keys():
+            nt.pop(k, None)
+        for k in other._nt:
+            if k in td.keys():
+                del td[k]
+        return Batch(td, nt, {**self.meta, **other.meta}, _pad=max(self._pad, other._pad), _validate=False)
+
+    def __or__(self, other: Batch) -> Batch:
+        if not isinstance(other, Batch):
+            return NotImplemented
+        return self.union(other)
+
+    def repeat(self, n: int, interleave: bool = True) -> Batch:
+        """Each row ``n`` times: interleaved (a a b b) or tiled (a b a b)."""
+        if n < 1:
+            raise ValueError(f"repeat needs n >= 1, got {n}")
+        rows = len(self)
+        idx = torch.arange(rows).repeat_interleave(n) if interleave else torch.arange(rows).repeat(n)
+        return self._rows(idx)
+
+    def pad_to_multiple(self, multiple: int) -> Batch:
+        """Pad with copies of the first rows up to a multiple of ``multiple``; ``unpad`` removes them again."""
+        if multiple < 1:
+            raise ValueError(f"pad_to_multiple needs multiple >= 1, got {multiple}")
+        n = len(self)
+        if n == 0:
+            raise ValueError("cannot pad an empty batch: there is no row to repeat")
+        pad = (-n) % multiple
+        if pad == 0:
+            return self
+        idx = torch.cat([torch.arange(n), torch.arange(pad) % n])
+        out = self._rows(idx)
+        out._pad = self._pad + pad
+        return out
+
+    def unpad(self) -> Batch:
+        """Remove padding added by ``pad_to_multiple``."""
+        if not self._pad:
+            return self
+        out = self.slice(0, len(self) - self._pad)
+        out._pad = 0
+        return out
+
+    def clone(self) -> Batch:
+        """A private, writable copy of every column."""
+        return Batch(self._td.clone(), {k: v.copy() for k, v in self._nt.items()}, dict(self.meta),
+                     _pad=self._pad, _validate=False)
+
+    def to(self, device: str | torch.device) -> Batch:
+        """Tensor columns moved to ``device``."""
+        return Batch(self._td.to(device), self._nt, self.meta, _pad=self._pad, _validate=False)
+
+    def iter_slices(self, rows: int) -> Iterator[Batch]:
+        """Consecutive pieces of at most ``rows`` rows (micro-batches)."""
+        for start in range(0, len(self), rows):
+            yield self.slice(start, min(start + rows, len(self)))
+
+    # -- wire format ----------------------------------------------------------------------------------------------
+    def __reduce__(self):  # numpy views pickle out of band: Ray stores them without a copy and readers map them
+        tensors = {k: _tensor_to_wire(v) for k, v in self._td.items()}
+        return _rebuild, (len(self), tensors, self._nt, self.meta, self._pad)
+
+
+def balanced_sizes(n: int, parts: int) -> list[int]:
+    """Row counts for ``parts`` near-equal pieces of ``n`` rows, larger pieces first (10 over 4 -> 3, 3, 2, 2)."""
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts")
+    q, r = divmod(n, parts)
+    return [q + 1] * r + [q] * (parts - r)

@@ -1,0 +1,354 @@
+"""The process behind each rank: a Ray actor that hosts one or more Worker roles.
+
+A threaded actor with two concurrency groups: "control" (ping, stats, meshes) answers at once, even while an
+endpoint computes; "compute" is one thread that runs endpoint bodies one at a time, in the order calls arrive
+(async endpoints run on an event loop owned by that thread).
+Data arguments are resolved here: the host fetches only the parts overlapping its rows, slices and concatenates
+them, and stores its results as parts (bounded in size so that readers can fetch just what they need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import os
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from ._batch import Batch, balanced_sizes
+from ._errors import WorkerError
+from ._wire import DataArg, Output, PartInfo, Source, overlapping, row_range
+from ._worker import EndpointSpec, Worker, _Context, endpoints_of
+
+__all__ = ["Host"]
+
+PART_BYTES = int(os.environ.get("ORCHESTRA_PART_BYTES", 8 << 20))
+
+
+def _wanted(start: int, stop: int, n: int) -> list[tuple[int, int]]:
+    """Global row ranges for rows [start, stop) of a sequence padded past ``n`` by wrapping to its first rows."""
+    out, i = [], start
+    while i < stop and n:
+        lo = i % n if i >= n else i
+        hi = min(n, lo + (stop - i))
+        out.append((lo, hi))
+        i += hi - lo
+    return out
+
+
+def _counters() -> dict[str, float]:
+    return {"calls": 0, "parts_in": 0, "rows_in": 0, "rows_used": 0, "bytes_in": 0, "parts_out": 0, "rows_out": 0,
+            "bytes_out": 0, "seconds": 0.0}
+
+
+COMPUTE = "compute"
+CONTROL = "control"
+CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1}
+
+
+REFS_KWARG = "_orc_refs"
+
+
+def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """The user arguments and the trailing upstream headers that Ray resolved (their count is in REFS_KWARG)."""
+    n = kwargs.pop(REFS_KWARG, 0)
+    return (args[: len(args) - n], args[len(args) - n:]) if n else (args, ())
+
+
+def host_class(roles: dict[str, type]) -> type:
+    """A Host subclass with one actor method per (role, endpoint), so a call carries only its own arguments."""
+    methods: dict[str, Any] = {}
+    for i, (role, cls) in enumerate(roles.items()):
+        for name, spec in endpoints_of(cls).items():
+            methods[method_name(i, name)] = _method(role, name, spec.streaming)
+    return type("Host", (Host,), methods)
+
+
+def method_name(role_index: int, endpoint: str) -> str:
+    return f"r{role_index}_{endpoint}"
+
+
+def _method(role: str, name: str, streaming: bool) -> Any:
+    if streaming:
+        def m(self, *args, **kwargs):
+            yield from self._call_stream(role, name, args, kwargs)
+    else:
+        def m(self, *args, **kwargs):
+            return self._call(role, name, args, kwargs)
+    m.__name__ = m.__qualname__ = name
+    return ray.method(concurrency_group=COMPUTE)(m)
+
+
+class _Runtime:
+    """Lazily bound Ray runtime context (creating one per call costs more than the call it guards)."""
+
+    _ctx = None
+
+    def is_canceled(self) -> bool:
+        if self._ctx is None:
+            self._ctx = ray.get_runtime_context()
+        return self._ctx.is_canceled()
+
+
+_RUNTIME = _Runtime()
+
+
+class Host:
+    """Ray actor hosting the roles of one rank (several roles when colocated)."""
+
+    def __init__(self, group: str, rank: int, world_size: int, local_rank: int, placement: dict[str, Any]) -> None:
+        self.group, self.rank, self.world_size, self.local_rank = group, rank, world_size, local_rank
+        self.placement = placement
+        self.roles: dict[str, Worker] = {}
+        self.specs: dict[str, dict[str, EndpointSpec]] = {}
+        self.contexts: dict[str, _Context] = {}
+        self.stats_: dict[str, dict[str, dict[str, float]]] = collections.defaultdict(
+            lambda: collections.defaultdict(_counters))
+        self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
+
+    def _aloop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    # -- control plane --------------------------------------------------------------------------------------------
+    @ray.method(concurrency_group=CONTROL)
+    def ping(self) -> int:
+        return self.rank
+
+    @ray.method(concurrency_group=CONTROL)
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ip, port
+
+    @ray.method(concurrency_group=COMPUTE)
+    def setup(self, env: dict[str, str], roles: dict[str, tuple[type, tuple, dict]]) -> dict[str, Any]:
+        """Set the distributed environment, then build each role's Worker (in the compute thread)."""
+        os.environ.update(env)
+        for role, (cls, args, kwargs) in roles.items():
+            ctx = _Context(self.group, role, self.rank, self.world_size, self.local_rank)
+            try:
+                obj = cls.__new__(cls)
+                obj._orc = ctx
+                obj.__init__(*args, **kwargs)
+            except BaseException as e:
+                raise self._error(e, role, "__init__") from None
+            self.roles[role] = obj
+            self.contexts[role] = ctx
+            self.specs[role] = endpoints_of(cls)
+        return self.describe()
+
+    @ray.method(concurrency_group=CONTROL)
+    def describe(self) -> dict[str, Any]:
+        import torch
+
+        try:
+            ctx = ray.get_runtime_context()
+            gpu_ids = ctx.get_accelerator_ids().get("GPU", [])
+            node = ctx.get_node_id()
+        except Exception:  # pragma: no cover - outside Ray
+            gpu_ids, node = [], None
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return {
+            "rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+            "node_id": node, **self.placement, "gpu_ids": list(gpu_ids), "device": device, "roles": list(self.roles),
+            "meshes": {role: {n: dataclasses.asdict(m) for n, m in c.meshes.items()}
+                       for role, c in self.contexts.items()},
+        }
+
+    @ray.method(concurrency_group=CONTROL)
+    def meshes(self, role: str) -> dict[str, Any]:
+        return dict(self.contexts[role].meshes)
+
+    @ray.method(concurrency_group=CONTROL)
+    def stats(self, role: str | None = None) -> dict[str, dict[str, float]]:
+        roles = [role] if role else list(self.stats_)
+        out: dict[str, dict[str, float]] = {}
+        for r in roles:
+            for ep, c in self.stats_.get(r, {}).items():
+                out[ep] = dict(c)
+        return out
+
+    @ray.method(concurrency_group=CONTROL)
+    def reset_stats(self) -> None:
+        self.stats_.clear()
+
+    @ray.method(concurrency_group=COMPUTE)
+    def noop(self, *args: Any, **kwargs: Any) -> None:
+        """A bare actor method that takes any arguments and does nothing: the floor raw Ray sets, for benchmarks."""
+        return None
+
+    # -- data plane -----------------------------------------------------------------------------------------------
+    def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
+        args, resolved = _split_refs(args, kwargs)
+        try:
+            spec, fn, ctx, counters = self._begin(role, name)
+            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec)
+            t0 = time.perf_counter()
+            try:
+                result = self._aloop().run_until_complete(fn(*args, **kwargs)) if spec.is_async else fn(*args, **kwargs)
+            finally:
+                counters["seconds"] += time.perf_counter() - t0
+            return self._store(result, pad, counters)
+        except WorkerError:
+            raise
+        except BaseException as e:
+            raise self._error(e, role, name) from None
+
+    def _call_stream(self, role: str, name: str, args: tuple, kwargs: dict) -> Iterator[Output]:
+        """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists."""
+        args, resolved = _split_refs(args, kwargs)
+        try:
+            spec, fn, ctx, counters = self._begin(role, name)
+            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec)
+            if pad:
+                raise ValueError("a streaming endpoint cannot take padded input; drop pad from its dispatch")
+            gen = fn(*args, **kwargs)
+            if hasattr(gen, "__anext__"):
+                loop = self._aloop()
+                while True:
+                    try:
+                        item = loop.run_until_complete(gen.__anext__())
+                    except StopAsyncIteration:
+                        break
+                    yield self._store_output(item, counters)
+            else:
+                for item in gen:
+                    yield self._store_output(item, counters)
+        except WorkerError:
+            raise
+        except BaseException as e:
+            raise self._error(e, role, name) from None
+
+    def _begin(self, role: str, name: str) -> tuple[EndpointSpec, Any, _Context, dict]:
+        if _RUNTIME.is_canceled():
+            raise asyncio.CancelledError("cancelled before it started")
+        if role not in self.roles:
+            raise RuntimeError(f"role {role!r} is not hosted on rank {self.rank} (hosted: {list(self.roles)})")
+        spec = self.specs[role].get(name)
+        if spec is None:
+            raise AttributeError(f"{type(self.roles[role]).__name__} has no endpoint {name!r}")
+        counters = self.stats_[role][name]
+        counters["calls"] += 1
+        return spec, getattr(self.roles[role], name), self.contexts[role], counters
+
+    def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict,
+                 spec: EndpointSpec) -> tuple[tuple[tuple, dict], int]:
+        if not any(isinstance(a, DataArg) for a in (*args, *kwargs.values())):
+            return (args, kwargs), 0
+        pads: list[int] = []
+
+        def one(a: Any) -> Any:
+            if not isinstance(a, DataArg):
+                return a
+            batch, p = self._materialize(a, resolved, counters)
+            pads.append(p)
+            if spec.requires:
+                missing = [k for k in spec.requires if k not in batch]
+                if missing:
+                    raise KeyError(f"input is missing column(s) {missing} that endpoint {spec.name!r} requires; "
+                                   f"it has {sorted(batch.keys())}")
+            return batch.clone() if spec.writable_inputs else batch
+
+        new_args = tuple([one(a) for a in args])
+        new_kwargs = {k: one(v) for k, v in kwargs.items()}
+        if len(set(pads)) > 1:
+            raise ValueError(f"data arguments were padded differently ({pads}); pass them as one union a | b")
+        return (new_args, new_kwargs), (pads[0] if pads else 0)
+
+    def _materialize(self, arg: DataArg, resolved: tuple, counters: dict) -> tuple[Batch, int]:
+        """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union."""
+        part_lists = [self._parts(src, resolved) for src in arg.sources]
+        totals = [sum(p.rows for p in parts) for parts in part_lists]
+        if len(set(totals)) > 1:
+            raise ValueError(f"the futures joined with | have different row counts {totals}; a union needs "
+                             f"row-aligned inputs")
+        n = totals[0]
+        start, stop, pad = row_range(n, arg.layout)
+        if arg.layout.kind == "balanced" and stop <= start and not arg.layout.allow_empty:
+            raise ValueError(f"this rank's shard of {n} rows is empty; pass at least {arg.layout.count} rows, or use "
+                             f"shard(pad=True) / shard(allow_empty=True)")
+        wanted = _wanted(start, stop, n) if arg.layout.kind == "balanced" else [(0, n)]
+        out = None
+        for parts in part_lists:
+            b = self._read(parts, wanted, counters)
+            out = b if out is None else out.union(b)
+        counters["rows_used"] += len(out)
+        return out, pad
+
+    @staticmethod
+    def _parts(src: Source, resolved: tuple) -> list[PartInfo]:
+        parts: list[PartInfo] = []
+        for o in src.outputs:
+            out = resolved[o] if isinstance(o, int) else o
+            if isinstance(out, PartInfo):
+                parts.append(out)
+            elif isinstance(out, Output):
+                if out.parts is None:
+                    raise TypeError(f"rank {out.rank} of the upstream call returned {type(out.value).__name__}, "
+                                    f"not a Batch; await it in the controller and pass the value instead")
+                parts.extend(out.parts)
+            else:
+                raise TypeError(f"unexpected data descriptor {type(out).__name__}")
+        return parts
+
+    @staticmethod
+    def _read(parts: list[PartInfo], wanted: list[tuple[int, int]], counters: dict) -> Batch:
+        plan = [ov for lo, hi in wanted for ov in overlapping([p.rows for p in parts], lo, hi)]
+        need = sorted({i for i, _, _ in plan})
+        remote = [i for i in need if isinstance(parts[i].ref, ray.ObjectRef)]
+        fetched = dict(zip(remote, ray.get([parts[i].ref for i in remote]))) if remote else {}
+        for i in need:
+            counters["parts_in"] += 1
+            counters["rows_in"] += parts[i].rows
+            counters["bytes_in"] += parts[i].nbytes
+        pieces = []
+        for i, lo, hi in plan:
+            b = fetched.get(i, parts[i].ref)
+            pieces.append(b if (lo, hi) == (0, len(b)) else b.slice(lo, hi))
+        if pieces:
+            return Batch.concat(pieces)
+        if not parts:
+            return Batch.from_dict({})
+        first = ray.get(parts[0].ref) if isinstance(parts[0].ref, ray.ObjectRef) else parts[0].ref
+        return first.slice(0, 0)
+
+    def _store(self, result: Any, pad: int, counters: dict) -> Output:
+        """Put a Batch result into the object store as bounded-size parts; other values travel inline."""
+        if not isinstance(result, Batch):
+            return result
+        if pad:
+            if len(result) < pad:
+                raise ValueError(f"endpoint returned {len(result)} rows but its input had {pad} padding rows; a padded "
+                                 f"shard endpoint must return one row per input row")
+            result = result.slice(0, len(result) - pad)
+        n, nbytes = len(result), result.nbytes
+        pieces = max(1, min(n, -(-nbytes // PART_BYTES))) if n else 1
+        parts = []
+        for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
+            size = piece.nbytes
+            parts.append(PartInfo(ray.put(piece), len(piece), size))
+            counters["parts_out"] += 1
+            counters["rows_out"] += len(piece)
+            counters["bytes_out"] += size
+        return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
+
+    def _store_output(self, item: Any, counters: dict) -> Output:
+        out = self._store(item, 0, counters)
+        return out if isinstance(out, Output) else Output(self.rank, value=out)
+
+    def _error(self, e: BaseException, role: str, name: str) -> WorkerError:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        return WorkerError(str(e), group=self.group, role=role, rank=self.rank, endpoint=name,
+                           remote_traceback=tb, exc_type=type(e).__name__)

@@ -1,0 +1,161 @@
+"""ResourcePool: process slots on nodes, reserved with one STRICT_PACK placement group per node entry."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+from ._errors import PlacementError
+
+__all__ = ["ResourcePool", "Slot"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank runs: its placement group, bundle, node and rank among the pool's ranks on that node."""
+
+    rank: int
+    placement_group: Any
+    bundle_index: int
+    node_ip: str
+    node_id: str
+    local_rank: int
+
+
+class ResourcePool:
+    """Process slots per node: ``process_on_nodes=[4, 2]`` is 4 ranks on one node and 2 on another.
+
+    Each entry becomes a STRICT_PACK placement group; ranks are ordered by node address. ``max_colocate_count``
+    lets that many worker processes share one slot (one GPU); ``cpus_per_worker`` (fractional allowed) is what
+    each process reserves — the default (0.25 on CPU pools, 1 with GPUs) lets a 4-worker CPU pool start on a 2-core
+    laptop. Placement checks the cluster first and never waits longer than ``placement_timeout`` seconds.
+    """
+
+    def __init__(self, process_on_nodes: Sequence[int], *, use_gpu: bool = False, max_colocate_count: int = 1,
+                 cpus_per_worker: float | None = None, name: str | None = None,
+                 placement_timeout: float = 60.0) -> None:
+        nodes = list(process_on_nodes)
+        if not nodes or any(not isinstance(n, int) or n < 1 for n in nodes):
+            raise ValueError(f"process_on_nodes needs positive integers (ranks per node), got {process_on_nodes!r}")
+        if max_colocate_count < 1:
+            raise ValueError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
+        if cpus_per_worker is not None and cpus_per_worker < 0:
+            raise ValueError(f"cpus_per_worker must be >= 0, got {cpus_per_worker}")
+        self.process_on_nodes = nodes
+        self.use_gpu = use_gpu
+        self.max_colocate_count = max_colocate_count
+        self.cpus_per_worker = float(cpus_per_worker if cpus_per_worker is not None else (1.0 if use_gpu else 0.25))
+        self.name = name or f"pool{nodes}"
+        self.placement_timeout = placement_timeout
+        self._slots: list[Slot] | None = None
+        self._pgs: list[Any] = []
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return sum(self.process_on_nodes)
+
+    def bundle(self) -> dict[str, float]:
+        """Resources reserved per rank slot (shared by up to ``max_colocate_count`` processes)."""
+        b = {"CPU": self.cpus_per_worker * self.max_colocate_count}
+        if self.use_gpu:
+            b["GPU"] = 1.0
+        return b
+
+    def actor_resources(self) -> dict[str, float]:
+        """What one worker process asks of its slot."""
+        out = {"num_cpus": self.cpus_per_worker}
+        if self.use_gpu:
+            out["num_gpus"] = 1.0 / self.max_colocate_count
+        return out
+
+    def _check_fits(self) -> None:
+        bundle = self.bundle()
+        need_total = {k: v * self.world_size for k, v in bundle.items()}
+        avail = ray.available_resources()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        node_totals = [n.get("Resources", {}) for n in nodes]
+        problems = []
+        for k, v in need_total.items():
+            if avail.get(k, 0.0) + 1e-9 < v:
+                problems.append(f"{k}: need {v:g}, available {avail.get(k, 0.0):g} of {ray.cluster_resources().get(k, 0):g}")
+        for i, count in enumerate(self.process_on_nodes):
+            need = {k: v * count for k, v in bundle.items()}
+            if not any(all(t.get(k, 0.0) + 1e-9 >= v for k, v in need.items()) for t in node_totals):
+                problems.append(f"node entry {i} needs {need} on ONE node; the largest node has "
+                                f"{_largest(node_totals, need)}")
+        if problems:
+            raise PlacementError(self._fit_message(problems))
+
+    def _fit_message(self, problems: list[str]) -> str:
+        return (f"resource pool {self.name!r} (process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "
+                f"cpus_per_worker={self.cpus_per_worker:g}, max_colocate_count={self.max_colocate_count}) does not "
+                f"fit the cluster:\n  - " + "\n  - ".join(problems) +
+                "\nLower process_on_nodes or cpus_per_worker, free other pools (group.shutdown()), or start Ray with "
+                "more resources (orc.init(num_cpus=..., num_gpus=...)).")
+
+    async def slots(self) -> list[Slot]:
+        """Reserve the placement groups (once) and return one Slot per rank, ordered by node address."""
+        if self._slots is not None:
+            return self._slots
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._slots is None:
+                self._slots = await self._place()
+        return self._slots
+
+    async def _place(self) -> list[Slot]:
+        self._check_fits()
+        bundle = self.bundle()
+        pgs = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
+                               name=f"{self.name}-{i}") for i, n in enumerate(self.process_on_nodes)]
+        self._pgs = pgs
+        try:
+            await asyncio.wait_for(asyncio.gather(*[pg.ready() for pg in pgs]), self.placement_timeout)
+        except asyncio.TimeoutError:
+            states = [placement_group_table(pg).get("state") for pg in pgs]
+            self.release()
+            raise PlacementError(self._fit_message(
+                [f"placement groups not ready after {self.placement_timeout:g} s (states {states}); the cluster "
+                 f"has {ray.available_resources()} available"])) from None
+        node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        placed = []
+        for pg, count in zip(pgs, self.process_on_nodes):
+            node = placement_group_table(pg)["bundles_to_node_id"][0]
+            placed.append((node_ip.get(node, ""), node, pg, count))
+        placed.sort(key=lambda t: tuple(int(x) if x.isdigit() else 0 for x in t[0].split(".")))
+        slots, rank, per_node = [], 0, {}
+        for ip, node, pg, count in placed:
+            for b in range(count):
+                local = per_node.get(node, 0)
+                per_node[node] = local + 1
+                slots.append(Slot(rank, pg, b, ip, node, local))
+                rank += 1
+        return slots
+
+    def release(self) -> None:
+        """Give the placement groups back to the cluster (workers placed in them must be gone)."""
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self._pgs, self._slots = [], None
+
+    def __repr__(self) -> str:
+        return (f"ResourcePool(process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "
+                f"max_colocate_count={self.max_colocate_count}, cpus_per_worker={self.cpus_per_worker:g})")
+
+
+def _largest(node_totals: list[dict], need: dict) -> dict:
+    if not node_totals:
+        return {}
+    best = max(node_totals, key=lambda t: tuple(t.get(k, 0.0) for k in need))
+    return {k: best.get(k, 0.0) for k in need}

@@ -1,0 +1,107 @@
+"""What travels between controller and workers: part headers, call outputs and data-argument descriptors.
+
+All of it is small. Payloads stay in the object store and are named here only by ObjectRef.
+Routing (which rows a rank reads, which parts overlap them) is pure arithmetic over headers and lives here too,
+so that it is unit-testable without Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._batch import balanced_sizes
+
+__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "row_range", "overlapping"]
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One stored object of rows: its ref (or, for tiny controller-made shards, the Batch itself) and size."""
+
+    ref: Any
+    rows: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one rank call (or one yield of a streaming endpoint) hands back: part headers, or a plain value."""
+
+    rank: int
+    parts: tuple[PartInfo, ...] | None = None
+    value: Any = None
+    keys: tuple[str, ...] = ()
+
+    @property
+    def is_batch(self) -> bool:
+        return self.parts is not None
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts) if self.parts is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts) if self.parts is not None else 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which rows of the (unioned) input a rank reads.
+
+    kind "whole": all rows; "balanced": piece ``index`` of ``count`` near-equal pieces (``pad`` makes the pieces
+    equal by wrapping around to the first rows, and those rows are stripped from the result again).
+    ``pad_rows``: for "whole", how many trailing rows are padding the controller added.
+    """
+
+    kind: str = "whole"
+    index: int = 0
+    count: int = 1
+    pad: bool = False
+    pad_rows: int = 0
+    allow_empty: bool = False
+
+
+@dataclass(frozen=True)
+class Source:
+    """The outputs holding one future's rows, in row order: ints index the call's resolved top-level refs."""
+
+    outputs: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class DataArg:
+    """A data argument: one or more row-aligned sources (a union) and the rows this rank reads."""
+
+    sources: tuple[Source, ...]
+    layout: Layout = field(default_factory=Layout)
+
+
+def row_range(n: int, layout: Layout) -> tuple[int, int, int]:
+    """(start, stop, pad) of the rows a rank reads from ``n`` rows; rows past ``n`` wrap to the start (padding)."""
+    if layout.kind == "whole":
+        return 0, n, layout.pad_rows
+    if layout.kind != "balanced":
+        raise ValueError(f"unknown layout {layout.kind!r}")
+    if layout.pad:
+        per = -(-n // layout.count) if n else 0
+        start = layout.index * per
+        stop = start + per
+        return start, stop, max(0, stop - max(n, start))
+    sizes = balanced_sizes(n, layout.count)
+    start = sum(sizes[: layout.index])
+    return start, start + sizes[layout.index], 0
+
+
+def overlapping(part_rows: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """(part index, local start, local stop) of every part that overlaps global rows [start, stop)."""
+    out, offset = [], 0
+    for i, rows in enumerate(part_rows):
+        lo, hi = max(start, offset), min(stop, offset + rows)
+        if lo < hi:
+            out.append((i, lo - offset, hi - offset))
+        offset += rows
+        if offset >= stop:
+            break
+    return out

@@ -1,0 +1,140 @@
+"""Worker and @endpoint: how a user declares what a rank can do and how each call is dispatched over the group."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .dispatch import Dispatch, broadcast
+
+__all__ = ["Worker", "endpoint", "EndpointSpec", "MeshInfo"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A rank's place in a named data-parallel mesh: its DP replica and whether its outputs are collected."""
+
+    dp_rank: int
+    dp_size: int
+    is_collector: bool = True
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """What @endpoint records on a method: its dispatch, whether it streams, and the columns it needs."""
+
+    name: str
+    dispatch: Dispatch
+    streaming: bool
+    is_async: bool
+    requires: tuple[str, ...] = ()
+    writable_inputs: bool = False
+    signature: inspect.Signature | None = None
+
+
+_SPEC_ATTR = "__orchestra_endpoint__"
+
+
+def endpoint(dispatch: Dispatch | Callable[..., Any] | None = None, *, requires: Sequence[str] = (),
+             writable_inputs: bool = False) -> Any:
+    """Mark a Worker method as callable on the whole group, with ``dispatch`` saying how a call is split and collected.
+
+    Use bare (``@endpoint``: broadcast) or with a transform (``@endpoint(D.shard())``). ``requires`` names input
+    columns checked before the method runs; ``writable_inputs=True`` hands the method private copies of its input
+    batches instead of read-only views of the object store. Generator methods (sync or async) stream their yields.
+    """
+
+    def wrap(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"@endpoint decorates a method, got {fn!r}")
+        spec = EndpointSpec(
+            name=fn.__name__,
+            dispatch=dispatch if isinstance(dispatch, Dispatch) else broadcast(),
+            streaming=inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn),
+            is_async=inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
+            requires=tuple(requires),
+            writable_inputs=writable_inputs,
+            signature=inspect.signature(fn),
+        )
+        setattr(fn, _SPEC_ATTR, spec)
+        return fn
+
+    if callable(dispatch) and not isinstance(dispatch, Dispatch):
+        fn, dispatch = dispatch, None
+        return wrap(fn)
+    if dispatch is not None and not isinstance(dispatch, Dispatch):
+        raise TypeError(f"@endpoint takes a dispatch transform such as D.shard(), got {dispatch!r}")
+    return wrap
+
+
+def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
+    """Every @endpoint method of a Worker class (including inherited ones)."""
+    out: dict[str, EndpointSpec] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attr in vars(klass).items():
+            spec = getattr(attr, _SPEC_ATTR, None)
+            if isinstance(spec, EndpointSpec):
+                out[name] = spec
+    return out
+
+
+class _Context:
+    """Per-process facts a Worker reads: set by the host before the user's __init__ runs."""
+
+    def __init__(self, group: str, role: str, rank: int, world_size: int, local_rank: int) -> None:
+        self.group, self.role, self.rank, self.world_size, self.local_rank = group, role, rank, world_size, local_rank
+        self.meshes: dict[str, MeshInfo] = {}
+
+
+class Worker:
+    """Base class of the code that runs on each rank.
+
+    ``self.rank``, ``self.world_size`` and ``self.local_rank`` (and the RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT environment variables) are set before ``__init__`` runs, so ``torch.distributed`` initializes
+    with no arguments. Endpoints run in the process's single compute thread, in the order calls arrive.
+    """
+
+    _orc: _Context
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in its group (0 .. world_size-1)."""
+        return self._orc.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._orc.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of the group on the same node."""
+        return self._orc.local_rank
+
+    @property
+    def role(self) -> str:
+        """The role name this worker plays (the group name unless colocated)."""
+        return self._orc.role
+
+    def register_mesh(self, name: str, *, dp_rank: int, dp_size: int, is_collector: bool = True) -> None:
+        """Declare this rank's data-parallel place in mesh ``name``, for ``shard(mesh=name)`` dispatch.
+
+        Ranks of one DP replica (e.g. the TP/PP ranks of a model copy) share a ``dp_rank`` and get the same rows;
+        only ranks with ``is_collector`` contribute results.
+        """
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"register_mesh({name!r}): dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+        self._orc.meshes[name] = MeshInfo(int(dp_rank), int(dp_size), bool(is_collector))
+
+    def cancelled(self) -> bool:
+        """True once the call running now was cancelled by the controller; long loops should poll it and return."""
+        import ray
+
+        try:
+            return ray.get_runtime_context().is_canceled()
+        except Exception:  # outside a Ray task
+            return False

@@ -1,0 +1,378 @@
+"""Dispatch transforms: how one group call becomes per-rank calls, and how their results become one value.
+
+A transform edits a ``Plan`` (descriptors only, never payloads) in ``split`` and maps the per-rank results in
+``collect``. Transforms compose left to right with ``|``::
+
+    @endpoint(D.shard(mesh="actor") | D.pad())      # DP-sharded rows, padded to equal shards
+    @endpoint(D.broadcast() | D.rank_zero())        # runs on rank 0 only
+
+``check`` runs synchronously when the call is made (reject bad input before anything is sent); ``split`` may
+await (a mesh lookup, upstream headers). A custom transform subclasses ``Dispatch`` — see docs/dispatch.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "Dispatch", "Plan", "ShardSpec", "broadcast", "scatter", "shard", "pad", "rank_zero", "metrics", "stream",
+    "dp_with_func", "only_ranks",
+]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How data arguments are split: each executing rank reads DP piece ``dp_of_rank[rank]`` of ``dp_size``."""
+
+    dp_of_rank: tuple[int, ...]
+    dp_size: int
+    collectors: tuple[int, ...]
+    pad: bool = False
+    allow_empty: bool = False
+    mesh: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A call before it is sent: who runs, with which arguments, and how results come back.
+
+    ``per_rank`` overrides (args, kwargs) for some ranks; ``shard`` (when set) splits every Batch/DataFuture
+    argument by rows; ``stream`` runs the call once per arriving part of its streamed input.
+    """
+
+    group: Any  # the WorkerGroup view (for world_size, mesh lookups, names)
+    endpoint: str
+    world_size: int
+    ranks: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+    per_rank: dict[int, tuple[tuple, dict]] = field(default_factory=dict)
+    shard: ShardSpec | None = None
+    stream: bool = False
+
+    def with_(self, **changes: Any) -> Plan:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def data_args(self) -> list[Any]:
+        """The Batch and DataFuture arguments of the call (in positional, then keyword order)."""
+        return [a for a in (*self.args, *self.kwargs.values()) if _is_data(a)]
+
+    def where(self) -> str:
+        return f"group {self.group.name!r}, endpoint {self.endpoint!r}"
+
+
+def _is_data(x: Any) -> bool:
+    from ._batch import Batch
+    from ._future import DataFuture
+
+    return isinstance(x, (Batch, DataFuture))
+
+
+def _rows_known(x: Any) -> int | None:
+    from ._batch import Batch
+
+    return len(x) if isinstance(x, Batch) else x.rows_if_known()
+
+
+class Dispatch:
+    """Base of every dispatch transform. Override any of ``check``, ``split`` and ``collect``."""
+
+    def check(self, plan: Plan) -> Plan:
+        """Synchronous validation and rewriting at call time; raise DispatchError with what to change."""
+        return plan
+
+    async def split(self, plan: Plan) -> Plan:
+        """Asynchronous rewriting before the call is sent (may await mesh lookups)."""
+        return plan
+
+    def needs_split(self, plan: Plan) -> bool:
+        """Whether ``split`` has work to do for this plan; if no transform has, the call is sent at once."""
+        return type(self).split is not Dispatch.split
+
+    def collect(self, plan: Plan, results: list[Any]) -> Any:
+        """Map per-rank results (in rank order, collectors only) to the value ``await`` returns."""
+        return results
+
+    def __or__(self, other: Dispatch) -> Dispatch:
+        if not isinstance(other, Dispatch):
+            return NotImplemented
+        return Chain((*_flatten(self), *_flatten(other)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__.lower()}()"
+
+
+def _flatten(d: Dispatch) -> tuple[Dispatch, ...]:
+    return d.steps if isinstance(d, Chain) else (d,)
+
+
+class Chain(Dispatch):
+    """Transforms applied left to right."""
+
+    def __init__(self, steps: Sequence[Dispatch]) -> None:
+        self.steps = tuple(steps)
+
+    def check(self, plan: Plan) -> Plan:
+        for s in self.steps:
+            plan = s.check(plan)
+        return plan
+
+    async def split(self, plan: Plan) -> Plan:
+        for s in self.steps:
+            plan = await s.split(plan)
+        return plan
+
+    def needs_split(self, plan: Plan) -> bool:
+        return any(s.needs_split(plan) for s in self.steps)
+
+    def collect(self, plan: Plan, results: list[Any]) -> Any:
+        for s in self.steps:
+            results = s.collect(plan, results)
+        return results
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.steps))
+
+
+def _error(plan: Plan, msg: str) -> Exception:
+    from ._errors import DispatchError
+
+    return DispatchError(f"{plan.where()}: {msg}")
+
+
+class _Broadcast(Dispatch):
+    """Every rank gets the same arguments; the result is a list with one value per rank."""
+
+    def __repr__(self) -> str:
+        return "broadcast()"
+
+
+def broadcast() -> Dispatch:
+    """Same arguments to every rank; ``await`` gives a list, one result per rank (a Batch argument goes whole)."""
+    return _Broadcast()
+
+
+class _Scatter(Dispatch):
+    def check(self, plan: Plan) -> Plan:
+        n = plan.world_size
+        lists = {i: a for i, a in enumerate(plan.args) if isinstance(a, (list, tuple))}
+        klists = {k: v for k, v in plan.kwargs.items() if isinstance(v, (list, tuple))}
+        if not lists and not klists:
+            raise _error(plan, f"scatter() needs at least one list argument with one entry per rank ({n} ranks)")
+        for where, v in [*((f"argument {i}", v) for i, v in lists.items()),
+                         *((f"argument {k!r}", v) for k, v in klists.items())]:
+            if len(v) != n:
+                raise _error(plan, f"scatter(): {where} has {len(v)} entries but the group has {n} ranks; pass "
+                                   f"exactly one entry per rank")
+        per_rank = {}
+        for r in plan.ranks:
+            args = tuple(v[r] if i in lists else v for i, v in enumerate(plan.args))
+            kwargs = {k: (v[r] if k in klists else v) for k, v in plan.kwargs.items()}
+            per_rank[r] = (args, kwargs)
+        return plan.with_(per_rank=per_rank)
+
+    def __repr__(self) -> str:
+        return "scatter()"
+
+
+def scatter() -> Dispatch:
+    """Rank i gets entry i of every list/tuple argument (other arguments are broadcast); lengths must equal the
+    world size. ``await`` gives a list, one result per rank."""
+    return _Scatter()
+
+
+class _Shard(Dispatch):
+    def __init__(self, mesh: str | None, pad: bool, allow_empty: bool) -> None:
+        self.mesh, self.pad, self.allow_empty = mesh, pad, allow_empty
+
+    def check(self, plan: Plan) -> Plan:
+        if not plan.data_args():
+            raise _error(plan, "shard() needs at least one Batch or DataFuture argument to split by rows")
+        spec = None
+        if self.mesh is None:
+            spec = ShardSpec(tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)),
+                             self.pad, self.allow_empty)
+        else:
+            cached = plan.group._cached_mesh(self.mesh)
+            if cached is not None:
+                spec = _mesh_spec(cached, self.mesh, self.pad, self.allow_empty)
+        if spec is not None:
+            _check_rows(plan, spec)
+        return plan.with_(shard=spec if spec is not None else ShardSpec((), 0, (), self.pad, self.allow_empty,
+                                                                           self.mesh))
+
+    async def split(self, plan: Plan) -> Plan:
+        if plan.shard is not None and plan.shard.dp_size == 0:  # mesh not looked up yet
+            mesh = await plan.group._mesh(self.mesh, plan.endpoint)
+            spec = _mesh_spec(mesh, self.mesh, plan.shard.pad, plan.shard.allow_empty)
+            _check_rows(plan, spec)
+            plan = plan.with_(shard=spec)
+        return plan
+
+    def needs_split(self, plan: Plan) -> bool:
+        return plan.shard is not None and plan.shard.dp_size == 0
+
+    def collect(self, plan: Plan, results: list[Any]) -> Any:
+        from ._batch import Batch
+
+        if results and all(isinstance(r, Batch) for r in results):
+            return Batch.concat(results)
+        return results
+
+    def __repr__(self) -> str:
+        args = [f"mesh={self.mesh!r}"] if self.mesh else []
+        args += ["pad=True"] if self.pad else []
+        return f"shard({', '.join(args)})"
+
+
+def _mesh_spec(mesh: Sequence[Any], name: str, pad: bool, allow_empty: bool) -> ShardSpec:
+    return ShardSpec(tuple(m.dp_rank for m in mesh), mesh[0].dp_size,
+                     tuple(r for r, m in enumerate(mesh) if m.is_collector), pad, allow_empty, name)
+
+
+def _check_rows(plan: Plan, spec: ShardSpec) -> None:
+    if spec.pad or spec.allow_empty:
+        return
+    for a in plan.data_args():
+        n = _rows_known(a)
+        if n is not None and n < spec.dp_size:
+            raise _error(plan, f"a batch of {n} rows cannot be sharded over {spec.dp_size} data-parallel ranks "
+                               f"without leaving some empty; pass at least {spec.dp_size} rows, or use "
+                               f"shard(pad=True) / shard(allow_empty=True)")
+
+
+def shard(mesh: str | None = None, *, pad: bool = False, allow_empty: bool = False) -> Dispatch:
+    """Split every Batch/DataFuture argument by rows over the ranks (or over the DP replicas of ``mesh``);
+    ``await`` concatenates the collectors' results in row order.
+
+    Uneven splits are balanced (10 rows over 4 ranks -> 3, 3, 2, 2). ``pad=True`` pads to equal shards by
+    repeating rows and strips the padding from the result. With ``mesh``, ranks registered with
+    ``Worker.register_mesh`` get the rows of their DP replica; only collector ranks contribute results.
+    Other arguments are broadcast (so a function passed next to a batch reaches every rank: verl's
+    DP-with-function mode).
+    """
+    return _Shard(mesh, pad, allow_empty)
+
+
+def dp_with_func(mesh: str | None = None) -> Dispatch:
+    """verl's DP_COMPUTE_PROTO_WITH_FUNC: a function argument broadcast next to sharded data; same as ``shard()``."""
+    return _Shard(mesh, False, False)
+
+
+class _Pad(Dispatch):
+    def check(self, plan: Plan) -> Plan:
+        if plan.shard is None:
+            raise _error(plan, "pad() only applies after shard(): write shard(...) | pad()")
+        return plan.with_(shard=replace(plan.shard, pad=True))
+
+    def __repr__(self) -> str:
+        return "pad()"
+
+
+def pad() -> Dispatch:
+    """After ``shard``: pad rows to equal shards (repeating rows) and strip the padding from the result."""
+    return _Pad()
+
+
+class _RankZero(Dispatch):
+    def check(self, plan: Plan) -> Plan:
+        if plan.shard is not None:
+            raise _error(plan, "rank_zero() runs on one rank and cannot follow shard(); use broadcast() | rank_zero()")
+        return plan.with_(ranks=(0,))
+
+    def collect(self, plan: Plan, results: list[Any]) -> Any:
+        return results[0]
+
+    def __repr__(self) -> str:
+        return "rank_zero()"
+
+
+def rank_zero() -> Dispatch:
+    """Run on rank 0 only; ``await`` gives its single result."""
+    return _RankZero()
+
+
+class _OnlyRanks(Dispatch):
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+
+    def check(self, plan: Plan) -> Plan:
+        bad = [r for r in self.ranks if not 0 <= r < plan.world_size]
+        if bad:
+            raise _error(plan, f"only_ranks{self.ranks}: rank(s) {bad} do not exist in a group of {plan.world_size}")
+        return plan.with_(ranks=self.ranks)
+
+    def __repr__(self) -> str:
+        return f"only_ranks{self.ranks}"
+
+
+def only_ranks(*ranks: int) -> Dispatch:
+    """Run on the given ranks only (arguments as the other transforms say); ``await`` gives their results."""
+    return _OnlyRanks(ranks)
+
+
+class _Metrics(Dispatch):
+    def __init__(self, reduce: str | Callable[[list[float]], float]) -> None:
+        self.reduce = reduce
+
+    def collect(self, plan: Plan, results: list[Any]) -> Any:
+        if not all(isinstance(r, dict) for r in results):
+            bad = next(type(r).__name__ for r in results if not isinstance(r, dict))
+            raise TypeError(f"{plan.where()}: metrics() expects every rank to return a dict, got {bad}")
+        fn = _REDUCERS[self.reduce] if isinstance(self.reduce, str) else self.reduce
+        keys: dict[str, None] = {}
+        for r in results:
+            keys.update(dict.fromkeys(r))
+        out = {}
+        for k in keys:
+            vals = [float(r[k]) for r in results if k in r and _is_number(r[k])]
+            if vals:
+                out[k] = fn(vals)
+        return out
+
+    def __repr__(self) -> str:
+        return f"metrics(reduce={self.reduce!r})"
+
+
+def _is_number(x: Any) -> bool:
+    try:
+        float(x)
+        return not isinstance(x, (str, bytes))
+    except (TypeError, ValueError):
+        return False
+
+
+_REDUCERS: dict[str, Callable[[list[float]], float]] = {
+    "mean": lambda v: math.fsum(v) / len(v),
+    "sum": math.fsum,
+    "max": max,
+    "min": min,
+}
+
+
+def metrics(reduce: str | Callable[[list[float]], float] = "mean") -> Dispatch:
+    """Each rank returns a dict of numbers; ``await`` gives one dict, each key reduced over the ranks
+    (``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or a function)."""
+    if isinstance(reduce, str) and reduce not in _REDUCERS:
+        raise ValueError(f"metrics(reduce={reduce!r}): choose one of {sorted(_REDUCERS)} or pass a function")
+    return _Metrics(reduce)
+
+
+class _Stream(Dispatch):
+    def check(self, plan: Plan) -> Plan:
+        if plan.shard is None:
+            raise _error(plan, "stream() maps parts over the DP replicas; write shard(...) | stream()")
+        return plan.with_(stream=True)
+
+    def __repr__(self) -> str:
+        return "stream()"
+
+
+def stream() -> Dispatch:
+    """After ``shard``: run the call once per part of a streamed DataFuture argument as each part arrives, so this
+    stage starts before the producer finishes; the result streams part by part, in input order."""
+    return _Stream()
