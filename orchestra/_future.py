@@ -148,7 +148,7 @@ class DataFuture:
                 done, pending = await asyncio.wait(pending, timeout=self._remaining(),
                                                    return_when=asyncio.FIRST_EXCEPTION)
                 if not done:
-                    running = [s.rank for s in self._slots if not s.done.done()]
+                    running = self._running_ranks()
                     self.cancel()
                     raise self._timeout_error(running)
                 for d in done:
@@ -159,6 +159,9 @@ class DataFuture:
         except asyncio.CancelledError:
             self.cancel()
             raise
+
+    def _running_ranks(self) -> list[int]:
+        return sorted({s.rank for s in self._slots if not s.done.done() or not all(o.done() for o in s.outputs)})
 
     def _slot_of(self, fut: asyncio.Future) -> _Slot | None:
         for s in self._slots:
@@ -232,7 +235,7 @@ class DataFuture:
                                          return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 self.cancel()
-                raise self._timeout_error([s.rank for s in self._slots if not s.done.done()])
+                raise self._timeout_error(self._running_ranks())
             for s in self._slots:
                 if s.collected and s.done.done() and s.done.exception() is not None:
                     self.cancel()
@@ -271,7 +274,7 @@ class DataFuture:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         for s in self._slots:
-            if not s.done.done() and s.call_ref is not None:
+            if s.call_ref is not None and (not s.done.done() or not all(o.done() for o in s.outputs)):
                 try:
                     ray.cancel(s.call_ref)
                 except Exception:
@@ -347,8 +350,6 @@ _UNSET = _Unset()
 
 def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None) -> BaseException:
     """Turn a Ray error into orchestra's: the worker's own WorkerError, or WorkerDiedError for a dead actor."""
-    if isinstance(e, (WorkerError, CallTimeoutError)):
-        return e
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = getattr(e, "cause", None)
         if isinstance(cause, WorkerError):
@@ -360,6 +361,8 @@ def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None)
     if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
                       ray.exceptions.WorkerCrashedError)):
         return _died(e, group, endpoint, rank)
+    if isinstance(e, (WorkerError, CallTimeoutError)):
+        return e
     if isinstance(e, ray.exceptions.TaskCancelledError):
         return asyncio.CancelledError(f"group {group!r}, endpoint {endpoint!r}: the call was cancelled")
     if isinstance(e, OrchestraError):

@@ -321,7 +321,8 @@ def _send(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
         args, kwargs, refs = calls[r]
         slot = _Slot(r, r in collectors)
         if spec.streaming:
-            gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*_with_refs(args, kwargs, refs))
+            a, kw = _with_refs(args, kwargs, refs)
+            gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
             slot.call_ref = gen
             asyncio.get_running_loop().create_task(_drain(gen, slot))
         else:
@@ -434,7 +435,7 @@ def _describe_batch(a: Batch, spec: Any) -> dict[int, tuple[list[list[Any]], Lay
     shards = batch.split(balanced_sizes(len(batch), D))
     out, start = {}, 0
     for d, s in enumerate(shards):
-        pad_rows = max(0, start + len(s) - len(a)) if batch is not a else 0
+        pad_rows = min(len(s), max(0, start + len(s) - len(a))) if batch is not a else 0
         start += len(s)
         out[d] = ([[_put(s)]], Layout("whole", pad_rows=pad_rows))
     return out
@@ -490,6 +491,7 @@ async def _submit_stream(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: Da
     extra: list[_Slot] = []
     fut._set_slots(out_slots)
     hosts = g._shared.hosts
+    meth = g._method_name(spec.name)
 
     async def follow(i: int) -> None:
         k = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,7 +116,8 @@ class ResourcePool:
         self._check_fits()
         bundle = self.bundle()
         pgs = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
-                               name=f"{self.name}-{i}") for i, n in enumerate(self.process_on_nodes)]
+                               name=f"{self.name}-{i}-{uuid.uuid4().hex[:8]}")
+               for i, n in enumerate(self.process_on_nodes)]
         self._pgs = pgs
         try:
             await asyncio.wait_for(asyncio.gather(*[pg.ready() for pg in pgs]), self.placement_timeout)

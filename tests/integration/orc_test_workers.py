@@ -1,0 +1,192 @@
+"""Worker classes used by the integration tests (importable by the Ray workers through PYTHONPATH)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import torch
+
+from orchestra import Batch, Worker, endpoint
+from orchestra import dispatch as D
+
+
+class Scorer(Worker):
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.calls: list[str] = []
+
+    @endpoint(D.shard(), requires=["x"])
+    def score(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"score": batch["x"].double() * self.scale,
+                                "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(D.shard())
+    def echo(self, batch: Batch) -> Batch:
+        return batch
+
+    @endpoint(D.shard())
+    def plus_one(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"y": batch["x"] + 1})
+
+    @endpoint(D.shard(pad=True))
+    def padded(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x2": batch["x"] * 2, "n": torch.full((len(batch),), len(batch))})
+
+    @endpoint(D.shard() | D.pad())
+    def padded_pipe(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x2": batch["x"] * 2, "n": torch.full((len(batch),), len(batch))})
+
+    @endpoint(D.shard(allow_empty=True))
+    def maybe_empty(self, batch: Batch) -> Batch:
+        return batch.select("x")
+
+    @endpoint(D.broadcast())
+    def set_scale(self, s: float) -> float:
+        self.scale = s
+        self.calls.append(f"set{s}")
+        return s
+
+    @endpoint(D.broadcast())
+    def get_scale(self) -> float:
+        return self.scale
+
+    @endpoint(D.broadcast())
+    def rank_info(self) -> dict:
+        return {"rank": self.rank, "world": self.world_size, "local_rank": self.local_rank,
+                "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                      "MASTER_PORT")}}
+
+    @endpoint(D.scatter())
+    def take(self, x: int, tag: str = "") -> str:
+        return f"{tag}{x}@{self.rank}"
+
+    @endpoint(D.broadcast() | D.rank_zero())
+    def save(self, path: str) -> str:
+        return f"{path}:{self.rank}"
+
+    @endpoint(D.broadcast() | D.metrics())
+    def report(self) -> dict:
+        return {"loss": float(self.rank), "tokens": 10.0 * (self.rank + 1)}
+
+    @endpoint(D.shard() | D.metrics("sum"))
+    def count(self, batch: Batch) -> dict:
+        return {"rows": len(batch)}
+
+    @endpoint(D.shard())
+    def apply(self, fn, batch: Batch) -> Batch:
+        return Batch.from_dict({"out": fn(batch["x"])})
+
+    @endpoint(D.shard())
+    def gen(self, batch: Batch, pieces: int = 2, delay: float = 0.0):
+        for piece in batch.chunk(pieces):
+            time.sleep(delay)
+            yield Batch.from_dict({"x": piece["x"] + 100})
+
+    @endpoint(D.shard())
+    async def agen(self, batch: Batch):
+        for piece in batch.chunk(2):
+            await asyncio.sleep(0.01)
+            yield Batch.from_dict({"x": piece["x"] + 200})
+
+    @endpoint(D.shard() | D.stream())
+    def per_part(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"y": batch["x"] * 2, "t": torch.full((len(batch),), time.time(), dtype=torch.float64)})
+
+    @endpoint(D.broadcast())
+    async def async_value(self, v: int) -> int:
+        await asyncio.sleep(0.01)
+        return v * 10 + self.rank
+
+    @endpoint(D.broadcast())
+    def fail_on(self, rank: int, delay_others: float = 0.0) -> int:
+        if self.rank == rank:
+            raise ValueError(f"boom on {self.rank}")
+        time.sleep(delay_others)
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def sleep(self, seconds: float) -> int:
+        end = time.time() + seconds
+        while time.time() < end and not self.cancelled():
+            time.sleep(0.01)
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def die_on(self, rank: int) -> int:
+        if self.rank == rank:
+            time.sleep(0.2)
+            os._exit(1)
+        time.sleep(30)
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint(D.broadcast())
+    def calls_seen(self) -> list:
+        return list(self.calls)
+
+    @endpoint(D.shard())
+    def write_in_place(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"sum": batch["x"].sum().reshape(1).repeat(len(batch))})
+
+    @endpoint(D.shard(), writable_inputs=True)
+    def mutate(self, batch: Batch) -> Batch:
+        x = batch["x"]
+        x += 1000  # allowed: writable_inputs hands the method a private copy
+        return Batch.from_dict({"x": x})
+
+
+class MeshWorker(Worker):
+    """Pretends to be DP=2 x TP=2: ranks (0,1) are replica 0, (2,3) replica 1; the first of each collects."""
+
+    def __init__(self) -> None:
+        self.register_mesh("actor", dp_rank=self.rank // 2, dp_size=2, is_collector=self.rank % 2 == 0)
+
+    @endpoint(D.shard(mesh="actor"))
+    def compute(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x": batch["x"], "dp": torch.full((len(batch),), self.rank // 2),
+                                "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(D.shard(mesh="actor") | D.pad())
+    def compute_padded(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x": batch["x"], "n": torch.full((len(batch),), len(batch))})
+
+    @endpoint(D.shard(mesh="nope"))
+    def unregistered(self, batch: Batch) -> Batch:
+        return batch
+
+
+class Critic(Worker):
+    def __init__(self, bias: float = 0.0) -> None:
+        self.bias = bias
+
+    @endpoint(D.shard())
+    def values(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"v": batch["x"].double() + self.bias})
+
+    @endpoint(D.broadcast())
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Actor(Worker):
+    def __init__(self, lr: float = 0.1) -> None:
+        self.lr = lr
+
+    @endpoint(D.broadcast())
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint(D.broadcast())
+    def get_lr(self) -> float:
+        return self.lr
+
+
+class BadInit(Worker):
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("cannot build model on rank 1")

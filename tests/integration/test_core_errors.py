@@ -1,0 +1,160 @@
+"""Failures: worker exceptions, dead actors, deadlines, cancellation, bad input, placement."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, WorkerGroup
+from orc_test_workers import Actor, BadInit, Critic, Scorer
+
+
+@pytest.fixture(scope="module")
+async def g3():
+    g = WorkerGroup(ResourcePool(process_on_nodes=[3]), Scorer, group_name="err3")
+    await g.ready()
+    yield g
+    g.shutdown()
+
+
+def xs(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n)})
+
+
+async def test_worker_error_names_location_and_fails_fast(g3):
+    t0 = time.perf_counter()
+    with pytest.raises(orc.WorkerError) as info:
+        await g3.fail_on(1, delay_others=3.0)
+    assert time.perf_counter() - t0 < 2.0  # did not wait for the other ranks
+    e = info.value
+    assert type(e) is orc.WorkerError
+    assert (e.group, e.rank, e.endpoint, e.exc_type) == ("err3", 1, "fail_on", "ValueError")
+    assert "boom on 1" in str(e) and "Traceback" in e.remote_traceback and "fail_on" in e.remote_traceback
+    await asyncio.sleep(3.2)  # let the slow ranks finish before the next test
+    assert await g3.get_scale() == [1.0] * 3
+
+
+async def test_upstream_error_surfaces_downstream(g3):
+    # the upstream result lacks the column that score requires: the worker rejects it with the location
+    with pytest.raises(orc.WorkerError, match="missing column") as info:
+        await g3.score(g3.echo(Batch.from_dict({"y": torch.arange(6)})))
+    assert info.value.endpoint == "score"
+    # an upstream failure fails the forwarded call with the upstream's own error
+    with pytest.raises(orc.WorkerError, match="boom on 0") as info:
+        await g3.score(g3.fail_on(0))
+    assert info.value.endpoint == "fail_on"
+
+
+async def test_deadline_names_running_ranks_and_cancels_work(g3):
+    with pytest.raises(orc.CallTimeoutError) as info:
+        await g3.sleep.options(timeout=0.5)(10.0)
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.pending_ranks == (0, 1, 2)
+    assert "rank(s) [0, 1, 2] still running" in str(info.value)
+    t0 = time.perf_counter()
+    assert await g3.get_scale() == [1.0] * 3  # the sleeping ranks saw the cancel and stopped early
+    assert time.perf_counter() - t0 < 3.0
+
+
+async def test_cancelling_the_awaiting_task_cancels_ray_work(g3):
+    async def waiter():
+        return await g3.sleep(10.0)
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    t0 = time.perf_counter()
+    assert await g3.get_scale() == [1.0] * 3
+    assert time.perf_counter() - t0 < 3.0
+
+
+async def test_bad_input_rejected_before_sending(g3):
+    await g3.reset_stats()
+    with pytest.raises(orc.DispatchError, match=r"missing column\(s\) \['x'\]"):
+        g3.score(Batch.from_dict({"y": torch.arange(6)}))
+    with pytest.raises(orc.DispatchError, match="2 rows cannot be sharded over 3"):
+        g3.score(xs(2))
+    with pytest.raises(orc.DispatchError, match="argument 0 has 2 entries but the group has 3 ranks"):
+        g3.take([1, 2])
+    with pytest.raises(orc.DispatchError, match="signature"):
+        g3.score(xs(6), 1, 2)
+    with pytest.raises(orc.DispatchError, match="needs at least one Batch"):
+        g3.score(None)
+    with pytest.raises(AttributeError, match="has no endpoint 'nope'"):
+        g3.nope
+    stats = await g3.stats()
+    assert all("score" not in s or s["score"]["calls"] == 0 for s in stats)
+
+
+async def test_dead_actor_gives_worker_died_error():
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2]), Scorer, group_name="mortal")
+    await g.ready()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(orc.WorkerDiedError) as info:
+            await g.die_on(1)
+        assert time.perf_counter() - t0 < 10.0
+        assert info.value.rank == 1 and info.value.endpoint == "die_on" and info.value.group == "mortal"
+    finally:
+        g.shutdown()
+
+
+async def test_killed_actor_mid_call():
+    import ray
+
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2]), Scorer, group_name="victim")
+    await g.ready()
+    try:
+        fut = g.sleep(20.0)
+        await asyncio.sleep(0.5)
+        ray.kill(g.actors[0])
+        with pytest.raises(orc.WorkerDiedError) as info:
+            await fut
+        assert info.value.rank == 0
+    finally:
+        g.shutdown()
+
+
+async def test_init_error_names_rank():
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2]), BadInit)
+    with pytest.raises(orc.WorkerError) as info:
+        await g.ready()
+    assert info.value.rank == 1 and info.value.endpoint == "__init__"
+    assert "cannot build model on rank 1" in str(info.value)
+    g.shutdown()
+
+
+async def test_placement_error_lists_needed_and_available():
+    t0 = time.perf_counter()
+    pool = ResourcePool(process_on_nodes=[4], cpus_per_worker=64)
+    g = WorkerGroup(pool, Scorer)
+    with pytest.raises(orc.PlacementError, match=r"CPU: need 256, available"):
+        await g.ready()
+    assert time.perf_counter() - t0 < 5.0
+    with pytest.raises(orc.PlacementError, match="GPU"):
+        await WorkerGroup(ResourcePool(process_on_nodes=[1], use_gpu=True), Scorer).ready()
+
+
+async def test_colocated_roles_share_processes():
+    views = WorkerGroup.colocate(ResourcePool(process_on_nodes=[2]), {"actor": Actor, "critic": Critic},
+                                 actor={"lr": 0.5}, critic=(1.0,))
+    actor, critic = views["actor"], views["critic"]
+    try:
+        await actor.ready()
+        assert await actor.pid() == await critic.pid()
+        assert await actor.get_lr() == [0.5, 0.5]
+        out = await critic.values(xs(5))
+        assert torch.equal(out["v"], torch.arange(5).double() + 1.0)
+        d = await critic.describe()
+        assert d[0]["roles"] == ["actor", "critic"]
+        assert actor.name == "actor+critic/actor"
+        with pytest.raises(TypeError, match="unknown role"):
+            WorkerGroup.colocate(ResourcePool(process_on_nodes=[1]), {"a": Actor}, b={})
+    finally:
+        actor.shutdown()
