@@ -1,0 +1,533 @@
+"""FSDP2 training engine: sharded forward/backward, AdamW, LR schedule, checkpoints.
+
+One :class:`FSDPEngine` lives in each rank's process. It shards a Hugging Face model with
+``torch.distributed.fsdp.fully_shard`` (one FSDP unit per decoder layer plus the root) over a 1-D
+``dp`` device mesh, so every rank is a data-parallel rank and a collector of its own rows.
+
+Micro-batch loss weighting (``EngineConfig.loss_scale``)
+--------------------------------------------------------
+``loss_fn(outputs, micro_batch)`` must return the **mean** of its loss over the micro-batch's
+units: response tokens (``loss_scale="tokens"``, units = ``response_mask.sum()``) or rows
+(``loss_scale="rows"``). The engine multiplies micro-batch m's loss by ``n_m / N`` where ``n_m``
+are the units of m and ``N`` the units of the whole *global* batch (all DP ranks, all-reduced),
+and by ``dp_size`` to undo FSDP's gradient averaging over ranks. The gradient is therefore that
+of the global token- (or row-) mean, independent of ``micro_batch_size`` and of the DP size.
+The reported ``loss`` and every loss_fn metric are the same weighted means.
+
+Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches so that every
+rank issues the same FSDP collectives (a batch need not split evenly over ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+
+from engines._data import (
+    batch_rows,
+    entropy_from_logits,
+    logprobs_from_logits,
+    model_inputs,
+    position_ids_from_mask,
+    slice_rows,
+    tensor_dict,
+    to_tensordict,
+)
+from engines._dist import init_distributed
+
+__all__ = ["EngineConfig", "FSDPEngine", "LossFn", "lr_factor"]
+
+LossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, Any]]]
+"""``loss_fn(outputs, micro_batch) -> (loss, metrics)``; see the module docstring for weighting."""
+
+ModelKind = Literal["auto", "causal_lm", "value"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Optimisation and execution options of an :class:`FSDPEngine`.
+
+    lr / weight_decay / betas / eps: AdamW (weight decay applies to every parameter).
+    lr_schedule: "constant" or "cosine" (to ``min_lr_ratio * lr`` at ``total_steps``), both
+        after a linear warmup of ``warmup_steps`` (step s uses ``lr * (s + 1) / warmup_steps``).
+    grad_clip: max global grad norm; None or <= 0 disables clipping (the norm is still reported).
+    micro_batch_size: rows per forward/backward in ``train_step``.
+    forward_micro_batch_size: rows per forward in ``compute_log_prob``/``compute_values``
+        (None: same as ``micro_batch_size``).
+    loss_scale: "tokens" or "rows"; how micro-batch losses are weighted (module docstring).
+    seed: seeds torch's RNG when the engine is built (model factory, dropout).
+    mixed_precision: bf16 params / fp32 gradient reduction; None means on for CUDA, off on CPU.
+    reshard_after_forward: FSDP2 option (True frees gathered params after each forward).
+    accumulate_without_sync: skip the gradient reduce-scatter on all but the last micro-batch
+        (less communication, more memory for unsharded gradients).
+    gradient_checkpointing: recompute decoder-layer activations in backward (HF non-reentrant
+        checkpointing; less activation memory, ~1/3 more compute).
+    device: "cpu", "cuda", "cuda:1"...; None picks cuda:<LOCAL_RANK> when available, else cpu.
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    grad_clip: float | None = 1.0
+    micro_batch_size: int = 8
+    forward_micro_batch_size: int | None = None
+    loss_scale: Literal["tokens", "rows"] = "tokens"
+    seed: int = 0
+    mixed_precision: bool | None = None
+    reshard_after_forward: bool = True
+    accumulate_without_sync: bool = False
+    gradient_checkpointing: bool = False
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
+            raise ValueError("lr_schedule='cosine' needs total_steps > 0 (the step where lr reaches min_lr_ratio*lr)")
+        if self.loss_scale not in ("tokens", "rows"):
+            raise ValueError(f"loss_scale must be 'tokens' or 'rows', got {self.loss_scale!r}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
+            raise ValueError(f"forward_micro_batch_size must be >= 1 or None, got {self.forward_micro_batch_size}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+def lr_factor(config: EngineConfig, step: int) -> float:
+    """Multiplier of ``config.lr`` for optimizer step ``step`` (0-based): warmup, then schedule."""
+    w = config.warmup_steps
+    if w > 0 and step < w:
+        return (step + 1) / w
+    if config.lr_schedule == "constant":
+        return 1.0
+    assert config.total_steps is not None
+    progress = min(1.0, max(0.0, (step - w) / max(1, config.total_steps - w)))
+    r = config.min_lr_ratio
+    return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _detect_kind(model: nn.Module) -> Literal["causal_lm", "value"]:
+    name = type(model).__name__
+    if name.endswith("ForCausalLM") or hasattr(model, "lm_head"):
+        return "causal_lm"
+    if name.endswith("ForTokenClassification"):
+        num_labels = getattr(getattr(model, "config", None), "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(f"a value model needs num_labels=1, {name} has {num_labels}; use engines.models.build_value_model")
+        return "value"
+    raise ValueError(
+        f"cannot tell whether {name} is a causal LM or a value model: pass model_kind='causal_lm' or 'value'"
+    )
+
+
+def _layers_to_shard(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    # fallback: children of the largest ModuleList (decoder stacks are ModuleLists)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+class FSDPEngine:
+    """A model sharded with FSDP2 over all ranks of the default process group.
+
+    Build it on every rank with the same model (e.g. ``lambda: build_causal_lm(cfg, seed=0)``).
+    If no process group exists, one is created from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    (or a private single-rank group when those are unset). ``model_kind`` "causal_lm" gives
+    ``compute_log_prob``; "value" (token-classification model with one label) gives
+    ``compute_values``; "auto" tells them apart by class.
+
+    All returned tensors are on CPU, one row per input row of this rank.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        config: EngineConfig | None = None,
+        *,
+        model_kind: ModelKind = "auto",
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.config = config if config is not None else EngineConfig()
+        cfg = self.config
+        self.device = init_distributed(torch.device(cfg.device) if cfg.device else None)
+        torch.manual_seed(cfg.seed)
+        if not isinstance(model, nn.Module):
+            model = model()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or a factory returning one, got {type(model).__name__}")
+        self.model_kind: Literal["causal_lm", "value"] = (
+            _detect_kind(model) if model_kind == "auto" else model_kind
+        )
+        if self.model_kind not in ("causal_lm", "value"):
+            raise ValueError(f"model_kind must be 'auto', 'causal_lm' or 'value', got {model_kind!r}")
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            dtypes = sorted({str(p.dtype) for p in model.parameters()})
+            raise ValueError(
+                f"FSDPEngine trains fp32 master weights; the model has {dtypes}. Build it with "
+                "dtype=torch.float32 (bf16 compute comes from mixed_precision on CUDA)."
+            )
+
+        self._world = dist.get_world_size()
+        self._rank = dist.get_rank()
+        self.mesh = init_device_mesh(self.device.type, (self._world,), mesh_dim_names=("dp",))
+        mp_on = cfg.mixed_precision if cfg.mixed_precision is not None else self.device.type == "cuda"
+        kw: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": cfg.reshard_after_forward}
+        if mp_on:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if hasattr(model, "config") and hasattr(model.config, "use_cache"):
+            model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            elif hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            else:
+                raise TypeError(f"{type(model).__name__} cannot checkpoint activations; set gradient_checkpointing=False")
+        for layer in _layers_to_shard(model):
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)  # moves parameters to the mesh device
+        model.to(self.device)  # buffers (e.g. rotary inv_freq) too
+        self.model = model
+        self.mixed_precision = bool(mp_on)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.lr * lr_factor(cfg, 0),
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            foreach=True,
+        )
+        self.global_step = 0
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the data-parallel mesh."""
+        return self._rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks."""
+        return self._world
+
+    @property
+    def is_collector(self) -> bool:
+        """Whether this rank's outputs are part of the result (always, with pure DP)."""
+        return True
+
+    @property
+    def lr(self) -> float:
+        """Learning rate the next ``train_step`` will use."""
+        return self.config.lr * lr_factor(self.config, self.global_step)
+
+    # ------------------------------------------------------------------ forward
+    def _check_ready(self, what: str) -> None:
+        if self._offloaded:
+            raise RuntimeError(f"FSDPEngine.{what}: the engine is offloaded to CPU; call onload() first")
+
+    def _forward(
+        self, mb: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        input_ids, attention_mask, R = model_inputs(mb, "FSDPEngine")
+        position_ids = position_ids_from_mask(attention_mask)
+        out: dict[str, torch.Tensor] = {}
+        if self.model_kind == "causal_lm":
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=R + 1,
+            ).logits[:, :-1]
+            logits = logits.float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            out["log_probs"] = logprobs_from_logits(logits, input_ids[:, -R:])
+            if with_entropy:
+                out["entropy"] = entropy_from_logits(logits)
+        else:
+            with warnings.catch_warnings():
+                # the head's Linear on [b, T, H] returns a view; we never modify it in place
+                warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+                logits = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).logits
+            # value of the state before response token t = head output at the position before it
+            out["values"] = logits[:, -R - 1 : -1, 0].float()
+        return out
+
+    def _micro_ranges(self, rows: int, size: int) -> list[tuple[int, int]]:
+        return [(s, min(s + size, rows)) for s in range(0, rows, size)]
+
+    def _global_micro_count(self, local: int) -> int:
+        t = torch.tensor([local], dtype=torch.int64, device=self.device)
+        if self._world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def _inference(self, batch: Mapping[str, Any], temperature: float, with_entropy: bool, what: str) -> TensorDict:
+        self._check_ready(what)
+        if temperature <= 0:
+            raise ValueError(f"{what}: temperature must be > 0, got {temperature}")
+        rows = batch_rows(batch)
+        if rows < 1:
+            raise ValueError(f"{what}: empty batch on rank {self._rank}; every rank needs at least one row")
+        keys = ["prompts", "responses", "input_ids", "attention_mask", "response_mask"]
+        data = tensor_dict(batch, self.device, keys)
+        self.model.eval()
+        size = self.config.forward_micro_batch_size or self.config.micro_batch_size
+        ranges = self._micro_ranges(rows, size)
+        n_global = self._global_micro_count(len(ranges))
+        parts: list[dict[str, torch.Tensor]] = []
+        for i in range(n_global):
+            s, e = ranges[i] if i < len(ranges) else ranges[0]
+            out = self._forward(slice_rows(data, s, e), temperature, with_entropy)
+            if i < len(ranges):
+                parts.append(out)
+        result = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        if "response_mask" in data:
+            m = data["response_mask"].to(torch.float32)
+            result = {k: v * m for k, v in result.items()}
+        return to_tensordict(result, rows)
+
+    def compute_log_prob(
+        self, batch: Mapping[str, Any], temperature: float = 1.0, with_entropy: bool = False
+    ) -> TensorDict:
+        """Log-probs [B, R] (and entropy [B, R]) of the response tokens, in micro-batches.
+
+        Logits are divided by ``temperature`` first; logits at position t score token t+1.
+        Positions where ``response_mask`` is 0 are returned as 0 when the batch has that key.
+        Collective: every rank must call it (with at least one row).
+        """
+        if self.model_kind != "causal_lm":
+            raise TypeError("compute_log_prob needs a causal LM engine; this engine holds a value model (use compute_values)")
+        return self._inference(batch, temperature, with_entropy, "compute_log_prob")
+
+    def compute_values(self, batch: Mapping[str, Any]) -> TensorDict:
+        """Critic values [B, R]: ``values[:, t]`` is the value of the prefix before response token t.
+
+        (The head output at the position of the token preceding response token t.)
+        Collective: every rank must call it.
+        """
+        if self.model_kind != "value":
+            raise TypeError("compute_values needs a value-model engine (model_kind='value', e.g. build_value_model)")
+        return self._inference(batch, 1.0, False, "compute_values")
+
+    # ------------------------------------------------------------------ training
+    def train_step(
+        self,
+        batch: Mapping[str, Any],
+        loss_fn: LossFn,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's rows (collective: all ranks call it).
+
+        ``loss_fn(outputs, micro_batch)`` gets ``outputs`` with ``log_probs`` [b, R] and ``entropy``
+        [b, R] (causal LM; entropy if ``with_entropy``) or ``values`` [b, R] (value model), with
+        gradients, and ``micro_batch``: every tensor of the batch sliced to the micro-batch, on
+        the engine's device. It returns (mean loss over the micro-batch's units, metrics). See
+        the module docstring for the weighting. Returns global metrics: loss, the loss_fn
+        metrics, grad_norm (before clipping), lr, tokens, rows, micro_batches, step, skipped
+        (1.0 when the gradient was not finite and the update was skipped).
+        """
+        self._check_ready("train_step")
+        cfg = self.config
+        rows = batch_rows(batch)
+        if rows < 1:
+            raise ValueError(f"train_step: empty batch on rank {self._rank}; every rank needs at least one row")
+        data = tensor_dict(batch, self.device)
+        if "response_mask" not in data:
+            raise KeyError(f"train_step: batch needs 'response_mask' [B, R] (got keys {sorted(data)})")
+        ranges = self._micro_ranges(rows, cfg.micro_batch_size)
+        tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]
+        units = tok if cfg.loss_scale == "tokens" else [float(e - s) for s, e in ranges]
+        counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges))], dtype=torch.float64, device=self.device)
+        n_local = torch.tensor([len(ranges)], dtype=torch.int64, device=self.device)
+        if self._world > 1:
+            dist.all_reduce(counts)
+            dist.all_reduce(n_local, op=dist.ReduceOp.MAX)
+        total_units, total_tokens, total_rows, total_micro = counts.tolist()
+        n_global = int(n_local.item())
+
+        self.model.train()
+        lr = self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        metric_sums: dict[str, float] = {}
+        for i in range(n_global):
+            if cfg.accumulate_without_sync and self._world > 1:
+                self.model.set_requires_gradient_sync(i == n_global - 1)
+            real = i < len(ranges)
+            s, e = ranges[i] if real else ranges[0]
+            mb = slice_rows(data, s, e)
+            outputs = self._forward(mb, temperature, with_entropy and self.model_kind == "causal_lm")
+            if not real:  # keep collectives in step with ranks that have more micro-batches
+                dummy = sum(v.sum() for v in outputs.values()) * 0.0
+                dummy.backward()
+                continue
+            loss, metrics = loss_fn(outputs, mb)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
+            w = units[i] / total_units if total_units > 0 else 0.0
+            (loss * (w * self._world)).backward()
+            metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
+            for k, v in (metrics or {}).items():
+                fv = float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
+                metric_sums[k] = metric_sums.get(k, 0.0) + w * fv
+        if cfg.accumulate_without_sync and self._world > 1:
+            self.model.set_requires_gradient_sync(True)
+
+        max_norm = cfg.grad_clip if cfg.grad_clip is not None and cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm_f = float(grad_norm.item())
+        skipped = not math.isfinite(grad_norm_f)
+        if not skipped:
+            self.optimizer.step()
+            self.global_step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+        keys = sorted(metric_sums)
+        vec = torch.tensor([metric_sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self._world > 1 and keys:
+            dist.all_reduce(vec)
+        result = dict(zip(keys, vec.tolist()))
+        result.update(
+            grad_norm=grad_norm_f,
+            lr=lr,
+            tokens=total_tokens,
+            rows=total_rows,
+            micro_batches=total_micro,
+            step=float(self.global_step),
+            skipped=float(skipped),
+        )
+        return result
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state dict on CPU. Collective: call on all ranks.
+
+        With ``rank0_only`` (default) only rank 0 receives the tensors (others get ``{}``) and
+        gathering goes layer by layer through CPU; otherwise every rank gets a full copy.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self._check_ready("full_state_dict")
+        if rank0_only:
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.model, options=opts)
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Sharded checkpoint (model + optimizer) with torch.distributed.checkpoint, plus
+        ``engine_state.json`` (step, config). Collective; ``directory`` must be visible to all ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._check_ready("save")
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        if self._rank == 0:
+            state = {"global_step": self.global_step, "dp_size": self._world, "config": asdict(self.config)}
+            with open(os.path.join(directory, "engine_state.json"), "w") as f:
+                json.dump(state, f, indent=2)
+        dist.barrier()
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Restore model, optimizer and step from :meth:`save` (any DP size). Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        self._check_ready("load")
+        directory = os.fspath(directory)
+        meta = os.path.join(directory, "engine_state.json")
+        if not os.path.exists(meta):
+            raise FileNotFoundError(f"{directory!r} is not an FSDPEngine checkpoint (no engine_state.json); pass the directory given to save()")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with open(meta) as f:
+            self.global_step = int(json.load(f)["global_step"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    # ------------------------------------------------------------------ memory
+    def _state_bytes(self) -> int:
+        n = 0
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            n += local.numel() * local.element_size()
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    local = v.to_local() if hasattr(v, "to_local") else v
+                    n += local.numel() * local.element_size()
+        return n
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for st in self.optimizer.state.values():
+            for k, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and k != "step":
+                    st[k] = v.to(device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def offload(self) -> int:
+        """Move parameters (this rank's shards) and optimizer state to host memory.
+
+        Returns the bytes moved. On a CPU engine nothing moves and 0 is returned. While
+        offloaded, compute calls raise; call :meth:`onload` first.
+        """
+        if self._offloaded or self.device.type == "cpu":
+            self._offloaded = self.device.type != "cpu"
+            return 0
+        self.optimizer.zero_grad(set_to_none=True)
+        moved = self._state_bytes()
+        self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+        self._offloaded = True
+        return moved
+
+    def onload(self) -> int:
+        """Move parameters and optimizer state back to the device; returns bytes moved (0 on CPU)."""
+        if not self._offloaded:
+            return 0
+        self._move(self.device)
+        self._offloaded = False
+        return self._state_bytes()

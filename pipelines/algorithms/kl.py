@@ -1,0 +1,62 @@
+"""Per-token KL estimators between the policy and a reference policy, as reward penalty or loss.
+
+With samples drawn from the policy and ``d = logp - ref_logp`` (so ``exp(-d)`` = ref / policy):
+
+- ``k1``:  ``d``                     unbiased for KL(policy || ref), high variance, can be negative;
+- ``abs``: ``|d|``;
+- ``k2``:  ``d**2 / 2``              biased, low variance, always >= 0;
+- ``k3``:  ``exp(-d) - 1 + d``       unbiased and always >= 0 (Schulman's estimator).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from .masked import AggMode, aggregate
+
+KLKind = Literal["k1", "k2", "k3", "abs"]
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
+
+# exp(20) ~ 5e8: keeps k3 and its gradient finite when the two policies disagree wildly.
+_MAX_LOG_RATIO = 20.0
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k1") -> Tensor:
+    """Per-token KL estimate ``[B, R]`` of the given ``kind`` (see the module docstring)."""
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        log_r = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_KINDS)}")
+
+
+def apply_kl_penalty(
+    token_level_scores: Tensor, kl: Tensor, beta: float, response_mask: Tensor
+) -> Tensor:
+    """Token rewards ``scores - beta * kl``, 0 at masked positions (the KL-in-reward form of PPO)."""
+    rewards = token_level_scores - beta * kl.detach()
+    return torch.where(response_mask.bool(), rewards, torch.zeros_like(rewards))
+
+
+def kl_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    response_mask: Tensor,
+    kind: KLKind = "k3",
+    agg: AggMode = "token-mean",
+    normalizer: float | None = None,
+) -> Tensor:
+    """Scalar KL(policy || ref) loss term (the KL-in-loss form of GRPO); gradients reach ``logp``.
+
+    Multiply by the KL coefficient and add to the policy loss.
+    """
+    return aggregate(kl_penalty(logp, ref_logp.detach(), kind), response_mask, agg, normalizer)

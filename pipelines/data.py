@@ -1,0 +1,190 @@
+"""Prompt datasets: load records from jsonl / parquet, and sample batches resumably.
+
+A record is a dict with at least a ``"prompt"`` field (a string, or a chat as a list of
+``{"role", "content"}`` dicts); every other field (answers, ids, task metadata) rides along.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROMPT_KEY = "prompt"
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _check_record(
+    row: Any, where: str, prompt_key: str, required_keys: Sequence[str]
+) -> dict[str, Any]:
+    """Validate one raw row and rename ``prompt_key`` to ``"prompt"``; ``where`` names file and row."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in (prompt_key, *required_keys) if k not in row]
+    if missing:
+        raise ValueError(
+            f"{where}: missing key(s) {', '.join(map(repr, missing))}; keys present: {sorted(row)}"
+        )
+    prompt = row[prompt_key]
+    is_chat = isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    )
+    if not ((isinstance(prompt, str) or is_chat) and prompt):
+        raise ValueError(
+            f"{where}: {prompt_key!r} must be a non-empty string or a list of "
+            f"{{'role', 'content'}} messages, got {prompt!r:.80}"
+        )
+    if prompt_key != PROMPT_KEY:
+        if PROMPT_KEY in row:
+            raise ValueError(
+                f"{where}: has both {prompt_key!r} and {PROMPT_KEY!r}; cannot rename {prompt_key!r} "
+                f"to {PROMPT_KEY!r}"
+            )
+        row = {PROMPT_KEY if k == prompt_key else k: v for k, v in row.items()}
+    return row
+
+
+def load_prompts(
+    path: str | Path, *, prompt_key: str = PROMPT_KEY, required_keys: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Read a ``.jsonl`` or ``.parquet`` file into a list of records.
+
+    The prompt is read from column ``prompt_key`` and stored under ``"prompt"``; ``required_keys``
+    (e.g. ``("answer",)``) must be present too.  A bad row raises ``ValueError`` naming the file
+    and the line (jsonl, 1-based; blank lines are skipped) or row (parquet, 0-based).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    records: list[dict[str, Any]] = []
+    if suffix in _JSONL_SUFFIXES:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:line {lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                records.append(_check_record(row, where, prompt_key, required_keys))
+    elif suffix in _PARQUET_SUFFIXES:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"reading {path} needs pyarrow: pip install 'orchestra-rl[data]'") from e
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            records.append(_check_record(row, f"{path}:row {i}", prompt_key, required_keys))
+    else:
+        allowed = ", ".join(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; expected one of {allowed}")
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+class PromptSampler:
+    """Endless iterator of prompt batches, epoch after epoch, deterministic for a seed.
+
+    Epoch ``e`` visits the records in the order of a permutation drawn from ``(seed, e)`` (or in
+    file order with ``shuffle=False``).  The position is two integers, so ``state_dict()`` saved
+    with a checkpoint and ``load_state_dict()`` on a fresh sampler continue with exactly the
+    batches an uninterrupted run would have produced, mid-epoch included.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if not records:
+            raise ValueError("no records to sample from")
+        if drop_last and len(records) < batch_size:
+            raise ValueError(
+                f"{len(records)} records cannot fill one batch of {batch_size} with drop_last=True"
+            )
+        self._records = records
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self._epoch = 0
+        self._batch_in_epoch = 0
+        self._order_epoch = -1
+        self._order = np.arange(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches in one pass over the records (the partial last batch counts unless drop_last)."""
+        n = len(self._records)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch that the next batch comes from."""
+        return self._epoch
+
+    def _epoch_order(self) -> np.ndarray:
+        """Record indices in the order of the current epoch (cached per epoch)."""
+        if self._order_epoch != self._epoch:
+            n = len(self._records)
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, self._epoch]).permutation(n)
+            else:
+                self._order = np.arange(n)
+            self._order_epoch = self._epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        """The sampler is its own (endless) iterator; stop after the steps you need."""
+        return self
+
+    def __next__(self) -> list[dict[str, Any]]:
+        """The next batch, as a list of (shallow-copied) records."""
+        start = self._batch_in_epoch * self.batch_size
+        idx = self._epoch_order()[start : start + self.batch_size]
+        self._batch_in_epoch += 1
+        if self._batch_in_epoch == self.batches_per_epoch:
+            self._epoch += 1
+            self._batch_in_epoch = 0
+        return [dict(self._records[i]) for i in idx]
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """JSON-serializable position plus the settings a resume must share."""
+        return {
+            "epoch": self._epoch,
+            "batch_in_epoch": self._batch_in_epoch,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_records": len(self._records),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the saved position; refuses a state saved with other data or settings."""
+        mine = self.state_dict()
+        mismatched = [
+            f"{k}: saved {state.get(k)!r}, now {mine[k]!r}"
+            for k in ("seed", "batch_size", "num_records", "shuffle", "drop_last")
+            if state.get(k) != mine[k]
+        ]
+        if mismatched:
+            raise ValueError("sampler state does not match this sampler: " + "; ".join(mismatched))
+        epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
+        if epoch < 0 or not 0 <= batch < self.batches_per_epoch:
+            raise ValueError(
+                f"sampler state position out of range: epoch={epoch}, batch_in_epoch={batch} "
+                f"(batches per epoch: {self.batches_per_epoch})"
+            )
+        self._epoch, self._batch_in_epoch = epoch, batch

@@ -1,0 +1,174 @@
+"""FSDPEngine numerics: 2-rank FSDP vs an unsharded single-process reference, accumulation
+invariance, value models, checkpoints, schedules and error messages."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from engines_testutils import (
+    VOCAB,
+    assert_states_close,
+    fsdp_parity_worker,
+    make_batch,
+    model_factory,
+    ref_log_probs,
+    reference_steps,
+    row_mean_loss,
+    save_load_worker,
+    token_mean_loss,
+)
+
+from engines._dist import spawn
+from engines.fsdp import EngineConfig, FSDPEngine, lr_factor
+from engines.models import build_causal_lm, build_value_model, tiny_qwen2_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_two_rank_fsdp_matches_unsharded_reference():
+    # 7 rows -> rank 0 holds 4 (2 micro-batches of 3+1), rank 1 holds 3 (1 micro-batch):
+    # uneven micro-batch counts exercise the zero-weight dummy path.
+    batch = make_batch(B=7)
+    cfg = EngineConfig(lr=1e-3, weight_decay=0.01, warmup_steps=2, grad_clip=0.5, micro_batch_size=3)
+    variant = replace(cfg, accumulate_without_sync=True, gradient_checkpointing=True)
+    per_rank = spawn(fsdp_parity_worker, 2, [cfg, variant], batch, 2)
+
+    ref_model, ref_losses = reference_steps(cfg, batch, steps=2)
+    ref0 = build_causal_lm(tiny_qwen2_config(VOCAB), seed=0)
+    with torch.no_grad():
+        ref_lp = ref_log_probs(ref0, batch)
+    for which in range(2):
+        results = [r[which] for r in per_rank]
+        for r in results:
+            a, b = r["rows"]
+            torch.testing.assert_close(r["log_probs"], ref_lp[a:b], atol=1e-5, rtol=0)
+            assert r["entropy"].shape == (b - a, batch["responses"].shape[1])
+        assert [r["dp"] for r in results] == [(0, 2, True), (1, 2, True)]
+
+        m0 = results[0]["metrics"]
+        assert m0 == results[1]["metrics"]  # metrics are global
+        for s in range(2):
+            assert m0[s]["loss"] == pytest.approx(ref_losses[s], rel=1e-5, abs=1e-6)
+            assert m0[s]["lr"] == pytest.approx(cfg.lr * (s + 1) / 2)
+            assert m0[s]["tokens"] == float(batch["response_mask"].sum())
+            assert m0[s]["rows"] == 7.0
+            assert m0[s]["grad_norm"] > cfg.grad_clip  # clipping was active
+        assert results[1]["state"] == {}  # rank0_only gather
+        assert_states_close(results[0]["state"], ref_model.state_dict())
+
+
+@pytest.mark.parametrize("scale,loss_fn", [("tokens", token_mean_loss), ("rows", row_mean_loss)])
+def test_result_independent_of_micro_batch_size(scale, loss_fn):
+    batch = make_batch(B=6, seed=3)
+    states, metrics = [], []
+    for mbs in (1, 4, 6):
+        cfg = EngineConfig(lr=1e-3, grad_clip=None, micro_batch_size=mbs, loss_scale=scale)
+        eng = FSDPEngine(model_factory(0), cfg)
+        metrics.append(eng.train_step(batch, loss_fn))
+        states.append(eng.full_state_dict())
+    for m in metrics[1:]:
+        assert m["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-5)
+        assert m["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-4)
+    for s in states[1:]:
+        assert_states_close(s, states[0])
+    # full batch in one micro-batch equals the plain reference
+    ref_model, ref_losses = reference_steps(
+        EngineConfig(lr=1e-3, grad_clip=None), batch, steps=1, scale=scale
+    )
+    assert metrics[-1]["loss"] == pytest.approx(ref_losses[0], rel=1e-5)
+    assert_states_close(states[-1], ref_model.state_dict())
+
+
+def test_save_load_round_trip(tmp_path):
+    batch = make_batch(B=4, seed=5)
+    cfg = EngineConfig(lr=1e-3, warmup_steps=3, micro_batch_size=2)
+    res = spawn(save_load_worker, 2, cfg, batch, str(tmp_path / "ckpt"))
+    assert res[0]["loaded_equal"] is True
+    assert res[0]["max_diff_after_step"] == 0.0  # optimizer state and lr restored too
+    ma, mb = res[0]["metrics"]
+    assert ma["lr"] == mb["lr"] == pytest.approx(cfg.lr * 2 / 3)
+    assert res[0]["step"] == 2
+    # resharding: the 2-rank checkpoint loads into a 1-rank engine in this process
+    eng = FSDPEngine(model_factory(7), cfg)
+    eng.load(tmp_path / "ckpt")
+    assert eng.global_step == 1
+    assert eng.lr == pytest.approx(cfg.lr * 2 / 3)
+
+
+def test_value_model_engine():
+    batch = make_batch(B=5, seed=2)
+    cfg = EngineConfig(lr=1e-3, micro_batch_size=2)
+    eng = FSDPEngine(lambda: build_value_model(tiny_qwen2_config(VOCAB), seed=4), cfg)
+    assert eng.model_kind == "value"
+    vals = eng.compute_values(batch)["values"]
+    ref = build_value_model(tiny_qwen2_config(VOCAB), seed=4).eval()
+    am = batch["attention_mask"]
+    with torch.no_grad():
+        out = ref(input_ids=batch["input_ids"], attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0))
+    R = batch["responses"].shape[1]
+    torch.testing.assert_close(vals, out.logits[:, -R - 1 : -1, 0] * batch["response_mask"], atol=1e-5, rtol=0)
+    with pytest.raises(TypeError, match="compute_values"):
+        eng.compute_log_prob(batch)
+
+    def mse(outputs, mb):
+        m = mb["response_mask"].float()
+        return (((outputs["values"] - 1.0) ** 2) * m).sum() / m.sum(), {}
+
+    first = eng.train_step(batch, mse)["loss"]
+    for _ in range(5):
+        last = eng.train_step(batch, mse)["loss"]
+    assert last < first
+
+
+def test_temperature_and_entropy():
+    batch = make_batch(B=3, seed=9)
+    eng = FSDPEngine(model_factory(0), EngineConfig())
+    out = eng.compute_log_prob(batch, temperature=0.7, with_entropy=True)
+    ref = build_causal_lm(tiny_qwen2_config(VOCAB), seed=0)
+    with torch.no_grad():
+        torch.testing.assert_close(out["log_probs"], ref_log_probs(ref, batch, 0.7), atol=1e-5, rtol=0)
+    m = batch["response_mask"].bool()
+    assert (out["entropy"][m] > 0).all() and (out["entropy"][m] <= math.log(VOCAB) + 1e-4).all()
+    assert (out["entropy"][~m] == 0).all()
+
+
+def test_lr_schedule():
+    c = EngineConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    f = [lr_factor(c, s) for s in range(8)]
+    assert f[0] == pytest.approx(0.5) and f[1] == pytest.approx(1.0) and f[2] == pytest.approx(1.0)
+    assert f[4] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f[6] == pytest.approx(0.1) and f[7] == pytest.approx(0.1)
+    assert lr_factor(EngineConfig(), 100) == 1.0
+    with pytest.raises(ValueError, match="total_steps"):
+        EngineConfig(lr_schedule="cosine")
+
+
+def test_errors_and_cpu_offload():
+    eng = FSDPEngine(model_factory(0), EngineConfig())
+    batch = make_batch(B=2)
+    with pytest.raises(KeyError, match="response_mask"):
+        eng.train_step({k: v for k, v in batch.items() if k != "response_mask"}, token_mean_loss)
+    with pytest.raises(KeyError, match="attention_mask"):
+        eng.compute_log_prob({k: v for k, v in batch.items() if k != "attention_mask"})
+    with pytest.raises(ValueError, match="float32"):
+        FSDPEngine(lambda: build_causal_lm(tiny_qwen2_config(VOCAB), dtype=torch.bfloat16), EngineConfig())
+    assert eng.offload() == 0 and eng.onload() == 0  # CPU engine: nothing moves
+    eng.compute_log_prob(batch)  # still usable
+
+
+def test_tensordict_input_with_non_tensor_columns():
+    from tensordict import NonTensorData, TensorDict
+
+    batch = make_batch(B=3)
+    td = TensorDict(batch, batch_size=[3])
+    td["text"] = NonTensorData(["x", "y", "z"], batch_size=[3])
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    out = eng.compute_log_prob(td)
+    assert out.batch_size == torch.Size([3])
+    torch.testing.assert_close(out["log_probs"], eng.compute_log_prob(batch)["log_probs"])
+    seen = []
+    eng.train_step(td, lambda o, mb: (seen.append(sorted(mb)) or token_mean_loss(o, mb)))
+    assert "text" not in seen[0] and "advantages" in seen[0]

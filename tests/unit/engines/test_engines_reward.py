@@ -1,0 +1,109 @@
+"""Rule rewards with hand-written expectations, the registry, and the reward-model engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engines_testutils import VOCAB, make_batch
+
+from engines.models import build_reward_model, tiny_qwen2_config
+from engines.reward import (
+    RewardModelEngine,
+    RuleRewardEngine,
+    get_reward,
+    last_number,
+    list_rewards,
+    register_reward,
+)
+
+
+def test_builtins_registered():
+    for name in ("exact_match", "numeric_match", "regex_format", "boxed_match", "think_answer_format"):
+        assert name in list_rewards()
+    with pytest.raises(KeyError, match="registered"):
+        get_reward("nope")
+
+
+def test_exact_match():
+    f = get_reward("exact_match")
+    assert f([" 42\n", "42", "Yes"], ["42", "43", "yes"]) == [1.0, 0.0, 0.0]
+    assert f(["Yes"], ["yes"], case_sensitive=False) == [1.0]
+    assert f([" a"], ["a"], strip=False) == [0.0]
+    with pytest.raises(ValueError, match="one per response"):
+        f(["a", "b"], ["a"])
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("the answer is 72", 72.0), ("1,234.5 apples", 1234.5), ("x=-3 then 7.", 7.0), ("2e3", 2000.0),
+     ("no digits", None), ("from 5 to .5", 0.5), ("#### 18", 18.0)],
+)
+def test_last_number(text, value):
+    assert last_number(text) == value
+
+
+def test_numeric_match():
+    f = get_reward("numeric_match")
+    r = ["so it is 18", "I think 17", "nothing", "= 3.0", "-4"]
+    g = ["#### 18", "18", "18", "3", "-4"]
+    assert f(r, g) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert f(["1.5"], ["1.5001"], rel_tol=1e-3) == [1.0]
+
+
+def test_format_rewards():
+    f = get_reward("regex_format")
+    assert f(["<a>1</a>", "x<a>1</a>"], None, pattern=r"<a>\d+</a>") == [1.0, 0.0]
+    assert f(["x<a>1</a>"], None, pattern=r"<a>\d+</a>", fullmatch=False) == [1.0]
+    t = get_reward("think_answer_format")
+    assert t(["<think>hm</think> <answer>4</answer>", "<answer>4</answer>"], ["4", "4"]) == [1.0, 0.0]
+    b = get_reward("boxed_match")
+    assert b([r"so \boxed{ 12 }", r"\boxed{\frac{1}{2}}", r"\boxed{3.0}", "12"], ["12", r"\frac{1}{2}", "3", "12"]) == [
+        1.0, 1.0, 1.0, 0.0,
+    ]
+
+
+def test_register_custom_reward():
+    @register_reward("test_len_reward")
+    def length(response_texts, ground_truths, *, scale=1.0):
+        return [scale * len(r) for r in response_texts]
+
+    assert get_reward("test_len_reward")(["ab", "c"], ["", ""], scale=2.0) == [4.0, 2.0]
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_len_reward")(lambda r, g: [0.0] * len(r))
+
+
+class _DigitTok:
+    """Stand-in tokenizer: id i decodes to str(i % 10)."""
+
+    def decode(self, ids):
+        return "".join(str(i % 10) for i in ids)
+
+
+def test_rule_reward_engine():
+    batch = {
+        "responses": torch.tensor([[4, 2, 0], [1, 8, 9]]),
+        "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]),
+    }
+    eng = RuleRewardEngine("numeric_match", _DigitTok())
+    assert eng.decode_responses(batch) == ["42", "189"]
+    out = eng.score(batch, ["42", "7"])
+    assert out["scores"].tolist() == [1.0, 0.0]
+    assert out["token_level_scores"].tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_reward_model_engine_pools_last_real_token():
+    torch.manual_seed(0)
+    model = build_reward_model(tiny_qwen2_config(VOCAB), seed=1)
+    batch = make_batch(B=5, seed=4)
+    out = RewardModelEngine(model, micro_batch_size=2).score(batch)
+    assert out["scores"].shape == (5,)
+    am = batch["attention_mask"]
+    for i in range(5):  # each row alone, unpadded, scored at its final token
+        ids = batch["input_ids"][i][am[i].bool()][None]
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids).last_hidden_state
+            ref = model.score(hidden[:, -1])[0, 0]
+        assert out["scores"][i] == pytest.approx(float(ref), abs=1e-5)
+        last = int(batch["response_mask"][i].sum()) - 1
+        assert out["token_level_scores"][i, last] == out["scores"][i]
+        assert out["token_level_scores"][i].count_nonzero() <= 1
