@@ -139,10 +139,9 @@ class Batch:
         if isinstance(key, str):
             if key in self._nt:
                 return self._nt[key]
-            try:
-                return self._td.get(key)
-            except KeyError:
-                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}") from None
+            if key not in self._td.keys():
+                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}")
+            return self._td.get(key)
         return self._rows(key)
 
     def __setitem__(self, key: str, value: Any) -> None:

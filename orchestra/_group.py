@@ -450,8 +450,8 @@ async def _describe_data(a: Batch | DataFuture, spec: Any, plan: Plan) -> dict[i
     slot_lists = []
     aligned = not spec.pad
     for c in comps:
-        if isinstance(c, Batch):
-            slot_lists.append([[_put(c)]])
+        if isinstance(c, Batch):  # stored as D balanced parts, so that each rank reads about its share
+            slot_lists.append([[_put(p) for p in c.chunk(D) if len(p)]])
             aligned = False
         else:
             slots = await _slot_refs(c)
