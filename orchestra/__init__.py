@@ -19,6 +19,7 @@ from ._group import WorkerGroup
 from ._pool import ResourcePool
 from ._runtime import init, run, shutdown
 from ._stats import controller_stats, reset_controller_stats
+from ._trace import Tracer
 from ._worker import Worker, endpoint
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Part",
     "PlacementError",
     "ResourcePool",
+    "Tracer",
     "Worker",
     "WorkerDiedError",
     "WorkerError",

@@ -31,6 +31,9 @@ def _as_object_array(values: Any, name: str) -> np.ndarray:
         if values.ndim == 0:
             raise ValueError(f"column {name!r}: a 0-d array has no rows; pass one value per row")
         return values
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"column {name!r}: expected one value per row (a list or numpy array), got "
+                        f"{type(values).__name__}; put per-batch values in meta=...")
     arr = np.empty(len(values), dtype=object)
     for i, v in enumerate(values):
         arr[i] = v
@@ -39,7 +42,7 @@ def _as_object_array(values: Any, name: str) -> np.ndarray:
 
 def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
     """A numpy view of ``t`` (zero-copy through Ray's object store) plus the dtype to restore, if numpy lacks it."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():
@@ -94,6 +97,8 @@ class Batch:
             if n is None:
                 n = len(next(iter(nt.values()))) if nt else 0
             td = TensorDict(tensors, batch_size=[n])
+        if len(td.batch_size) == 0:
+            raise ValueError("a Batch needs a TensorDict with a row (batch) dimension, got batch_size=[]")
         if len(td.batch_size) != 1:
             td = TensorDict(dict(td.items()), batch_size=td.batch_size[:1])
         self._td = td
@@ -115,8 +120,14 @@ class Batch:
         tensors, others = {}, {}
         for k, v in columns.items():
             if isinstance(v, torch.Tensor):
+                if v.dim() == 0:
+                    raise ValueError(f"column {k!r}: a 0-d tensor has no rows; pass a tensor of shape [N, ...] "
+                                     f"(one entry per row), or put per-batch values in meta=...")
                 tensors[k] = v
             elif isinstance(v, (list, tuple, np.ndarray)):
+                if isinstance(v, np.ndarray) and v.ndim == 0:
+                    raise ValueError(f"column {k!r}: a 0-d array has no rows; pass one value per row, or put "
+                                     f"per-batch values in meta=...")
                 others[k] = v
             else:
                 raise TypeError(
@@ -190,7 +201,8 @@ class Batch:
     @property
     def nbytes(self) -> int:
         """Bytes held by tensor columns and numeric non-tensor columns (object columns count 8 bytes a row)."""
-        return sum(t.numel() * t.element_size() for t in self._td.values()) + sum(a.nbytes for a in self._nt.values())
+        return (sum(t.numel() * t.element_size() for t in self._td.values(include_nested=True, leaves_only=True))
+                + sum(a.nbytes for a in self._nt.values()))
 
     def __repr__(self) -> str:
         cols = ", ".join(
@@ -201,10 +213,16 @@ class Batch:
         return f"Batch(rows={len(self)}{pad}, {{{cols}}}, meta={self.meta!r:.80})"
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Batch) or len(self) != len(other) or set(self.keys()) != set(other.keys()):
+        """Same rows, same columns (each with the same kind, dtype, shape and values) and the same meta."""
+        if not isinstance(other, Batch) or len(self) != len(other) or set(self._nt) != set(other._nt):
             return False
-        for k, v in self._td.items():
-            if not torch.equal(v, other._td.get(k)):
+        mine = dict(self._td.items(include_nested=True, leaves_only=True))
+        theirs = dict(other._td.items(include_nested=True, leaves_only=True))
+        if set(mine) != set(theirs):
+            return False
+        for k, v in mine.items():
+            o = theirs[k]
+            if v.dtype != o.dtype or v.shape != o.shape or not torch.equal(v, o):
                 return False
         return all(np.array_equal(v, other._nt[k]) for k, v in self._nt.items()) and self.meta == other.meta
 
@@ -215,7 +233,17 @@ class Batch:
         if isinstance(index, slice):
             td, nt = self._td[index], {k: v[index] for k, v in self._nt.items()}
         else:
-            idx = torch.as_tensor(index, dtype=torch.long)
+            if isinstance(index, (int, np.integer)):
+                raise TypeError(f"b[{index}]: index rows with a slice (b[i:i+1]) or a list of positions (b[[i]]); "
+                                f"a column by name (b['key'])")
+            idx = torch.as_tensor(index)
+            if idx.dtype == torch.bool:  # a row mask, not positions 0/1
+                if idx.shape != (len(self),):
+                    raise IndexError(f"a boolean row mask needs shape ({len(self)},), got {tuple(idx.shape)}")
+                idx = idx.nonzero().flatten()
+            elif idx.is_floating_point() and idx.numel():
+                raise TypeError(f"row positions must be integers, got {idx.dtype}")
+            idx = idx.to(torch.long)
             np_idx = idx.numpy()
             td, nt = self._td[idx], {k: v[np_idx] for k, v in self._nt.items()}
         return Batch(td, nt, self.meta, _validate=False)
@@ -250,9 +278,10 @@ class Batch:
         first = batches[0]
         keys = set(first.keys())
         for i, b in enumerate(batches[1:], 1):
-            if set(b.keys()) != keys:
+            if set(b.keys()) != keys or set(b._nt) != set(first._nt):
                 raise ValueError(
-                    f"Batch.concat: batch {i} has columns {sorted(b.keys())}, batch 0 has {sorted(keys)}"
+                    f"Batch.concat: batch {i} has tensor columns {sorted(b._td.keys())} and non-tensor columns "
+                    f"{sorted(b._nt)}, batch 0 has {sorted(first._td.keys())} and {sorted(first._nt)}"
                 )
         tds = [b._td for b in batches]
         td = torch.cat(tds, dim=0) if tds[0].keys() else TensorDict({}, batch_size=[sum(len(b) for b in batches)])
@@ -339,7 +368,7 @@ class Batch:
 
     # -- wire format ----------------------------------------------------------------------------------------------
     def __reduce__(self):  # numpy views pickle out of band: Ray stores them without a copy and readers map them
-        tensors = {k: _tensor_to_wire(v) for k, v in self._td.items()}
+        tensors = {k: _tensor_to_wire(v) for k, v in self._td.items(include_nested=True, leaves_only=True)}
         return _rebuild, (len(self), tensors, self._nt, self.meta, self._pad)
 
 

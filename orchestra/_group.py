@@ -18,6 +18,7 @@ from ._pool import ResourcePool
 from ._wire import DataArg, Layout, PartInfo, Source
 from ._worker import EndpointSpec, MeshInfo, Worker, endpoints_of
 from .dispatch import Plan
+from .dispatch import stream as stream_transform
 
 __all__ = ["WorkerGroup"]
 
@@ -173,6 +174,16 @@ class WorkerGroup:
         await self.ready()
         await asyncio.gather(*[h.reset_stats.remote() for h in self._shared.hosts])
 
+    async def set_tracing(self, enabled: bool = True) -> None:
+        """Record a span per call on every rank (and the parts each fetched and produced) for ``orchestra.Tracer``."""
+        await self.ready()
+        await asyncio.gather(*[h.set_tracing.remote(enabled) for h in self._shared.hosts])
+
+    async def take_events(self) -> list[tuple[int, list[dict]]]:
+        """Per rank, (pid, spans recorded since the last take)."""
+        await self.ready()
+        return list(await asyncio.gather(*[h.take_events.remote() for h in self._shared.hosts]))
+
     async def ping(self) -> list[int]:
         """Round trip to every rank's control loop (answers even while an endpoint computes)."""
         await self.ready()
@@ -244,12 +255,15 @@ def _validate_mesh(group: str, endpoint: str, name: str, infos: list[MeshInfo | 
 class _Endpoint:
     """A group's endpoint: call it to get a DataFuture; ``.options(timeout=...)`` for a per-call deadline."""
 
-    def __init__(self, group: WorkerGroup, spec: EndpointSpec, timeout: float | None = None) -> None:
-        self.group, self.spec, self.timeout = group, spec, timeout
+    def __init__(self, group: WorkerGroup, spec: EndpointSpec, timeout: float | None = None,
+                 stream: bool = False) -> None:
+        self.group, self.spec, self.timeout, self.stream = group, spec, timeout, stream
 
-    def options(self, *, timeout: float | None = None) -> _Endpoint:
-        """This endpoint with call options: ``timeout`` seconds until the call fails with a TimeoutError."""
-        return _Endpoint(self.group, self.spec, timeout)
+    def options(self, *, timeout: float | None = None, stream: bool | None = None) -> _Endpoint:
+        """This endpoint with call options: ``timeout`` seconds until the call fails with a TimeoutError;
+        ``stream=True`` maps a sharded endpoint over the parts of a streamed input as they arrive (``D.stream()``)."""
+        return _Endpoint(self.group, self.spec, timeout if timeout is not None else self.timeout,
+                         self.stream if stream is None else stream)
 
     def __repr__(self) -> str:
         return f"<endpoint {self.group.name}.{self.spec.name} dispatch={self.spec.dispatch!r}>"
@@ -265,6 +279,8 @@ class _Endpoint:
         plan = Plan(group=g, endpoint=spec.name, world_size=g.world_size, ranks=tuple(range(g.world_size)),
                     args=args, kwargs=kwargs)
         plan = spec.dispatch.check(plan)
+        if self.stream and not plan.stream:
+            plan = stream_transform().check(plan)
         _check_columns(plan, spec)
         fut = DataFuture(group=g.name, endpoint=spec.name, timeout=self.timeout)
         fut._dispatch = spec.dispatch

@@ -53,6 +53,11 @@ CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1}
 
 
 REFS_KWARG = "_orc_refs"
+_DONE = object()
+
+
+def _is_value(o: Any) -> bool:
+    return not isinstance(o, PartInfo) and not (isinstance(o, Output) and o.parts is not None)
 
 
 def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
@@ -111,6 +116,8 @@ class Host:
         self.stats_: dict[str, dict[str, dict[str, float]]] = collections.defaultdict(
             lambda: collections.defaultdict(_counters))
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
+        self.tracing = False
+        self.events: collections.deque = collections.deque(maxlen=200_000)
 
     def _aloop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -183,6 +190,17 @@ class Host:
     def reset_stats(self) -> None:
         self.stats_.clear()
 
+    @ray.method(concurrency_group=CONTROL)
+    def set_tracing(self, enabled: bool) -> None:
+        self.tracing = enabled
+
+    @ray.method(concurrency_group=CONTROL)
+    def take_events(self) -> tuple[int, list[dict]]:
+        """(pid, recorded spans) since the last take; each span names the parts it fetched and produced."""
+        out = list(self.events)
+        self.events.clear()
+        return os.getpid(), out
+
     @ray.method(concurrency_group=COMPUTE)
     def noop(self, *args: Any, **kwargs: Any) -> None:
         """A bare actor method that takes any arguments and does nothing: the floor raw Ray sets, for benchmarks."""
@@ -194,13 +212,17 @@ class Host:
         args, resolved = _split_refs(args, kwargs)
         try:
             spec, fn, ctx, counters = self._begin(role, name)
-            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec)
+            start, fetched = time.time(), ([] if self.tracing else None)
+            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched)
             t0 = time.perf_counter()
             try:
                 result = self._aloop().run_until_complete(fn(*args, **kwargs)) if spec.is_async else fn(*args, **kwargs)
             finally:
                 counters["seconds"] += time.perf_counter() - t0
-            return self._store(result, pad, counters)
+            out = self._store(result, pad, counters)
+            if fetched is not None:
+                self._event(role, name, start, time.time(), fetched, out)
+            return out
         except WorkerError:
             raise
         except BaseException as e:
@@ -211,21 +233,29 @@ class Host:
         args, resolved = _split_refs(args, kwargs)
         try:
             spec, fn, ctx, counters = self._begin(role, name)
-            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec)
+            start, fetched = time.time(), ([] if self.tracing else None)
+            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched)
             if pad:
                 raise ValueError("a streaming endpoint cannot take padded input; drop pad from its dispatch")
             gen = fn(*args, **kwargs)
-            if hasattr(gen, "__anext__"):
-                loop = self._aloop()
-                while True:
+            loop = self._aloop() if hasattr(gen, "__anext__") else None
+            seq = 0
+            while True:
+                if loop is not None:
                     try:
                         item = loop.run_until_complete(gen.__anext__())
                     except StopAsyncIteration:
                         break
-                    yield self._store_output(item, counters)
-            else:
-                for item in gen:
-                    yield self._store_output(item, counters)
+                else:
+                    item = next(gen, _DONE)
+                    if item is _DONE:
+                        break
+                out = self._store_output(item, counters)
+                if fetched is not None:  # one span per yielded part
+                    now = time.time()
+                    self._event(role, f"{name}[{seq}]", start, now, fetched, out)
+                    start, fetched, seq = now, [], seq + 1
+                yield out
         except WorkerError:
             raise
         except BaseException as e:
@@ -244,7 +274,7 @@ class Host:
         return spec, getattr(self.roles[role], name), self.contexts[role], counters
 
     def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict,
-                 spec: EndpointSpec) -> tuple[tuple[tuple, dict], int]:
+                 spec: EndpointSpec, trace: list | None = None) -> tuple[tuple[tuple, dict], int]:
         if not any(isinstance(a, DataArg) for a in (*args, *kwargs.values())):
             return (args, kwargs), 0
         pads: list[int] = []
@@ -252,9 +282,9 @@ class Host:
         def one(a: Any) -> Any:
             if not isinstance(a, DataArg):
                 return a
-            batch, p = self._materialize(a, resolved, counters)
+            batch, p = self._materialize(a, resolved, counters, trace)
             pads.append(p)
-            if spec.requires:
+            if spec.requires and isinstance(batch, Batch):
                 missing = [k for k in spec.requires if k not in batch]
                 if missing:
                     raise KeyError(f"input is missing column(s) {missing} that endpoint {spec.name!r} requires; "
@@ -267,8 +297,17 @@ class Host:
             raise ValueError(f"data arguments were padded differently ({pads}); pass them as one union a | b")
         return (new_args, new_kwargs), (pads[0] if pads else 0)
 
-    def _materialize(self, arg: DataArg, resolved: tuple, counters: dict) -> tuple[Batch, int]:
-        """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union."""
+    def _materialize(self, arg: DataArg, resolved: tuple, counters: dict,
+                     trace: list | None = None) -> tuple[Any, int]:
+        """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union.
+
+        A source whose outputs are plain values (not Batches) arrives as its value: one rank's value as is,
+        several ranks' as a list (what awaiting that future in the controller would give, less its collect)."""
+        if len(arg.sources) == 1 and arg.layout.kind == "whole":
+            outs = [resolved[o] if isinstance(o, int) else o for o in arg.sources[0].outputs]
+            if outs and all(_is_value(o) for o in outs):
+                values = [o.value if isinstance(o, Output) else o for o in outs]
+                return (values[0] if len(values) == 1 else values), 0
         part_lists = [self._parts(src, resolved) for src in arg.sources]
         totals = [sum(p.rows for p in parts) for parts in part_lists]
         if len(set(totals)) > 1:
@@ -282,7 +321,7 @@ class Host:
         wanted = _wanted(start, stop, n) if arg.layout.kind == "balanced" else [(0, n)]
         out = None
         for parts in part_lists:
-            b = self._read(parts, wanted, counters)
+            b = self._read(parts, wanted, counters, trace)
             out = b if out is None else out.union(b)
         counters["rows_used"] += len(out)
         return out, pad
@@ -296,15 +335,18 @@ class Host:
                 parts.append(out)
             elif isinstance(out, Output):
                 if out.parts is None:
-                    raise TypeError(f"rank {out.rank} of the upstream call returned {type(out.value).__name__}, "
-                                    f"not a Batch; await it in the controller and pass the value instead")
+                    raise TypeError(f"rank {out.rank} of the upstream call returned {type(out.value).__name__}, not a "
+                                    f"Batch; only Batch results can be split by rows (a plain value can be forwarded "
+                                    f"to a broadcast call)")
                 parts.extend(out.parts)
             else:
-                raise TypeError(f"unexpected data descriptor {type(out).__name__}")
+                raise TypeError(f"the upstream call returned {type(out).__name__}, not a Batch; only Batch results "
+                                f"can be split by rows (a plain value can be forwarded to a broadcast call)")
         return parts
 
     @staticmethod
-    def _read(parts: list[PartInfo], wanted: list[tuple[int, int]], counters: dict) -> Batch:
+    def _read(parts: list[PartInfo], wanted: list[tuple[int, int]], counters: dict,
+              trace: list | None = None) -> Batch:
         plan = [ov for lo, hi in wanted for ov in overlapping([p.rows for p in parts], lo, hi)]
         need = sorted({i for i, _, _ in plan})
         remote = [i for i in need if isinstance(parts[i].ref, ray.ObjectRef)]
@@ -313,6 +355,8 @@ class Host:
             counters["parts_in"] += 1
             counters["rows_in"] += parts[i].rows
             counters["bytes_in"] += parts[i].nbytes
+            if trace is not None and isinstance(parts[i].ref, ray.ObjectRef):
+                trace.append((parts[i].ref.hex(), parts[i].nbytes))
         pieces = []
         for i, lo, hi in plan:
             b = fetched.get(i, parts[i].ref)
@@ -343,6 +387,11 @@ class Host:
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size
         return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
+
+    def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
+        produced = [(p.ref.hex(), p.nbytes, p.rows) for p in out.parts] if isinstance(out, Output) and out.parts else []
+        self.events.append({"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched,
+                            "produced": produced})
 
     def _store_output(self, item: Any, counters: dict) -> Output:
         out = self._store(item, 0, counters)
