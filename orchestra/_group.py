@@ -331,7 +331,8 @@ def _send(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
           calls: dict[int, tuple[tuple, dict, list]]) -> None:
     hosts = g._shared.hosts
     meth = g._method_name(spec.name)
-    collectors = set(plan.shard.collectors) if plan.shard is not None else set(plan.ranks)
+    collectors = set(plan.shard.collectors if plan.shard is not None else
+                     plan.collectors if plan.collectors is not None else plan.ranks)
     slots = []
     for r in plan.ranks:
         args, kwargs, refs = calls[r]

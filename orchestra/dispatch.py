@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = [
     "Dispatch", "Plan", "ShardSpec", "broadcast", "scatter", "shard", "pad", "rank_zero", "metrics", "stream",
-    "dp_with_func", "only_ranks",
+    "dp_with_func", "only_ranks", "from_rank",
 ]
 
 
@@ -52,6 +52,7 @@ class Plan:
     per_rank: dict[int, tuple[tuple, dict]] = field(default_factory=dict)
     shard: ShardSpec | None = None
     stream: bool = False
+    collectors: tuple[int, ...] | None = None  # without shard: the ranks whose results count (None: all)
 
     def with_(self, **changes: Any) -> Plan:
         """A copy with some fields changed."""
@@ -313,6 +314,30 @@ class _OnlyRanks(Dispatch):
 def only_ranks(*ranks: int) -> Dispatch:
     """Run on the given ranks only (arguments as the other transforms say); ``await`` gives their results."""
     return _OnlyRanks(ranks)
+
+
+class _FromRank(Dispatch):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def check(self, plan: Plan) -> Plan:
+        if not 0 <= self.rank < plan.world_size:
+            raise _error(plan, f"from_rank({self.rank}): no such rank in a group of {plan.world_size}")
+        if plan.shard is not None:
+            raise _error(plan, "from_rank() picks one rank's value; it cannot follow shard()")
+        return plan.with_(collectors=(self.rank,))
+
+    def collect(self, plan: Plan, results: list[Any]) -> Any:
+        return results[0]
+
+    def __repr__(self) -> str:
+        return f"from_rank({self.rank})"
+
+
+def from_rank(rank: int = 0) -> Dispatch:
+    """Every rank runs (e.g. a collective gather); only ``rank``'s result is kept: ``await`` gives that value, and
+    forwarding the future hands just that value to the next call."""
+    return _FromRank(rank)
 
 
 class _Metrics(Dispatch):
