@@ -56,7 +56,9 @@ class _Slot:
 
     def add(self, ref: ray.ObjectRef) -> None:
         self.refs.append(ref)
-        self.outputs.append(asyncio.wrap_future(ref.future()))
+        out = asyncio.wrap_future(ref.future())
+        out.add_done_callback(_swallow)  # a forwarded, never-awaited failure must not log "never retrieved"
+        self.outputs.append(out)
         self._notify()
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -103,6 +105,7 @@ class DataFuture:
         self._t0 = time.perf_counter()
         self._known_rows: int | None = None
         self._dispatch: Any = None
+        self._concat_all = False  # sharded Batch results: collect sees one batch of all rows
 
     # -- filled in by the group -----------------------------------------------------------------------------------
     def _set_slots(self, slots: list[_Slot]) -> None:
@@ -200,6 +203,11 @@ class DataFuture:
         fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
         by_info = {id(p): (next(fetched) if isinstance(p.ref, ray.ObjectRef) else p.ref) for p in infos}
         _stats.add_materialized(sum(p.nbytes for p in infos))
+        if self._concat_all and per_slot and all(o.is_batch for outs in per_slot for o in outs):
+            # rows of a sharded call: one concatenation over every part (not per rank, then again over ranks)
+            batches = [by_info[id(p)] for outs in per_slot for o in outs for p in o.parts]
+            values.append(Batch.concat(batches) if batches else Batch.from_dict({}))
+            per_slot = []
         for outs in per_slot:
             if outs and all(o.is_batch for o in outs):
                 batches = [by_info[id(p)] for o in outs for p in o.parts]

@@ -292,6 +292,7 @@ class _Endpoint:
         if (g._shared._ready and not spec.dispatch.needs_split(plan) and not plan.stream
                 and not any(isinstance(a, DataFuture) for a in plan.data_args())):
             fut._collect = lambda values, plan=plan: spec.dispatch.collect(plan, values)  # fast path: send now
+            fut._concat_all = plan.shard is not None
             _send(g, spec, plan, fut, _per_rank_calls(plan, _describe_all_sync(plan)))
             return fut
         fut._task = asyncio.get_running_loop().create_task(_submit(g, spec, plan, fut))
@@ -316,6 +317,7 @@ async def _submit(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFutur
         await g.ready()
         plan = await spec.dispatch.split(plan)
         fut._collect = lambda values, plan=plan: spec.dispatch.collect(plan, values)
+        fut._concat_all = plan.shard is not None
         if plan.stream:
             await _submit_stream(g, spec, plan, fut)
         else:
@@ -353,10 +355,10 @@ def _send(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
 
 
 def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:
-    """Upstream header refs ride as trailing positional arguments so that Ray resolves them before the call."""
+    """Upstream header refs ride nested in one keyword argument; the worker fetches them (see Host._call)."""
     if not refs:
         return args, kwargs
-    return (*args, *refs), {**kwargs, REFS_KWARG: len(refs)}
+    return args, {**kwargs, REFS_KWARG: list(refs)}
 
 
 async def _drain(gen: Any, slot: _Slot) -> None:
@@ -411,7 +413,8 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tu
             if per_dp is None:
                 return a
             sources, layout = per_dp[spec.dp_of_rank[r] if spec is not None else 0]
-            return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout)
+            return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
+                           values_ok=spec is None)
 
         out[r] = (tuple([convert(a) for a in args]), {k: convert(v) for k, v in kwargs.items()}, b.refs)
     return out

@@ -29,6 +29,14 @@ from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 __all__ = ["Host"]
 
 PART_BYTES = int(os.environ.get("ORCHESTRA_PART_BYTES", 8 << 20))
+MIN_PART_BYTES = 1 << 20
+
+
+def part_count(nbytes: int) -> int:
+    """How many parts an output of ``nbytes`` is stored as: parts of at most PART_BYTES, and at least 8 parts of
+    >= 1 MiB each for outputs that large, so that a reader of a reshard fetches little beyond its own rows."""
+    target = min(PART_BYTES, max(MIN_PART_BYTES, nbytes // 8))
+    return max(1, -(-nbytes // target))
 
 
 def _wanted(start: int, stop: int, n: int) -> list[tuple[int, int]]:
@@ -61,9 +69,10 @@ def _is_value(o: Any) -> bool:
 
 
 def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-    """The user arguments and the trailing upstream headers that Ray resolved (their count is in REFS_KWARG)."""
-    n = kwargs.pop(REFS_KWARG, 0)
-    return (args[: len(args) - n], args[len(args) - n:]) if n else (args, ())
+    """The user arguments, and the upstream headers the call reads (fetched here, in the worker, not by Ray before
+    the call: a task whose argument failed upstream would never reach the actor and stall its ordered queue)."""
+    refs = kwargs.pop(REFS_KWARG, None)
+    return args, (tuple(ray.get(refs)) if refs else ())
 
 
 def host_class(roles: dict[str, type]) -> type:
@@ -209,9 +218,9 @@ class Host:
     # -- data plane -----------------------------------------------------------------------------------------------
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
         """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
-        args, resolved = _split_refs(args, kwargs)
         try:
             spec, fn, ctx, counters = self._begin(role, name)
+            args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched)
             t0 = time.perf_counter()
@@ -230,9 +239,9 @@ class Host:
 
     def _call_stream(self, role: str, name: str, args: tuple, kwargs: dict) -> Iterator[Output]:
         """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists."""
-        args, resolved = _split_refs(args, kwargs)
         try:
             spec, fn, ctx, counters = self._begin(role, name)
+            args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched)
             if pad:
@@ -303,7 +312,7 @@ class Host:
 
         A source whose outputs are plain values (not Batches) arrives as its value: one rank's value as is,
         several ranks' as a list (what awaiting that future in the controller would give, less its collect)."""
-        if len(arg.sources) == 1 and arg.layout.kind == "whole":
+        if arg.values_ok and len(arg.sources) == 1:
             outs = [resolved[o] if isinstance(o, int) else o for o in arg.sources[0].outputs]
             if outs and all(_is_value(o) for o in outs):
                 values = [o.value if isinstance(o, Output) else o for o in outs]
@@ -378,7 +387,7 @@ class Host:
                                  f"shard endpoint must return one row per input row")
             result = result.slice(0, len(result) - pad)
         n, nbytes = len(result), result.nbytes
-        pieces = max(1, min(n, -(-nbytes // PART_BYTES))) if n else 1
+        pieces = max(1, min(n, part_count(nbytes))) if n else 1
         parts = []
         for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
             size = piece.nbytes

@@ -76,6 +76,7 @@ class DataArg:
 
     sources: tuple[Source, ...]
     layout: Layout = field(default_factory=Layout)
+    values_ok: bool = False  # a broadcast argument may be a forwarded plain value instead of rows
 
 
 def row_range(n: int, layout: Layout) -> tuple[int, int, int]:

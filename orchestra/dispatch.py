@@ -98,10 +98,25 @@ class Dispatch:
         """Map per-rank results (in rank order, collectors only) to the value ``await`` returns."""
         return results
 
+    reduces = False  # collects the per-rank results into one value: must be the last transform
+
     def __or__(self, other: Dispatch) -> Dispatch:
         if not isinstance(other, Dispatch):
             return NotImplemented
-        return Chain((*_flatten(self), *_flatten(other)))
+        steps: tuple[Dispatch, ...] = ()
+        for s in (*_flatten(self), *_flatten(other)):
+            if isinstance(s, _Pad) and steps and isinstance(steps[-1], _Shard):  # shard() | pad() is shard(pad=True)
+                prev = steps[-1]
+                s = _Shard(prev.mesh, True, prev.allow_empty)
+                steps = steps[:-1]
+            steps = (*steps, s)
+        if len(steps) == 1:
+            return steps[0]
+        for i, s in enumerate(steps[:-1]):
+            if s.reduces and any(type(t).collect is not Dispatch.collect for t in steps[i + 1:]):
+                raise TypeError(f"{s!r} turns the per-rank results into one value, so it must come last in "
+                                f"{' | '.join(map(repr, steps))}")
+        return Chain(steps)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__.lower()}()"
@@ -202,7 +217,7 @@ class _Shard(Dispatch):
             if cached is not None:
                 spec = _mesh_spec(cached, self.mesh, self.pad, self.allow_empty)
         if spec is not None:
-            _check_rows(plan, spec)
+            check_rows(plan, spec)
         return plan.with_(shard=spec if spec is not None else ShardSpec((), 0, (), self.pad, self.allow_empty,
                                                                            self.mesh))
 
@@ -210,7 +225,7 @@ class _Shard(Dispatch):
         if plan.shard is not None and plan.shard.dp_size == 0:  # mesh not looked up yet
             mesh = await plan.group._mesh(self.mesh, plan.endpoint)
             spec = _mesh_spec(mesh, self.mesh, plan.shard.pad, plan.shard.allow_empty)
-            _check_rows(plan, spec)
+            check_rows(plan, spec)
             plan = plan.with_(shard=spec)
         return plan
 
@@ -235,7 +250,8 @@ def _mesh_spec(mesh: Sequence[Any], name: str, pad: bool, allow_empty: bool) -> 
                      tuple(r for r, m in enumerate(mesh) if m.is_collector), pad, allow_empty, name)
 
 
-def _check_rows(plan: Plan, spec: ShardSpec) -> None:
+def check_rows(plan: Plan, spec: ShardSpec) -> None:
+    """Reject a shard of fewer known rows than DP ranks (unless padding or empty shards are allowed)."""
     if spec.pad or spec.allow_empty:
         return
     for a in plan.data_args():
@@ -280,6 +296,8 @@ def pad() -> Dispatch:
 
 
 class _RankZero(Dispatch):
+    reduces = True
+
     def check(self, plan: Plan) -> Plan:
         if plan.shard is not None:
             raise _error(plan, "rank_zero() runs on one rank and cannot follow shard(); use broadcast() | rank_zero()")
@@ -302,6 +320,9 @@ class _OnlyRanks(Dispatch):
         self.ranks = tuple(ranks)
 
     def check(self, plan: Plan) -> Plan:
+        if plan.shard is not None:
+            raise _error(plan, "only_ranks() cannot follow shard(): the rows of the other ranks would be lost; "
+                               "use broadcast() | only_ranks(...)")
         bad = [r for r in self.ranks if not 0 <= r < plan.world_size]
         if bad:
             raise _error(plan, f"only_ranks{self.ranks}: rank(s) {bad} do not exist in a group of {plan.world_size}")
@@ -317,6 +338,8 @@ def only_ranks(*ranks: int) -> Dispatch:
 
 
 class _FromRank(Dispatch):
+    reduces = True
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
@@ -341,6 +364,8 @@ def from_rank(rank: int = 0) -> Dispatch:
 
 
 class _Metrics(Dispatch):
+    reduces = True
+
     def __init__(self, reduce: str | Callable[[list[float]], float]) -> None:
         self.reduce = reduce
 

@@ -44,9 +44,12 @@ async def test_upstream_error_surfaces_downstream(g3):
         await g3.score(g3.echo(Batch.from_dict({"y": torch.arange(6)})))
     assert info.value.endpoint == "score"
     # an upstream failure fails the forwarded call with the upstream's own error
-    with pytest.raises(orc.WorkerError, match="boom on 0") as info:
-        await g3.score(g3.fail_on(0))
-    assert info.value.endpoint == "fail_on"
+    with pytest.raises(orc.WorkerError, match="missing column") as info:
+        await g3.plus_one(g3.score(g3.echo(Batch.from_dict({"y": torch.arange(6)}))))
+    assert info.value.endpoint == "score"
+    # a plain-value future cannot be split by rows: the error says so
+    with pytest.raises(orc.WorkerError, match="not a Batch"):
+        await g3.score(g3.get_scale())
 
 
 async def test_deadline_names_running_ranks_and_cancels_work(g3):

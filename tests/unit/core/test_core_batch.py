@@ -1,0 +1,373 @@
+"""Batch: row operations (property-tested), column algebra, construction errors, equality and the wire format.
+
+Every batch here is built from row ids: tensor column ``i`` is the id, ``x`` is ``[id, -id, 0.5 * id]``, bf16 column
+``h`` is the id, and the non-tensor column ``s`` is ``"r<id>"`` — so after any operation the row order is
+``b["i"].tolist()`` and ``aligned(b)`` checks that every column still describes the same row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestra import Batch
+from orchestra._batch import balanced_sizes
+
+FAST = settings(deadline=None, max_examples=60)
+META = {"step": 7, "tag": "rollout"}
+
+
+def make(ids: list[int], meta: dict | None = META) -> Batch:
+    t = torch.tensor(ids, dtype=torch.int64)
+    return Batch.from_dict({
+        "i": t,
+        "x": torch.stack([t.float(), -t.float(), 0.5 * t.float()], dim=1) if ids else torch.zeros(0, 3),
+        "h": t.to(torch.bfloat16),
+        "s": np.array([f"r{k}" for k in ids], dtype=object),
+    }, meta=meta)
+
+
+def ids(b: Batch) -> list[int]:
+    return b["i"].tolist()
+
+
+def aligned(b: Batch) -> bool:
+    i = b["i"]
+    return (len(b["s"]) == len(b) == len(i)
+            and list(b["s"]) == [f"r{k}" for k in i.tolist()]
+            and torch.equal(b["x"][:, 0], i.float()) and torch.equal(b["x"][:, 1], -i.float())
+            and torch.equal(b["h"], i.to(torch.bfloat16)))
+
+
+rows = st.integers(min_value=0, max_value=40)
+
+
+@st.composite
+def batch_and_sizes(draw):
+    n = draw(rows)
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=8)))  # repeated cuts give zero-size pieces
+    bounds = [0, *cuts, n]
+    return n, [b - a for a, b in itertools.pairwise(bounds)]
+
+
+# -- split / concat / chunk ---------------------------------------------------------------------------------------
+@FAST
+@given(batch_and_sizes())
+def test_split_concat_round_trip(case):
+    n, sizes = case
+    b = make(list(range(n)))
+    pieces = b.split(sizes)
+    assert [len(p) for p in pieces] == sizes
+    start = 0
+    for p, s in zip(pieces, sizes):
+        assert ids(p) == list(range(start, start + s)) and aligned(p)
+        assert p.meta == META
+        start += s
+    assert Batch.concat(pieces) == b
+
+
+def test_split_rejects_sizes_that_do_not_add_up():
+    b = make(list(range(5)))
+    with pytest.raises(ValueError, match=r"add up to the batch's 5 rows"):
+        b.split([2, 2])
+    with pytest.raises(ValueError, match=">= 0"):
+        b.split([6, -1])
+
+
+def test_concat_rejects_mismatched_columns_and_empty_input():
+    with pytest.raises(ValueError, match="at least one batch"):
+        Batch.concat([])
+    with pytest.raises(ValueError, match="batch 1 has"):
+        Batch.concat([make([1]), make([2]).exclude("s")])
+    # same names, but "s" is a tensor in one batch and strings in the other
+    other = Batch.from_dict({"i": torch.tensor([2]), "x": torch.zeros(1, 3), "h": torch.zeros(1),
+                             "s": torch.tensor([0])})
+    with pytest.raises(ValueError, match="non-tensor columns"):
+        Batch.concat([make([1]), other])
+
+
+@FAST
+@given(rows, st.integers(min_value=1, max_value=12))
+def test_chunk_is_balanced_larger_first(n, parts):
+    b = make(list(range(n)))
+    pieces = b.chunk(parts)
+    sizes = [len(p) for p in pieces]
+    assert len(pieces) == parts and sum(sizes) == n
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes == balanced_sizes(n, parts)
+    assert all(aligned(p) and p.meta == META for p in pieces)
+    assert Batch.concat(pieces) == b
+
+
+def test_chunk_examples():
+    assert [len(p) for p in make(list(range(10))).chunk(4)] == [3, 3, 2, 2]
+    assert [len(p) for p in make(list(range(2))).chunk(4)] == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="0 parts"):
+        make([1]).chunk(0)
+
+
+# -- pad / unpad --------------------------------------------------------------------------------------------------
+@FAST
+@given(st.integers(1, 30), st.integers(1, 9))
+def test_pad_to_multiple_then_unpad(n, m):
+    b = make(list(range(n)))
+    p = b.pad_to_multiple(m)
+    pad = (-n) % m
+    assert len(p) % m == 0 and p.pad_count == pad
+    assert ids(p) == list(range(n)) + [k % n for k in range(pad)]  # padding repeats the first rows
+    assert aligned(p) and p.meta == META
+    u = p.unpad()
+    assert u == b and u.pad_count == 0
+
+
+def test_pad_count_survives_column_ops_and_accumulates():
+    p = make(list(range(5))).pad_to_multiple(4)
+    assert p.pad_count == 3
+    assert p.select("i").pad_count == 3
+    assert p.exclude("s").pad_count == 3
+    assert p.clone().pad_count == 3
+    assert (p | Batch.from_dict({"y": torch.zeros(8)})).pad_count == 3
+    pp = p.pad_to_multiple(5)
+    assert len(pp) == 10 and pp.pad_count == 5
+    assert pp.unpad() == make(list(range(5)))
+    assert make([1, 2]).pad_to_multiple(2) is not None and make([1, 2]).pad_to_multiple(2).pad_count == 0
+
+
+def test_pad_errors():
+    with pytest.raises(ValueError, match="empty batch"):
+        make([]).pad_to_multiple(4)
+    with pytest.raises(ValueError, match="multiple >= 1"):
+        make([1]).pad_to_multiple(0)
+
+
+# -- repeat -------------------------------------------------------------------------------------------------------
+@FAST
+@given(st.lists(st.integers(0, 1000), max_size=12), st.integers(1, 4))
+def test_repeat_row_order(row_ids, k):
+    b = make(row_ids)
+    inter = b.repeat(k, interleave=True)
+    tiled = b.repeat(k, interleave=False)
+    assert ids(inter) == [r for r in row_ids for _ in range(k)]  # a a b b
+    assert ids(tiled) == row_ids * k  # a b a b
+    assert aligned(inter) and aligned(tiled)
+    assert inter.meta == tiled.meta == META
+
+
+def test_repeat_rejects_n_below_one():
+    with pytest.raises(ValueError, match="n >= 1"):
+        make([1]).repeat(0)
+
+
+# -- rows ---------------------------------------------------------------------------------------------------------
+def test_row_indexing():
+    b = make([10, 11, 12, 13])
+    assert ids(b[1:3]) == [11, 12]
+    assert ids(b[::2]) == [10, 12]
+    assert ids(b[[3, 0]]) == [13, 10] and aligned(b[[3, 0]])
+    assert ids(b[np.array([2])]) == [12]
+    assert ids(b[torch.tensor([True, False, False, True])]) == [10, 13]  # a mask selects rows
+    assert ids(b[[]]) == []
+    with pytest.raises(IndexError, match="mask"):
+        b[torch.tensor([True, False])]
+    with pytest.raises(TypeError, match=r"b\[i:i\+1\]"):
+        b[0]
+    assert [ids(p) for p in b.iter_slices(3)] == [[10, 11, 12], [13]]
+
+
+# -- select / exclude / union -------------------------------------------------------------------------------------
+def test_select_and_exclude():
+    b = make([1, 2, 3])
+    s = b.select("s", "i")
+    assert set(s.keys()) == {"s", "i"} and list(s["s"]) == ["r1", "r2", "r3"] and s.meta == META
+    e = b.exclude("x", "h")
+    assert set(e.keys()) == {"i", "s"} and e == s
+    with pytest.raises(KeyError, match=r"no column\(s\) \['nope'\]"):
+        b.select("i", "nope")
+    assert len(b.select()) == 3  # no columns, rows kept
+
+
+def test_union_right_wins_on_name_clash():
+    left = Batch.from_dict({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4]), "t": ["p", "q"]}, meta={"m": 1, "k": 0})
+    right = Batch.from_dict({"b": torch.tensor([30, 40]), "c": ["u", "v"], "a": ["A", "B"], "t": torch.tensor([7, 8])},
+                            meta={"m": 2})
+    u = left | right
+    assert u == left.union(right)
+    assert set(u.keys()) == {"a", "b", "c", "t"}
+    assert u["b"].tolist() == [30, 40]
+    assert list(u["a"]) == ["A", "B"]  # tensor on the left, strings on the right: right wins, kind changes
+    assert u["t"].tolist() == [7, 8]  # and the other way round
+    assert "a" not in u.tensors.keys() and "t" not in u.non_tensors
+    assert u.meta == {"m": 2, "k": 0}
+    assert left["a"].tolist() == [1, 2]  # operands untouched
+
+
+def test_union_row_count_mismatch_and_non_batch():
+    with pytest.raises(ValueError, match=r"3 rows \| 2 rows"):
+        make([1, 2, 3]) | make([1, 2])
+    with pytest.raises(TypeError):
+        make([1]) | {"y": torch.zeros(1)}
+
+
+@FAST
+@given(st.lists(st.integers(0, 99), min_size=1, max_size=15), st.integers(1, 5))
+def test_non_tensor_columns_stay_aligned_through_every_op(row_ids, m):
+    b = make(row_ids)
+    extra = Batch.from_dict({"y": torch.tensor(row_ids) * 2, "name": [f"n{k}" for k in row_ids]})
+    ops = [
+        b.chunk(m)[0], b.split([len(row_ids), 0])[0], b.pad_to_multiple(m), b.pad_to_multiple(m).unpad(),
+        b.repeat(m), b.repeat(m, interleave=False), b.select("i", "x", "h", "s"), b.exclude("h").union(b.select("h")),
+        b | extra, Batch.concat(b.chunk(m)), b[list(reversed(range(len(row_ids))))], b.clone(),
+        pickle.loads(pickle.dumps(b, protocol=5)),
+    ]
+    for out in ops:
+        assert aligned(out)
+    u = b | extra
+    assert list(u["name"]) == [f"n{k}" for k in ids(u)] and u["y"].tolist() == [2 * k for k in ids(u)]
+
+
+def test_meta_travels_to_every_shard():
+    b = make(list(range(9)))
+    shards = [*b.chunk(4), *b.split([9]), b.slice(2, 4), *b.iter_slices(4), b.repeat(2), b.pad_to_multiple(4),
+              b.select("i"), b.exclude("i"), b.clone(), b[[0]]]
+    assert all(s.meta == META for s in shards)
+    shards[0].meta["step"] = 99  # each shard has its own meta dict
+    assert b.meta["step"] == 7
+
+
+# -- construction -------------------------------------------------------------------------------------------------
+def test_from_dict_mismatched_rows_names_every_column():
+    with pytest.raises(ValueError, match=r"different row counts: \{'x': 3, 's': 2\}"):
+        Batch.from_dict({"x": torch.zeros(3), "s": ["a", "b"]})
+
+
+@pytest.mark.parametrize("value, exc, hint", [
+    (3, TypeError, "meta="),
+    (2.5, TypeError, "meta="),
+    ("abc", TypeError, "meta="),
+    (torch.tensor(3), ValueError, "0-d tensor"),
+    (np.array(3), ValueError, "0-d array"),
+])
+def test_from_dict_rejects_scalar_columns(value, exc, hint):
+    with pytest.raises(exc, match=hint) as e:
+        Batch.from_dict({"n": torch.zeros(2), "bad": value})
+    assert "'bad'" in str(e.value)
+
+
+def test_setitem_checks_rows_and_kind():
+    b = make([1, 2, 3])
+    b["y"] = torch.ones(3)
+    b["names"] = ["a", "b", "c"]
+    assert set(b.keys()) >= {"y", "names"}
+    b["y"] = ["p", "q", "r"]  # a column may change kind
+    assert "y" in b.non_tensors and "y" not in b.tensors.keys()
+    with pytest.raises(ValueError, match="needs 3 rows"):
+        b["z"] = torch.ones(2)
+    with pytest.raises(ValueError, match="needs 3 rows"):
+        b["z"] = ["a"]
+    with pytest.raises(TypeError, match="one value per row"):
+        b["z"] = "abc"  # not split into characters
+    with pytest.raises(KeyError, match="no column 'nope'"):
+        b["nope"]
+    del b["y"]
+    assert "y" not in b
+
+
+def test_constructor_validates_non_tensor_rows():
+    with pytest.raises(ValueError, match="has 2 rows but the batch has 3"):
+        Batch({"x": torch.zeros(3)}, {"s": ["a", "b"]})
+    with pytest.raises(ValueError, match="both a tensor and a non-tensor"):
+        Batch({"x": torch.zeros(2)}, {"x": ["a", "b"]})
+    assert len(Batch(None, {"s": ["a", "b"]})) == 2
+    assert len(Batch.from_dict({})) == 0
+
+
+# -- equality -----------------------------------------------------------------------------------------------------
+def test_eq():
+    b = make([1, 2, 3])
+    assert b == make([1, 2, 3])
+    assert b != make([1, 2, 4])
+    assert b != make([1, 2])
+    assert b != make([1, 2, 3], meta={"step": 8})
+    assert b != b.exclude("s")
+    assert b != 3 and b != "b"
+    ints = Batch.from_dict({"x": torch.tensor([1, 2])})
+    assert ints != Batch.from_dict({"x": torch.tensor([1.0, 2.0])})  # same values, other dtype
+    assert ints != Batch.from_dict({"x": [1, 2]})  # same name, other kind: False, not an error
+    with pytest.raises(TypeError):
+        hash(b)
+
+
+# -- wire format --------------------------------------------------------------------------------------------------
+def _dumps5(b: Batch) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)
+    return data, buffers
+
+
+def _address(buf: pickle.PickleBuffer) -> int:
+    return np.frombuffer(buf.raw(), dtype=np.uint8).ctypes.data
+
+
+def test_pickle5_sends_tensor_payload_out_of_band_without_copy():
+    x = torch.randn(4096, 64)  # 1 MiB
+    h = torch.randn(4096, 16).to(torch.bfloat16)  # numpy has no bf16: travels as an int16 view
+    b = Batch.from_dict({"x": x, "h": h, "s": [f"r{k}" for k in range(4096)]}, meta={"step": 1})
+    data, buffers = _dumps5(b)
+    sizes = sorted(memoryview(buf).nbytes for buf in buffers)
+    assert sizes == sorted([x.numel() * 4, h.numel() * 2])
+    assert len(data) < 64 << 10  # only strings, meta and headers in band (1.1 MiB of tensors is not)
+    assert {_address(buf) for buf in buffers} == {x.data_ptr(), h.data_ptr()}  # views of the tensors: no copy
+    out = pickle.loads(data, buffers=buffers)
+    assert out == b
+    assert out["h"].dtype == torch.bfloat16 and torch.equal(out["h"], h)
+    assert out["x"].data_ptr() == x.data_ptr()  # in-process round trip maps the same memory
+
+
+def test_pickle5_of_a_slice_carries_only_its_rows():
+    b = Batch.from_dict({"x": torch.randn(1000, 32)})
+    part = b.slice(100, 300)
+    data, buffers = _dumps5(part)
+    assert [memoryview(buf).nbytes for buf in buffers] == [200 * 32 * 4]
+    assert pickle.loads(data, buffers=buffers) == part
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64,
+                                   torch.bool, torch.float8_e4m3fn])
+def test_pickle_round_trip_dtypes(dtype):
+    x = (torch.randn(20, 3) * 3).to(dtype)
+    b = Batch.from_dict({"x": x, "s": [str(k) for k in range(20)]}, meta={"m": [1, 2]}).pad_to_multiple(8)
+    for protocol in (4, 5):
+        out = pickle.loads(pickle.dumps(b, protocol=protocol))
+        assert out["x"].dtype == dtype
+        assert torch.equal(out["x"].view(torch.uint8), b["x"].view(torch.uint8))  # bitwise (float8 has no ==)
+        assert list(out["s"]) == list(b["s"]) and out.meta == b.meta and out.pad_count == b.pad_count == 4
+
+
+def test_pickle_round_trip_non_contiguous_and_empty():
+    t = torch.randn(8, 6).t()  # non-contiguous
+    b = Batch.from_dict({"t": t, "e": torch.zeros(6, 0)})
+    out = pickle.loads(pickle.dumps(b, protocol=5))
+    assert out == b and out["e"].shape == (6, 0)
+    empty = make([])
+    assert pickle.loads(pickle.dumps(empty, protocol=5)) == empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int64, torch.bool])
+def test_concat_of_large_columns_matches_torch_cat(dtype):
+    # above 1 MiB a column is copied through a numpy buffer (huge pages); the result must be what torch.cat gives
+    x = (torch.randn(3000, 128) * 4).to(dtype)
+    pieces = [x[:1000], x[1000:1000], x[1000:2999], x[2999:]]
+    b = Batch.concat([Batch.from_dict({"x": p, "t": p.t().contiguous().t()}) for p in pieces])  # 2nd non-contiguous
+    for k in ("x", "t"):
+        assert b[k].dtype == dtype and b[k].shape == x.shape
+        assert torch.equal(b[k].view(torch.uint8), torch.cat(pieces).view(torch.uint8))
+    before = x.clone()
+    b["x"][0] = b["x"][1]  # a private, writable copy: the inputs do not change
+    assert torch.equal(x.view(torch.uint8), before.view(torch.uint8))

@@ -1,0 +1,237 @@
+"""Dispatch transforms without Ray: ``check`` (runs when the call is made), ``split`` (async), ``collect`` and
+composition, on a tiny stand-in for the group; plus a user-defined transform in a few lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+
+import pytest
+import torch
+
+from orchestra import Batch, DispatchError
+from orchestra import dispatch as D
+from orchestra._future import DataFuture
+from orchestra._worker import MeshInfo
+from orchestra.dispatch import Dispatch, Plan
+
+
+class FakeGroup:
+    """What transforms read from a group: its name and (for shard(mesh=...)) the mesh lookups."""
+
+    name = "actor"
+
+    def __init__(self, mesh: list[MeshInfo] | None = None) -> None:
+        self.mesh = mesh
+
+    def _cached_mesh(self, name: str) -> list[MeshInfo] | None:
+        return None
+
+    async def _mesh(self, name: str, endpoint: str) -> list[MeshInfo]:
+        return self.mesh
+
+
+def plan(*args, world: int = 4, group: FakeGroup | None = None, **kwargs) -> Plan:
+    return Plan(group=group or FakeGroup(), endpoint="step", world_size=world, ranks=tuple(range(world)),
+                args=args, kwargs=kwargs)
+
+
+def rows(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n)})
+
+
+# -- broadcast / scatter ------------------------------------------------------------------------------------------
+def test_broadcast_sends_the_same_arguments_everywhere():
+    p = D.broadcast().check(plan(1, b=2))
+    assert p.ranks == (0, 1, 2, 3) and p.per_rank == {} and p.shard is None
+    assert D.broadcast().collect(p, [1, 2, 3, 4]) == [1, 2, 3, 4]
+    assert not D.broadcast().needs_split(p)
+
+
+def test_scatter_gives_rank_i_entry_i():
+    p = D.scatter().check(plan(["a", "b", "c", "d"], 7, tag=("w", "x", "y", "z"), k=1))
+    assert p.per_rank[2] == (("c", 7), {"tag": "y", "k": 1})
+    assert [p.per_rank[r][0][0] for r in range(4)] == ["a", "b", "c", "d"]
+
+
+def test_scatter_errors_say_what_to_change():
+    with pytest.raises(DispatchError, match=r"needs at least one list argument with one entry per rank \(4 ranks\)"):
+        D.scatter().check(plan(1, 2))
+    with pytest.raises(DispatchError, match=r"argument 0 has 3 entries but the group has 4 ranks"):
+        D.scatter().check(plan([1, 2, 3]))
+    with pytest.raises(DispatchError, match=r"argument 'xs' has 5 entries") as e:
+        D.scatter().check(plan(xs=[1, 2, 3, 4, 5]))
+    assert "group 'actor', endpoint 'step'" in str(e.value)
+    assert isinstance(e.value, ValueError)  # DispatchError is a ValueError too
+
+
+# -- shard / pad --------------------------------------------------------------------------------------------------
+def test_shard_spec_over_all_ranks():
+    p = D.shard().check(plan(rows(10), 0.5))
+    assert p.shard == D.ShardSpec((0, 1, 2, 3), 4, (0, 1, 2, 3))
+    assert p.data_args() == [p.args[0]]
+    assert not D.shard().needs_split(p)  # the group's size is known: nothing to await
+
+
+def test_shard_needs_a_data_argument():
+    with pytest.raises(DispatchError, match="at least one Batch or DataFuture argument"):
+        D.shard().check(plan([1, 2, 3, 4]))
+
+
+def test_shard_rejects_fewer_rows_than_ranks():
+    with pytest.raises(DispatchError, match=r"a batch of 3 rows cannot be sharded over 4 data-parallel ranks") as e:
+        D.shard().check(plan(rows(3)))
+    assert "shard(pad=True)" in str(e.value) and "allow_empty=True" in str(e.value)
+    assert D.shard(pad=True).check(plan(rows(3))).shard.pad
+    assert D.shard(allow_empty=True).check(plan(rows(3))).shard.allow_empty
+
+
+def test_shard_row_check_uses_known_future_rows():
+    async def go():
+        fut = DataFuture(group="up", endpoint="gen")
+        D.shard().check(plan(fut))  # rows unknown: nothing to check yet
+        fut._known_rows = 2
+        with pytest.raises(DispatchError, match="a batch of 2 rows"):
+            D.shard().check(plan(fut))
+
+    asyncio.run(go())
+
+
+def test_shard_over_a_mesh_is_resolved_in_split():
+    mesh = [MeshInfo(r // 2, 2, r % 2 == 0) for r in range(4)]  # DP 2 x TP 2, first rank of each replica collects
+    d = D.shard(mesh="actor")
+    p = d.check(plan(rows(5), group=FakeGroup(mesh)))
+    assert p.shard.dp_size == 0 and d.needs_split(p)  # not looked up yet
+    p = asyncio.run(d.split(p))
+    assert p.shard == D.ShardSpec((0, 0, 1, 1), 2, (0, 2), mesh="actor")
+    assert not d.needs_split(p)
+    with pytest.raises(DispatchError, match="a batch of 1 rows cannot be sharded over 2"):
+        asyncio.run(d.split(d.check(plan(rows(1), group=FakeGroup(mesh)))))
+
+
+def test_shard_collect_concatenates_batches_in_rank_order():
+    p = D.shard().check(plan(rows(4)))
+    out = D.shard().collect(p, [rows(2), Batch.from_dict({"x": torch.tensor([7])})])
+    assert out["x"].tolist() == [0, 1, 7]
+    assert D.shard().collect(p, [1, 2]) == [1, 2]  # non-Batch results stay a list
+
+
+def test_pad_needs_shard_first():
+    with pytest.raises(DispatchError, match=r"pad\(\) only applies after shard\(\): write shard\(...\) \| pad\(\)"):
+        D.pad().check(plan(rows(8)))
+    assert (D.shard() | D.pad()).check(plan(rows(8))).shard.pad
+
+
+def test_shard_then_pad_accepts_fewer_rows_than_ranks():
+    assert (D.shard() | D.pad()).check(plan(rows(3))).shard.pad  # as shard(pad=True) does
+
+
+def test_stream_needs_shard_first():
+    with pytest.raises(DispatchError, match=r"stream\(\) maps parts over the DP replicas"):
+        D.stream().check(plan(rows(8)))
+    assert (D.shard() | D.stream()).check(plan(rows(8))).stream
+
+
+# -- rank_zero / only_ranks / from_rank ---------------------------------------------------------------------------
+def test_rank_zero():
+    p = D.rank_zero().check(plan("ckpt"))
+    assert p.ranks == (0,)
+    assert D.rank_zero().collect(p, ["saved"]) == "saved"
+    with pytest.raises(DispatchError, match=r"rank_zero\(\) runs on one rank and cannot follow shard\(\)"):
+        (D.shard() | D.rank_zero()).check(plan(rows(8)))
+
+
+def test_only_ranks():
+    assert D.only_ranks(1, 3).check(plan()).ranks == (1, 3)
+    with pytest.raises(DispatchError, match=r"rank\(s\) \[3\] do not exist in a group of 2"):
+        D.only_ranks(1, 3).check(plan(world=2))
+
+
+def test_only_ranks_after_shard_is_rejected():
+    with pytest.raises(DispatchError, match="only_ranks\\(\\) cannot follow shard\\(\\)"):
+        (D.shard() | D.only_ranks(0, 1)).check(plan(rows(8)))
+
+
+def test_reducing_transforms_must_come_last():
+    with pytest.raises(TypeError, match="must come last"):
+        D.broadcast() | D.metrics() | D.rank_zero()
+    with pytest.raises(TypeError, match="must come last"):
+        D.rank_zero() | D.metrics()
+
+
+def test_from_rank_keeps_one_rank_result():
+    p = D.from_rank(2).check(plan())
+    assert p.ranks == (0, 1, 2, 3) and p.collectors == (2,)
+    assert D.from_rank(2).collect(p, ["r2"]) == "r2"
+    with pytest.raises(DispatchError, match=r"from_rank\(4\): no such rank"):
+        D.from_rank(4).check(plan())
+
+
+# -- composition --------------------------------------------------------------------------------------------------
+def test_composition_applies_left_to_right():
+    d = D.broadcast() | D.rank_zero()
+    assert repr(d) == "broadcast() | rank_zero()"
+    p = d.check(plan("path"))
+    assert p.ranks == (0,)
+    assert d.collect(p, ["only rank 0 ran"]) == "only rank 0 ran"
+    chained = (D.shard() | D.pad()) | D.metrics("sum")
+    assert len(chained.steps) == 2  # chains flatten; shard() | pad() folds into shard(pad=True)
+    assert repr(chained) == "shard(pad=True) | metrics(reduce='sum')"
+    assert chained.collect(chained.check(plan(rows(8))), [{"n": 2}, {"n": 3}]) == {"n": 5.0}
+    with pytest.raises(TypeError):
+        D.broadcast() | "rank_zero"
+
+
+# -- metrics ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduce, expected", [
+    ("mean", statistics.fmean), ("sum", math.fsum), ("max", max), ("min", min),
+    (lambda v: sorted(v)[len(v) // 2], lambda v: sorted(v)[len(v) // 2]),
+])
+def test_metrics_reduce(reduce, expected):
+    results = [{"loss": 1.0, "tokens": 10}, {"loss": 3.0, "tokens": 30}, {"loss": 2.0, "tokens": 20}]
+    out = D.metrics(reduce).collect(plan(world=3), results)
+    assert out == {"loss": expected([1.0, 3.0, 2.0]), "tokens": expected([10.0, 30.0, 20.0])}
+
+
+def test_metrics_skips_missing_and_non_numeric_values():
+    out = D.metrics().collect(plan(world=3), [{"a": 1, "tag": "x"}, {"a": 3, "b": torch.tensor(2.0)}, {"b": True}])
+    assert out == {"a": 2.0, "b": 1.5}
+
+
+def test_metrics_errors():
+    with pytest.raises(TypeError, match=r"group 'actor', endpoint 'step': metrics\(\) expects every rank to return a "
+                                        r"dict, got list"):
+        D.metrics().collect(plan(world=2), [{"a": 1}, [1]])
+    with pytest.raises(ValueError, match=r"metrics\(reduce='median'\): choose one of"):
+        D.metrics("median")
+
+
+# -- a user-defined transform -------------------------------------------------------------------------------------
+class only_even_ranks(Dispatch):
+    """Run on the even ranks only."""
+
+    def check(self, plan: Plan) -> Plan:
+        return plan.with_(ranks=tuple(r for r in plan.ranks if r % 2 == 0))
+
+
+def test_user_defined_transform():
+    d = D.broadcast() | only_even_ranks() | D.metrics("sum")
+    p = d.check(plan(world=5))
+    assert p.ranks == (0, 2, 4)
+    assert not d.needs_split(p)  # no async split: the call is sent at once
+    assert d.collect(p, [{"n": 1}, {"n": 1}, {"n": 1}]) == {"n": 3.0}
+    assert repr(only_even_ranks()) == "only_even_ranks()"
+
+
+def test_a_transform_with_an_async_split_is_awaited():
+    class tag_rank(Dispatch):
+        async def split(self, plan: Plan) -> Plan:
+            await asyncio.sleep(0)  # e.g. a lookup
+            return plan.with_(per_rank={r: ((r,), {}) for r in plan.ranks})
+
+    d = D.broadcast() | tag_rank()
+    p = d.check(plan(world=3))
+    assert d.needs_split(p)
+    assert asyncio.run(d.split(p)).per_rank == {0: ((0,), {}), 1: ((1,), {}), 2: ((2,), {})}
