@@ -1,0 +1,44 @@
+"""``orchestra train CONFIG.yaml key=value ... [--resume]``: run a training job from a typed config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``orchestra`` command."""
+    p = argparse.ArgumentParser(prog="orchestra", description="orchestra: async RL post-training on Ray")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run a GRPO or PPO job", description="Run a training job. Overrides are "
+                       "section.key=value (e.g. actor.lr=1e-3 runner.total_steps=50).")
+    t.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in runner.output_dir")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    from .config import ConfigError, load_config
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]
+    try:
+        cfg = load_config(config, overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"orchestra train: {e}", file=sys.stderr)
+        return 2
+    from .runner import run
+
+    history = run(cfg, resume=args.resume, progress=not args.no_progress)
+    if history:
+        last = history[-1]
+        print(f"done: {len(history)} steps, last reward/mean {last['reward/mean']:.3f}; metrics in "
+              f"{cfg.runner.output_dir}/metrics.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

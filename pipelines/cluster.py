@@ -1,0 +1,112 @@
+"""Roles mapped to pools: which worker groups a training job runs, and where.
+
+colocated: actor + rollout + reference in one process per rank (critic too, for PPO), reward (+ advantage
+helpers) on a CPU pool. split: the rollout engine gets a pool of its own and receives weights worker to worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestra import ResourcePool, WorkerGroup
+
+from .config import Config
+from .taskspec import TaskSpec
+from .workers import AdvantageWorker
+
+__all__ = ["Cluster", "build_cluster", "model_overrides", "engine_config"]
+
+
+def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
+    """Overrides of the tiny Qwen2 config built from the ``model`` section."""
+    m = cfg.model
+    return {"vocab_size": m.vocab_size or vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_heads, "num_key_value_heads": max(1, m.num_heads // 2),
+            "intermediate_size": 2 * m.hidden_size, "max_position_embeddings": m.max_seq_len}
+
+
+def engine_config(cfg: Config, section: Any, total_steps: int, seed: int) -> Any:
+    """An ``engines.EngineConfig`` from an actor/critic config section."""
+    from engines import EngineConfig
+
+    return EngineConfig(lr=section.lr, weight_decay=section.weight_decay, warmup_steps=section.warmup_steps,
+                        total_steps=total_steps, grad_clip=section.grad_clip,
+                        micro_batch_size=section.micro_batch_size, seed=seed,
+                        device="cuda" if cfg.resources.device == "cuda" else "cpu")
+
+
+@dataclass
+class Cluster:
+    """The job's worker groups. ``rollout`` is ``actor`` when colocated; ``critic`` only for PPO."""
+
+    actor: WorkerGroup
+    rollout: WorkerGroup
+    reward: WorkerGroup
+    advantage: WorkerGroup
+    critic: WorkerGroup | None = None
+    pools: list[ResourcePool] = field(default_factory=list)
+
+    @property
+    def split(self) -> bool:
+        return self.rollout is not self.actor
+
+    def groups(self) -> list[WorkerGroup]:
+        out = [self.actor, self.reward, self.advantage]
+        if self.split:
+            out.append(self.rollout)
+        if self.critic is not None:
+            out.append(self.critic)
+        return out
+
+    async def ready(self) -> None:
+        await asyncio.gather(*[g.ready() for g in self.groups()])
+
+    def shutdown(self) -> None:
+        seen = set()
+        for g in self.groups():
+            if id(g._shared) not in seen:
+                seen.add(id(g._shared))
+                g.shutdown()
+
+
+def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
+    """Start the job's groups (in the background; ``await cluster.ready()``)."""
+    from engines import SamplingParams
+    from engines.workers import ActorRolloutRefWorker, CriticWorker, RewardWorker
+
+    r = cfg.resources
+    tok = task.tokenizer()
+    model = model_overrides(cfg, tok.vocab_size)
+    per_step = cfg.actor.ppo_epochs * cfg.actor.mini_batches
+    total = cfg.runner.total_steps * per_step + task.warm_start_steps
+    seed = cfg.runner.seed
+    sampling = SamplingParams(n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    use_gpu = r.device == "cuda"
+    actor_pool = ResourcePool(process_on_nodes=[r.actor_workers], use_gpu=use_gpu, name="actor")
+    actor_init = dict(model=model, seed=seed, engine=engine_config(cfg, cfg.actor, total, seed), sampling=sampling,
+                      tokenizer=tok, with_ref=cfg.algorithm.kl_coef > 0)
+    roles: dict[str, type] = {"actor": ActorRolloutRefWorker}
+    init: dict[str, dict] = {"actor": actor_init}
+    if cfg.algorithm.name == "ppo":
+        roles["critic"] = CriticWorker
+        init["critic"] = dict(model=model, seed=seed + 1, engine=engine_config(cfg, cfg.critic, total, seed + 1))
+    views = WorkerGroup.colocate(actor_pool, roles, group_name="actor", **init)
+    pools = [actor_pool]
+    rollout = views["actor"]
+    if r.placement == "split":
+        from engines.workers import RolloutWorker
+
+        rollout_pool = ResourcePool(process_on_nodes=[r.rollout_workers], use_gpu=use_gpu, name="rollout")
+        rollout = WorkerGroup(rollout_pool, RolloutWorker, model=model, seed=seed, sampling=sampling, tokenizer=tok,
+                              group_name="rollout")
+        pools.append(rollout_pool)
+    reward_pool = ResourcePool(process_on_nodes=[r.reward_workers], name="reward")
+    reward_views = WorkerGroup.colocate(reward_pool, {"reward": RewardWorker, "advantage": AdvantageWorker},
+                                       group_name="reward",
+                                       reward=dict(reward=task.reward_fn, tokenizer=tok, **task.reward_kwargs))
+    pools.append(reward_pool)
+    return Cluster(actor=views["actor"], rollout=rollout, reward=reward_views["reward"],
+                   advantage=reward_views["advantage"], critic=views.get("critic"), pools=pools)

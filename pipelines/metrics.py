@@ -1,0 +1,86 @@
+"""Where step metrics go: ``metrics.jsonl`` (always), TensorBoard (when installed and asked for), a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsSink", "plot_metrics", "read_metrics"]
+
+
+class MetricsSink:
+    """Appends one JSON object per step to ``metrics.jsonl``; mirrors numbers to TensorBoard if enabled.
+
+    On resume, lines after the checkpointed step (``truncate_after``) are dropped so that the file reads as one
+    uninterrupted run.
+    """
+
+    def __init__(self, out: Path, *, tensorboard: bool = False, truncate_after: int | None = None,
+                 enabled: bool = True) -> None:
+        self.path = Path(out) / "metrics.jsonl"
+        self.enabled = enabled
+        if enabled:
+            if truncate_after is None:
+                self.path.write_text("")
+            elif self.path.exists():
+                keep = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= truncate_after]
+                self.path.write_text("".join(line + "\n" for line in keep))
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: JSONL only
+                self._tb = None
+            else:
+                self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(path: str | Path, png: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> Path | None:
+    """Plot ``keys`` by step (with a 10-step moving average) to ``png``; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = read_metrics(path)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in recs if key in r]
+        if not pts:
+            continue
+        steps, vals = zip(*pts)
+        ax.plot(steps, vals, alpha=0.35, label=key)
+        w = 10
+        avg = [sum(vals[max(0, i - w + 1): i + 1]) / len(vals[max(0, i - w + 1): i + 1]) for i in range(len(vals))]
+        ax.plot(steps, avg, label=f"{key} (10-step mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return Path(png)

@@ -1,0 +1,56 @@
+"""PPO: rollouts scored by a reward, values from a critic, GAE advantages, clipped policy and value updates.
+
+The KL to the reference enters either the reward (``algorithm.kl_in=reward``, the classic RLHF penalty) or the
+policy loss. Advantages are computed on the reward pool next to the rows; the controller reads only the batch
+moments it needs to whiten them and the per-sequence scores for logging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from orchestra import DataFuture
+
+from .losses import PolicyLoss, ValueLoss
+from .stage import StepContext, union
+
+__all__ = ["ppo_step"]
+
+
+async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
+    """One PPO update (actor and critic) on ``rollouts``."""
+    cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
+    stream = {"stream": True}
+    kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"
+
+    scores = ctx.stage("reward", c.reward.score.options(**stream)(rollouts))
+    old = ctx.stage("old_log_prob", c.actor.compute_log_prob.options(**stream)(rollouts))
+    ref = (ctx.stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**stream)(rollouts))
+           if alg.kl_coef > 0 else None)
+    values = ctx.stage("values", c.critic.compute_values.options(**stream)(rollouts))
+
+    adv = ctx.stage("gae", c.advantage.gae.options(**stream)(
+        union(rollouts, scores, old, ref, values), gamma=alg.gamma, lam=alg.lam,
+        kl_coef=alg.kl_coef if kl_in_reward else 0.0, kl_estimator=alg.kl_estimator))
+    mean, std = 0.0, 1.0
+    if alg.whiten_advantages:
+        m = await c.advantage.moments(union(rollouts, adv))
+        mean = m["sum"] / max(m["count"], 1.0)
+        std = math.sqrt(max(m["sumsq"] / max(m["count"], 1.0) - mean * mean, 0.0)) + 1e-8
+
+    policy = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
+                        dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg,
+                        entropy_coef=cfg.actor.entropy_coef, kl_coef=0.0 if kl_in_reward else alg.kl_coef,
+                        kl_estimator=alg.kl_estimator, adv_mean=mean, adv_std=std)
+    batch = union(rollouts, old, ref, values, adv)
+    actor_m, critic_m = await asyncio.gather(
+        ctx.stage("update_actor", c.actor.update_actor(batch, loss_fn=policy, ppo_epochs=cfg.actor.ppo_epochs,
+                                                        mini_batches=cfg.actor.mini_batches)),
+        ctx.stage("update_critic", c.critic.update_critic(batch, loss_fn=ValueLoss(cfg.critic.value_clip,
+                                                                                   cfg.critic.loss_agg),
+                                                          ppo_epochs=cfg.actor.ppo_epochs,
+                                                          mini_batches=cfg.actor.mini_batches)))
+    s = (await scores)["scores"]
+    return {**ctx.score_metrics(s), "adv/mean": mean, "adv/std": std,
+            **actor_m, **critic_m}

@@ -1,0 +1,246 @@
+"""The runner: drives a step function over many steps with streaming, bounded staleness, metrics, progress,
+checkpoints, resume and a timeline trace.
+
+A step function (``grpo_step``, ``ppo_step``) is an async function over DataFutures; the runner adds what a single
+step cannot: it launches the next step's rollout early when ``max_staleness=1`` (weights versioned; data older
+than the bound is regenerated, never used), keeps the sampler and RNG state in checkpoints so that ``--resume``
+continues exactly, and writes ``metrics.jsonl``, TensorBoard scalars, a reward plot and a Perfetto trace.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import orchestra as orc
+from orchestra import Batch, DataFuture
+
+from .cluster import Cluster, build_cluster
+from .config import Config, config_to_dict
+from .data import PromptSampler
+from .grpo import grpo_step
+from .losses import SFTLoss
+from .metrics import MetricsSink, plot_metrics
+from .ppo import ppo_step
+from .stage import StepContext
+from .taskspec import TaskSpec, get_task, prompt_batch
+
+__all__ = ["Runner", "STEPS"]
+
+StepFn = Callable[[StepContext, DataFuture], Awaitable[dict[str, float]]]
+STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step}
+
+
+@dataclass
+class _Launched:
+    """A step's rollout in flight: the prompts it was made from and the weights version that makes it."""
+
+    step: int
+    prompts: Batch
+    rollouts: DataFuture
+    version: int
+    started: float
+
+
+class Runner:
+    """Runs a training job described by a Config (see ``orchestra train --help``)."""
+
+    def __init__(self, cfg: Config, *, resume: bool = False, progress: bool = True) -> None:
+        self.cfg, self.resume, self.progress = cfg, resume, progress
+        self.out = Path(cfg.runner.output_dir)
+        self.step_fn = STEPS[cfg.algorithm.name]
+        self.task: TaskSpec = get_task(cfg)
+        self.tok = self.task.tokenizer()
+        self.sampler = PromptSampler(self.task.records, cfg.data.prompts_per_step, seed=cfg.data.seed,
+                                     shuffle=cfg.data.shuffle)
+        self.cluster: Cluster | None = None
+        self.tracer: orc.Tracer | None = None
+        self.actor_version = 0
+        self.rollout_version = 0
+        self.start_step = 0
+        self.history: list[dict[str, Any]] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    async def run(self) -> list[dict[str, Any]]:
+        """Run (or resume) the job to ``runner.total_steps``; returns the metrics of the steps run here."""
+        cfg = self.cfg
+        if not self.resume and self.out.exists() and (self.out / "checkpoints").exists():
+            shutil.rmtree(self.out / "checkpoints")
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        _seed_everything(cfg.runner.seed)
+        orc.init()
+        self.cluster = build_cluster(cfg, self.task)
+        try:
+            await self.cluster.ready()
+            if cfg.runner.trace:
+                self.tracer = orc.Tracer(*self.cluster.groups())
+                await self.tracer.start()
+            if self.resume:
+                await self._restore()
+            elif self.task.warm_start_steps:
+                await self._warm_start()
+            await self._sync_rollout()
+            sink = MetricsSink(self.out, tensorboard=cfg.runner.tensorboard, truncate_after=self.start_step - 1
+                               if self.resume else None, enabled=cfg.runner.metrics)
+            try:
+                await self._loop(sink)
+            finally:
+                sink.close()
+            if cfg.runner.plot:
+                plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png")
+            return self.history
+        finally:
+            if self.tracer is not None:
+                await self.tracer.collect()
+                self.tracer.save(self.out / "trace.json")
+            self.cluster.shutdown()
+
+    async def _loop(self, sink: MetricsSink) -> None:
+        cfg = self.cfg
+        total = cfg.runner.total_steps
+        bar = _progress(total, self.start_step) if self.progress else None
+        pending: _Launched | None = None
+        for step in range(self.start_step, total):
+            cur = pending if pending is not None and pending.step == step else self._launch(step)
+            if self.actor_version - cur.version > cfg.runner.max_staleness:  # beyond the bound: never used
+                cur.rollouts.cancel()
+                cur = self._launch(step)
+            pending = None
+            if cfg.runner.max_staleness >= 1 and step + 1 < total:
+                pending = self._launch(step + 1)  # generated with the current weights while this step updates
+            ctx = StepContext(self.cluster, cfg, step, self.tracer)
+            with _span(self.tracer, f"step {step}", step=step):
+                metrics = await self.step_fn(ctx, cur.rollouts)
+                self.actor_version += 1
+                await self._sync_rollout()
+            await ctx.settle()
+            rec = self._record(step, cur, metrics, ctx)
+            sink.write(rec)
+            self.history.append(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward/mean']:.3f}", tok_s=f"{rec['perf/tokens_per_s']:.0f}")
+            if cfg.runner.checkpoint_every and (step + 1) % cfg.runner.checkpoint_every == 0:
+                await self.save(step)
+            if self.tracer is not None:
+                await self.tracer.collect()
+        if bar is not None:
+            bar.close()
+
+    def _launch(self, step: int) -> _Launched:
+        """Sample this step's prompts and start generating (returns at once)."""
+        recs = next(self.sampler)
+        prompts = prompt_batch(recs, self.tok, uid_offset=step * len(recs))
+        rollouts = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
+                                                 seed=self.cfg.rollout.seed)
+        return _Launched(step, prompts, rollouts, self.rollout_version, time.time())
+
+    async def _sync_rollout(self) -> None:
+        """Split placement: weights go from the actor to the rollout pool worker to worker. Colocated: the
+        rollout engine syncs in-process, lazily, before it generates."""
+        if self.cluster.split:
+            await self.cluster.rollout.load_weights(self.cluster.actor.state_dict_for_sync(), self.actor_version)
+        self.rollout_version = self.actor_version
+
+    def _record(self, step: int, cur: _Launched, metrics: dict[str, float], ctx: StepContext) -> dict[str, Any]:
+        elapsed = time.time() - cur.started
+        tokens = metrics.get("actor/tokens", 0.0)
+        return {"step": step, **{k: float(v) for k, v in metrics.items()}, **ctx.extra(),
+                "perf/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "staleness": self.actor_version - 1 - cur.version, "time": time.time()}
+
+    async def _warm_start(self) -> None:
+        """Format-only supervised steps (random answers) before RL, when the task asks for them."""
+        rows = self.cfg.data.prompts_per_step * self.cfg.rollout.n
+        for s in range(self.task.warm_start_steps):
+            batch = self.task.warm_start_batch(s, rows, self.cfg.runner.seed, self.cfg.rollout.max_new_tokens)
+            await self.cluster.actor.update_actor(batch, loss_fn=SFTLoss())
+        self.actor_version = 0  # RL starts from the warm-started weights as version 0
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    async def save(self, step: int) -> Path:
+        """Checkpoint after ``step``: actor (and critic) weights + optimizer + scheduler, rollout RNG counters,
+        sampler state, controller RNG, versions."""
+        d = self.out / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True, exist_ok=True)
+        c = self.cluster
+        await c.actor.save(str(d / "actor"))
+        if c.critic is not None:
+            await c.critic.save(str(d / "critic"))
+        if c.split:
+            await c.rollout.save(str(d / "rollout"))
+        state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
+                 "rng": _rng_state()}
+        (d / "runner.json").write_text(json.dumps(state))
+        (self.out / "checkpoints" / "latest").write_text(d.name)
+        return d
+
+    async def _restore(self) -> None:
+        latest = self.out / "checkpoints" / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}; run without --resume "
+                                    f"or set runner.checkpoint_every")
+        d = self.out / "checkpoints" / latest.read_text().strip()
+        state = json.loads((d / "runner.json").read_text())
+        c = self.cluster
+        await c.actor.load(str(d / "actor"))
+        if c.critic is not None:
+            await c.critic.load(str(d / "critic"))
+        if c.split:
+            await c.rollout.load(str(d / "rollout"))
+        self.sampler.load_state_dict(state["sampler"])
+        _set_rng_state(state["rng"])
+        self.actor_version = state["actor_version"]
+        self.start_step = state["step"] + 1
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": repr(random.getstate()), "numpy": np.random.get_state()[1].tolist(),
+            "numpy_pos": int(np.random.get_state()[2]), "torch": torch.get_rng_state().tolist()}
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    import ast
+
+    random.setstate(ast.literal_eval(s["python"]))
+    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
+
+
+class _span:
+    def __init__(self, tracer: orc.Tracer | None, name: str, **args: Any) -> None:
+        self.tracer, self.name, self.args = tracer, name, args
+
+    def __enter__(self) -> None:
+        self.t0 = time.time()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.add_span(self.name, self.t0, time.time(), **self.args)
+
+
+def _progress(total: int, start: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def run(cfg: Config, *, resume: bool = False, progress: bool = True) -> list[dict[str, Any]]:
+    """Run a job from synchronous code (the CLI): uvloop when available."""
+    return orc.run(Runner(cfg, resume=resume, progress=progress).run())

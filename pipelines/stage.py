@@ -1,0 +1,72 @@
+"""What a pipeline step sees: the cluster, the config, and helpers to name stages and join futures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from orchestra import Batch, DataFuture, Tracer
+
+from .cluster import Cluster
+from .config import Config
+
+__all__ = ["StepContext", "union"]
+
+
+def union(*parts: DataFuture | Batch | None) -> DataFuture | Batch:
+    """Row-aligned union of the given futures/batches, skipping None (optional stages)."""
+    present = [p for p in parts if p is not None]
+    out = present[0]
+    for p in present[1:]:
+        out = out | p
+    return out
+
+
+@dataclass
+class StepContext:
+    """Handed to a step function: the cluster and config, plus stage naming for timings and the trace."""
+
+    cluster: Cluster
+    cfg: Config
+    step: int
+    tracer: Tracer | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    _watch: list[asyncio.Task] = field(default_factory=list)
+    _t0: float = field(default_factory=time.time)
+
+    def stage(self, name: str, fut: DataFuture) -> DataFuture:
+        """Name a stage: its wall time (from the step's start to the stage's end) lands in the step's metrics
+        as ``time/<name>`` and, when tracing, as a controller span. Returns ``fut`` unchanged."""
+        start = time.time()
+
+        async def watch() -> None:
+            try:
+                await fut.wait()
+            except BaseException:  # noqa: BLE001 - the step itself awaits the future and raises
+                return
+            end = time.time()
+            self.timings[f"time/{name}"] = end - self._t0
+            if self.tracer is not None:
+                self.tracer.add_span(name, start, end, step=self.step)
+
+        self._watch.append(asyncio.get_running_loop().create_task(watch()))
+        return fut
+
+    async def settle(self) -> None:
+        """Wait for the stage watchers (after the step's last await)."""
+        await asyncio.gather(*self._watch, return_exceptions=True)
+
+    @staticmethod
+    def score_metrics(scores: torch.Tensor) -> dict[str, float]:
+        """Reward statistics of one step (``reward/mean`` is the headline number)."""
+        s = scores.double()
+        return {"reward/mean": float(s.mean()), "reward/std": float(s.std()) if len(s) > 1 else 0.0,
+                "reward/max": float(s.max()), "reward/min": float(s.min()),
+                "reward/solved": float((s >= 1.0).double().mean())}
+
+    def extra(self) -> dict[str, Any]:
+        return dict(self.timings)

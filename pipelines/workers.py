@@ -1,0 +1,38 @@
+"""Algorithm-side helper workers: advantage estimation next to the reward, on the CPU pool."""
+
+from __future__ import annotations
+
+import torch
+
+from orchestra import Batch, Worker, endpoint
+from orchestra import dispatch as D
+
+from .algorithms import apply_kl_penalty, gae_advantages, kl_penalty
+
+__all__ = ["AdvantageWorker"]
+
+
+class AdvantageWorker(Worker):
+    """GAE and batch moments, computed on the workers that already hold the rows (no controller round trip)."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+
+    @endpoint(D.shard(), requires=["token_level_scores", "values", "response_mask"])
+    def gae(self, batch: Batch, gamma: float = 1.0, lam: float = 1.0, kl_coef: float = 0.0,
+            kl_estimator: str = "k1") -> Batch:
+        """Token rewards (scores, minus ``kl_coef`` x KL to the reference when set), then GAE advantages/returns."""
+        mask = batch["response_mask"]
+        rewards = batch["token_level_scores"].float()
+        if kl_coef:
+            kl = kl_penalty(batch["old_log_probs"].float(), batch["ref_log_probs"].float(), kl_estimator)
+            rewards = apply_kl_penalty(rewards, kl, kl_coef, mask)
+        adv, ret = gae_advantages(rewards, batch["values"].float(), mask, gamma=gamma, lam=lam)
+        return Batch.from_dict({"advantages": adv, "returns": ret})
+
+    @endpoint(D.shard() | D.metrics("sum"))
+    def moments(self, batch: Batch, key: str = "advantages") -> dict[str, float]:
+        """Sum, sum of squares and count of ``key`` over valid response tokens (reduced over ranks by sum)."""
+        x, m = batch[key].double(), batch["response_mask"].bool()
+        v = x[m]
+        return {"sum": float(v.sum()), "sumsq": float((v * v).sum()), "count": float(v.numel())}
