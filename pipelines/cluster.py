@@ -97,7 +97,7 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     pools = [actor_pool]
     rollout = views["actor"]
     if r.placement == "split":
-        from engines.workers import RolloutWorker
+        from engines.rollout_worker import RolloutWorker
 
         rollout_pool = ResourcePool(process_on_nodes=[r.rollout_workers], use_gpu=use_gpu, name="rollout")
         rollout = WorkerGroup(rollout_pool, RolloutWorker, model=model, seed=seed, sampling=sampling, tokenizer=tok,
