@@ -9,6 +9,8 @@ weights around.
 
 from __future__ import annotations
 
+import copy
+
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -65,7 +67,7 @@ def resolve_config(config: ConfigLike, path: str | os.PathLike | None = None) ->
     (local only) or, without a path, gives the default tiny Qwen2.
     """
     if isinstance(config, PretrainedConfig):
-        return config
+        return copy.deepcopy(config)  # models keep (and engines mutate) their config: never share the caller's
     if config is None:
         if path is not None:
             return AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)

@@ -23,6 +23,45 @@ from .dispatch import stream as stream_transform
 __all__ = ["WorkerGroup"]
 
 
+class _Gate:
+    """Calls on a group's actors are sent in the order they were made. A call that must wait before sending (a
+    mesh lookup, an upstream stream still producing) holds back the later ones, so that every rank sees the same
+    sequence of calls: collectives on those ranks then always pair up."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._open = 0
+        self._done: set[int] = set()
+        self._waiters: dict[int, asyncio.Future] = {}
+
+    def ticket(self) -> int:
+        t = self._next
+        self._next += 1
+        return t
+
+    def is_turn(self, ticket: int) -> bool:
+        return self._open == ticket
+
+    async def turn(self, ticket: int) -> None:
+        if self._open < ticket:
+            w = self._waiters[ticket] = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            finally:
+                self._waiters.pop(ticket, None)
+
+    def release(self, ticket: int) -> None:
+        if ticket < self._open or ticket in self._done:  # idempotent
+            return
+        self._done.add(ticket)
+        while self._open in self._done:
+            self._done.discard(self._open)
+            self._open += 1
+        w = self._waiters.get(self._open)
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
 class _Shared:
     """The actors of a group (shared by the role views of a colocated group) and their start-up."""
 
@@ -35,6 +74,7 @@ class _Shared:
         self._start: asyncio.Task | None = None
         self._ready = False
         self._dead = False
+        self.gate = _Gate()
 
     def start(self) -> asyncio.Task:
         if self._start is None:
@@ -289,13 +329,18 @@ class _Endpoint:
             if rows and all(r is not None for r in rows):
                 fut._known_rows = rows[0]
         _stats.add_call()
-        if (g._shared._ready and not spec.dispatch.needs_split(plan) and not plan.stream
+        gate = g._shared.gate
+        ticket = gate.ticket()
+        if (g._shared._ready and gate.is_turn(ticket) and not spec.dispatch.needs_split(plan) and not plan.stream
                 and not any(isinstance(a, DataFuture) for a in plan.data_args())):
             fut._collect = lambda values, plan=plan: spec.dispatch.collect(plan, values)  # fast path: send now
             fut._concat_all = plan.shard is not None
-            _send(g, spec, plan, fut, _per_rank_calls(plan, _describe_all_sync(plan)))
+            try:
+                _send(g, spec, plan, fut, _per_rank_calls(plan, _describe_all_sync(plan)))
+            finally:
+                gate.release(ticket)
             return fut
-        fut._task = asyncio.get_running_loop().create_task(_submit(g, spec, plan, fut))
+        fut._task = asyncio.get_running_loop().create_task(_submit(g, spec, plan, fut, ticket))
         fut._task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return fut
 
@@ -311,22 +356,31 @@ def _check_columns(plan: Plan, spec: EndpointSpec) -> None:
                                     f"{sorted(a.keys())}); add them or pass a future whose result has them")
 
 
-async def _submit(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture) -> None:
-    """Finish the plan (mesh lookups, upstream headers), build per-rank descriptors and send the calls."""
+async def _submit(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture, ticket: int) -> None:
+    """Finish the plan (mesh lookups, upstream headers), build per-rank descriptors and send the calls, in the
+    order the calls on this group were made."""
+    gate = g._shared.gate
+    released = False
     try:
         await g.ready()
+        await gate.turn(ticket)
         plan = await spec.dispatch.split(plan)
         fut._collect = lambda values, plan=plan: spec.dispatch.collect(plan, values)
         fut._concat_all = plan.shard is not None
         if plan.stream:
-            await _submit_stream(g, spec, plan, fut)
+            released = True  # the stream releases the gate once its last part is sent
+            await _submit_stream(g, spec, plan, fut, lambda: gate.release(ticket))
         else:
             _send(g, spec, plan, fut, _per_rank_calls(plan, await _describe_all(plan)))
     except BaseException as e:
+        gate.release(ticket)
         fut._fail_submit(e if not isinstance(e, asyncio.CancelledError) else
                          asyncio.CancelledError(f"{g.name}.{spec.name} was cancelled before it was sent"))
         if isinstance(e, asyncio.CancelledError):
             raise
+    finally:
+        if not released:
+            gate.release(ticket)
 
 
 def _send(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
@@ -489,12 +543,17 @@ async def _all_outputs(c: Any) -> list[Any]:
     return [o for s in await _slot_refs(c) for o in s]
 
 
-async def _submit_stream(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture) -> None:
-    """``stream()``: one call per arriving upstream part, on DP replica (upstream slot mod dp_size)."""
+async def _submit_stream(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
+                         release: Any) -> None:
+    """``stream()``: one call per arriving upstream part; the part from upstream slot i goes to DP replica i mod D
+    (every rank of it). ``release`` is called once the last part is sent."""
     streamed = [a for a in plan.data_args() if isinstance(a, DataFuture)]
     if len(streamed) != 1 or any(isinstance(x, Batch) for x in _components(streamed[0])):
         raise DispatchError(f"{plan.where()}: stream() needs exactly one DataFuture argument (or a union of "
                             f"futures) to map over")
+    if spec.streaming:
+        raise DispatchError(f"{plan.where()}: stream() maps a plain endpoint over parts; a generator endpoint "
+                            f"cannot be mapped")
     src = streamed[0]
     comps = _components(src)
     for c in comps:
@@ -505,45 +564,51 @@ async def _submit_stream(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: Da
                             f"{sorted(n_slots)}; stream() pairs their parts one to one")
     shard = plan.shard
     D = shard.dp_size
+    if shard.mesh is not None and n_slots.pop() != D:
+        # ranks of a mesh run collectives: every DP replica must get a call per part. With a different number of
+        # upstream ranks that cannot keep rows in order, so the call waits for every part and is sent once.
+        plan = plan.with_(stream=False)
+        _send(g, spec, plan, fut, _per_rank_calls(plan, await _describe_all(plan)))
+        release()
+        return
     members = {d: [r for r in plan.ranks if shard.dp_of_rank[r] == d] for d in range(D)}
     comp_slots = [[s for s in c._slots if s.collected] for c in comps]
     out_slots = [_Slot(cs.rank, True) for cs in comp_slots[0]]
-    extra: list[_Slot] = []
     fut._set_slots(out_slots)
     hosts = g._shared.hosts
     meth = g._method_name(spec.name)
+    remaining = [len(out_slots)]
+
+    def one_done() -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            release()
 
     async def follow(i: int) -> None:
         k = 0
         d = i % D
         try:
             while True:
-                ready = all(len(cs[i].refs) > k for cs in comp_slots)
-                finished = all(cs[i].done.done() for cs in comp_slots)
-                if ready:
+                if all(len(cs[i].refs) > k for cs in comp_slots):
                     refs = [cs[i].refs[k] for cs in comp_slots]
                     for r in members[d]:
                         args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
-                        b = _ArgBuilder()
-                        darg = DataArg(tuple(Source((b.add(ref),)) for ref in refs), Layout("whole"))
+                        darg = DataArg(tuple(Source((j,)) for j in range(len(refs))), Layout("whole"))
                         args = tuple(darg if x is src else x for x in args)
                         kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
-                        if spec.streaming:
-                            raise DispatchError(f"{plan.where()}: stream() maps a plain endpoint over parts; a "
-                                                f"generator endpoint cannot be mapped")
-                        a, kw = _with_refs(args, kwargs, b.refs)
+                        a, kw = _with_refs(args, kwargs, refs)
                         ref = getattr(hosts[r], meth).remote(*a, **kw)
                         if r in shard.collectors:
                             out_slots[i].add(ref)
                             out_slots[i].call_ref = ref
-                        else:
+                        else:  # tracked for errors only
                             side = _Slot(r, False)
                             side.add(ref)
                             side.finish()
-                            extra.append(side)
+                            fut._slots.append(side)
                     k += 1
                     continue
-                if finished:
+                if all(cs[i].done.done() for cs in comp_slots):
                     for cs in comp_slots:
                         exc = cs[i].done.exception()
                         if exc is not None:
@@ -557,12 +622,16 @@ async def _submit_stream(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: Da
                 if any(len(cs[i].refs) > k for cs in comp_slots) or any(cs[i].done.done() for cs in comp_slots):
                     continue
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - surfaced through the future
             out_slots[i].finish(e)
+        finally:
+            one_done()
 
     loop = asyncio.get_running_loop()
     for i in range(len(out_slots)):
         loop.create_task(follow(i))
+    if not out_slots:
+        release()
 
 
 def _components(a: Any) -> list[Any]:

@@ -15,7 +15,9 @@ __all__ = ["init", "shutdown", "run"]
 T = TypeVar("T")
 
 # Set before Ray starts, in this process and (through the runtime env) in every worker.
-_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false"}
+_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
+        # Ray starts workers at nice 15; ours do the job's compute, so they run at the controller's priority.
+        "RAY_worker_niceness": "0"}
 
 
 def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus: int | None = None,

@@ -94,6 +94,11 @@ class Scorer(Worker):
     def per_part(self, batch: Batch) -> Batch:
         return Batch.from_dict({"y": batch["x"] * 2, "t": torch.full((len(batch),), time.time(), dtype=torch.float64)})
 
+    @endpoint(D.shard() | D.stream())
+    def log_part(self, batch: Batch) -> Batch:
+        self.calls.append(f"part{int(batch['x'][0])}")
+        return batch.select("x")
+
     @endpoint(D.broadcast())
     async def async_value(self, v: int) -> int:
         await asyncio.sleep(0.01)

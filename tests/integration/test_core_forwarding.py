@@ -137,3 +137,33 @@ async def test_forwarded_future_never_materializes_in_controller(groups):
     fut = b.echo(a.echo(a.echo(data)))
     await fut.wait()
     assert orc.controller_stats()["bytes_materialized"] == 0
+
+
+async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups):
+    prod, cons = groups[2], groups[2]
+    await cons.set_scale(1.0)
+    fut = prod.gen(xs(8), pieces=4, delay=0.2)
+    mapped = cons.log_part(fut)
+    later = cons.set_scale(7.0)  # made while parts are still being produced: sent after the last one
+    assert await later == [7.0, 7.0]
+    seen = await cons.calls_seen()
+    for calls in seen:
+        tail = calls[-5:]
+        assert tail[-1] == "set7.0" and all(c.startswith("part") for c in tail[:-1])
+    assert torch.equal((await mapped)["x"], torch.arange(8) + 100)
+    await cons.set_scale(1.0)
+
+
+async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once():
+    from orc_test_workers import MeshWorker
+
+    g = WorkerGroup(ResourcePool(process_on_nodes=[4]), MeshWorker)
+    one = WorkerGroup(ResourcePool(process_on_nodes=[1]), Scorer, group_name="one")
+    try:
+        fut = one.gen(xs(6), pieces=3)
+        out = await g.compute.options(stream=True)(fut)  # 1 upstream slot vs 2 DP replicas: no part-wise calls
+        assert torch.equal(out["x"], torch.arange(6) + 100)
+        assert [s["compute"]["calls"] for s in await g.stats()] == [1, 1, 1, 1]
+    finally:
+        g.shutdown()
+        one.shutdown()

@@ -1,0 +1,499 @@
+"""Workers that put the engines on the cluster: one process per rank, endpoints dispatched over the group.
+
+- :class:`ActorRolloutRefWorker` — trainable FSDP actor + in-process rollout copy (weights synced lazily from the
+  actor) + optional frozen reference model; mesh ``"actor"``.
+- :class:`CriticWorker` — FSDP value model; mesh ``"critic"``.
+- :class:`RewardWorker` — rule-based rewards on CPU; :class:`RewardModelWorker` — a reward model, one copy per rank.
+
+The workers know no RL algorithm: losses are picklable ``loss_fn(outputs, micro_batch) -> (loss, metrics)``
+callables passed by the caller (broadcast next to the sharded batch; see ``engines.fsdp`` for the weighting).
+Batch layout as in ``engines/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from engines.fsdp import EngineConfig, FSDPEngine, LossFn
+from engines.rollout import RolloutEngine, SamplingParams
+from orchestra import Batch, Worker, endpoint
+from orchestra import dispatch as D
+
+__all__ = [
+    "ActorRolloutRefWorker",
+    "CriticWorker",
+    "RewardModelWorker",
+    "RewardWorker",
+    "generation_seed",
+    "load_tokenizer",
+]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ModelConfig = Mapping[str, Any] | Any | None  # dict of tiny-Qwen2 overrides, a PretrainedConfig, or None
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def load_tokenizer(tokenizer: Any) -> Any:
+    """``"char"`` -> CharTokenizer, another string -> a local HF tokenizer (name or path), an object -> itself."""
+    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    if str(tokenizer) == "char":
+        from engines.tokenizer import CharTokenizer
+
+        return CharTokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+    except OSError as e:
+        raise ValueError(f"tokenizer {tokenizer!r} is not available locally; pass 'char', a local directory, or a "
+                         f"tokenizer object") from e
+
+
+def generation_seed(base: int, dp_rank: int, call: int) -> int:
+    """The sampling seed of call number ``call`` on DP rank ``dp_rank`` (a hash of the three, < 2**63)."""
+    words = np.random.SeedSequence([int(base) & 0xFFFFFFFF, int(dp_rank), int(call)]).generate_state(2)
+    return int((int(words[0]) << 31) ^ int(words[1])) & ((1 << 63) - 1)
+
+
+def _own_config(model: ModelConfig) -> ModelConfig:
+    """A private copy of a config object: the builders return models that share (and FSDPEngine / the value-model
+    builder mutate) the config object they are given, so each model of a process needs its own."""
+    return copy.deepcopy(model) if model is not None and not isinstance(model, Mapping) else model
+
+
+def _rows_of(batch: Batch, what: str) -> None:
+    if len(batch) < 1:
+        raise ValueError(f"{what}: this rank got an empty shard; pass at least as many rows as the data-parallel size")
+
+
+def _global_min_rows(engine: FSDPEngine, rows: int) -> int:
+    """The smallest shard over the DP ranks (collective), so that every rank takes the same error path."""
+    import torch.distributed as dist
+
+    t = torch.tensor([rows], dtype=torch.int64, device=engine.device)
+    if engine.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _mini_batches(batch: Batch, mini_batches: int, min_rows: int, what: str) -> list[Batch]:
+    if mini_batches < 1:
+        raise ValueError(f"{what}: mini_batches must be >= 1, got {mini_batches}")
+    if min_rows < mini_batches:
+        raise ValueError(f"{what}: a rank has {min_rows} rows, fewer than mini_batches={mini_batches}; lower "
+                         f"mini_batches or pass more rows (every rank needs a row per mini-batch)")
+    return batch.chunk(mini_batches)
+
+
+def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,
+           what: str, **train_kw: Any) -> dict[str, float]:
+    """``ppo_epochs`` passes over ``mini_batches`` mini-batches, one optimizer step each; metrics averaged."""
+    if ppo_epochs < 1:
+        raise ValueError(f"{what}: ppo_epochs must be >= 1, got {ppo_epochs}")
+    if not callable(loss_fn):
+        raise TypeError(f"{what}: loss_fn must be a callable loss_fn(outputs, micro_batch) -> (loss, metrics), "
+                        f"got {type(loss_fn).__name__}")
+    # one mini-batch fits any non-empty shard (the host rejects empty ones), so only split calls need the all-reduce
+    min_rows = len(batch) if mini_batches == 1 else _global_min_rows(engine, len(batch))
+    pieces = _mini_batches(batch, mini_batches, min_rows, what)
+    steps: list[dict[str, float]] = []
+    seconds: list[float] = []
+    for _ in range(ppo_epochs):
+        for mb in pieces:
+            t0 = time.perf_counter()
+            steps.append(engine.train_step(mb.tensors, loss_fn, **train_kw))
+            seconds.append(time.perf_counter() - t0)
+    out: dict[str, float] = {}
+    for k in steps[0]:
+        vals = [s[k] for s in steps if k in s]
+        out[f"{prefix}/{k}"] = vals[-1] if k in ("step", "lr") else float(statistics.fmean(vals))
+    out[f"{prefix}/tokens"] = float(sum(s.get("tokens", 0.0) for s in steps))
+    out[f"{prefix}/skipped"] = float(sum(s.get("skipped", 0.0) for s in steps))
+    out[f"{prefix}/optimizer_steps"] = float(len(steps))
+    out[f"{prefix}/train_step_seconds"] = float(statistics.fmean(seconds))
+    out[f"{prefix}/update_seconds"] = float(sum(seconds))
+    return out
+
+
+def _write_state(directory: str, name: str, state: dict[str, Any]) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=2)
+    os.replace(tmp, os.path.join(directory, name))
+
+
+def _read_state(directory: str, name: str, what: str) -> dict[str, Any]:
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what}: {path!r} is missing; pass a directory written by save() with the same number "
+                                f"of ranks")
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------------------- actor
+class ActorRolloutRefWorker(Worker):
+    """Actor (FSDP, trainable) + rollout (plain model, synced from the actor) + optional frozen reference, per rank.
+
+    Registers mesh ``"actor"`` (pure DP: every rank is a collector of its own rows).
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig = None,
+        *,
+        model_path: str | os.PathLike | None = None,
+        seed: int = 0,
+        engine: EngineConfig | None = None,
+        sampling: SamplingParams | None = None,
+        tokenizer: Any = None,
+        with_ref: bool = True,
+        ref_engine: EngineConfig | None = None,
+        rollout_micro_batch_size: int | None = None,
+        rollout_dtype: torch.dtype | None = None,
+        attn_implementation: str | None = None,
+        num_threads: int | None = 1,
+    ) -> None:
+        """Build the engines from plain config; ``model`` is a dict of tiny-Qwen2 overrides or a PretrainedConfig,
+        ``model_path`` a local checkpoint. ``tokenizer`` (see ``load_tokenizer``) gives eos/pad ids, else the model
+        config does. ``rollout_dtype`` defaults to bf16 with mixed precision, else fp32."""
+        from engines._dist import init_distributed
+        from engines.models import build_causal_lm
+
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        self.config = engine if engine is not None else EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError(f"engine must be an engines.EngineConfig, got {type(self.config).__name__}")
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be an engines.SamplingParams, got {type(self.sampling).__name__}")
+        self.seed = int(seed)
+        self.tokenizer = load_tokenizer(tokenizer)
+        init_distributed(torch.device(self.config.device) if self.config.device else None)
+
+        def factory() -> torch.nn.Module:
+            return build_causal_lm(_own_config(model), seed=self.seed, path=model_path,
+                                   attn_implementation=attn_implementation)
+
+        self.actor = FSDPEngine(factory, self.config, model_kind="causal_lm")
+        self.ref: FSDPEngine | None = None
+        if with_ref:
+            self.ref = FSDPEngine(factory, ref_engine or self.config, model_kind="causal_lm")
+        dtype = rollout_dtype or (torch.bfloat16 if self.actor.mixed_precision else torch.float32)
+        rollout_model = build_causal_lm(_own_config(model), seed=self.seed, path=model_path, dtype=dtype,
+                                        attn_implementation=attn_implementation).to(self.actor.device)
+        rollout_model.config.use_cache = True
+        rollout_model.generation_config.use_cache = True
+        eos = pad = None
+        if self.tokenizer is not None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.rollout = RolloutEngine(rollout_model, eos_token_id=eos, pad_token_id=pad,
+                                     micro_batch_size=rollout_micro_batch_size)
+        self._version = 0  # bumped by every update_actor call
+        self._synced: int | None = None  # actor version the rollout model holds (None: unknown, sync next time)
+        self._gen_calls = 0  # generate calls so far on this rank: part of the sampling seed and of checkpoints
+        self.register_mesh("actor", dp_rank=self.actor.dp_rank, dp_size=self.actor.dp_size,
+                           is_collector=self.actor.is_collector)
+
+    # -- weights ----------------------------------------------------------------------------------------------------
+    def _sync_rollout(self) -> bool:
+        """Copy the actor's full weights into the rollout model if the actor changed since the last sync
+        (collective: every rank calls it at the same point). Returns whether weights moved."""
+        if self._synced == self._version:
+            return False
+        self.rollout.load_weights(self.actor.full_state_dict(rank0_only=False))
+        self._synced = self._version
+        return True
+
+    @endpoint(D.broadcast())
+    def sync_rollout_weights(self) -> bool:
+        """Sync the rollout model now (``generate`` does it lazily anyway); True where weights moved."""
+        return self._sync_rollout()
+
+    @endpoint(D.broadcast() | D.rank_zero())
+    def weights_version(self) -> int:
+        """How many ``update_actor`` calls the actor's weights have seen (restored by ``load``)."""
+        return self._version
+
+    @endpoint(D.from_rank(0))
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor] | None:
+        """The actor's full weights (gathered by every rank, kept from rank 0) for a rollout pool of its own:
+        ``rollout.load_weights(actor.state_dict_for_sync(), version)`` moves them worker to worker."""
+        sd = self.actor.full_state_dict(rank0_only=True)
+        return sd if self.rank == 0 else None
+
+    # -- rollout ----------------------------------------------------------------------------------------------------
+    @endpoint(D.shard(mesh="actor"), requires=["prompts"])
+    def generate(self, batch: Batch, micro_batches: int = 1, **sampling_overrides: Any) -> Iterator[Batch]:
+        """Sample ``n`` responses per prompt, yielding ``micro_batches`` parts (prompt-major rows, every part padded
+        to ``max_new_tokens``); non-tensor columns are repeated ``n`` times; meta gets ``weights_version``."""
+        if micro_batches < 1:
+            raise ValueError(f"generate: micro_batches must be >= 1, got {micro_batches}")
+        if sampling_overrides.get("pad_to_max_new_tokens") is False:
+            raise ValueError("generate pads every part to max_new_tokens so that parts and ranks concatenate; drop "
+                             "pad_to_max_new_tokens=False")
+        _rows_of(batch, "generate")
+        base = sampling_overrides.pop("seed", None)
+        sampling_overrides.pop("pad_to_max_new_tokens", None)
+        try:
+            params = replace(self.sampling, **sampling_overrides, pad_to_max_new_tokens=True, seed=None)
+        except TypeError:
+            known = sorted(f for f in SamplingParams.__dataclass_fields__ if f not in ("seed", "pad_to_max_new_tokens"))
+            raise TypeError(f"generate: unknown sampling override(s) {sorted(sampling_overrides)}; SamplingParams "
+                            f"fields are {known} (plus seed)") from None
+        self._sync_rollout()
+        call = self._gen_calls
+        self._gen_calls += 1
+        gen = torch.Generator(device=self.rollout.device)
+        gen.manual_seed(generation_seed(self.seed if base is None else base, self.actor.dp_rank, call))
+        meta = {**batch.meta, "weights_version": self._version}
+        for piece in batch.chunk(min(micro_batches, len(batch))):
+            out = self.rollout.generate(piece.tensors, params, generator=gen)
+            nt = {k: np.repeat(v, params.n) for k, v in piece.non_tensors.items()}
+            yield Batch(out, nt, meta)
+
+    # -- scoring ----------------------------------------------------------------------------------------------------
+    def _temperature(self, temperature: float | None) -> float:
+        if temperature is not None:
+            return float(temperature)
+        t = self.sampling.temperature
+        return float(t) if t > 0 else 1.0
+
+    @endpoint(D.shard(mesh="actor"))
+    def compute_log_prob(self, batch: Batch, temperature: float | None = None, with_entropy: bool = False) -> Batch:
+        """Actor log-probs of the responses -> ``old_log_probs`` [B, R] (+ ``entropy``); temperature defaults to
+        the sampling temperature (1 when greedy)."""
+        _rows_of(batch, "compute_log_prob")
+        out = self.actor.compute_log_prob(batch.tensors, self._temperature(temperature), with_entropy)
+        cols = {"old_log_probs": out["log_probs"]}
+        if with_entropy:
+            cols["entropy"] = out["entropy"]
+        return Batch.from_dict(cols)
+
+    @endpoint(D.shard(mesh="actor"))
+    def compute_ref_log_prob(self, batch: Batch, temperature: float | None = None) -> Batch:
+        """Reference-model log-probs of the responses -> ``ref_log_probs`` [B, R]."""
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_prob: this worker was built with with_ref=False; build it with "
+                               "with_ref=True (or drop the KL term that needs reference log-probs)")
+        _rows_of(batch, "compute_ref_log_prob")
+        out = self.ref.compute_log_prob(batch.tensors, self._temperature(temperature), False)
+        return Batch.from_dict({"ref_log_probs": out["log_probs"]})
+
+    # -- training ---------------------------------------------------------------------------------------------------
+    @endpoint(D.shard(mesh="actor") | D.metrics())
+    def update_actor(self, batch: Batch, loss_fn: LossFn, ppo_epochs: int = 1, mini_batches: int = 1,
+                     temperature: float | None = None) -> dict[str, float]:
+        """``ppo_epochs`` x ``mini_batches`` optimizer steps of ``loss_fn`` on this rank's rows (collective);
+        bumps the weights version. Returns ``actor/*`` metrics averaged over the steps."""
+        t = self._temperature(temperature)
+        metrics = _train(self.actor, batch, loss_fn, ppo_epochs, mini_batches, "actor", "update_actor",
+                         temperature=t)
+        self._version += 1
+        metrics["actor/weights_version"] = float(self._version)
+        return metrics
+
+    # -- state ------------------------------------------------------------------------------------------------------
+    @endpoint(D.broadcast())
+    def save(self, directory: str) -> str:
+        """Actor DCP checkpoint (model + optimizer) in ``directory/actor`` plus this rank's version and sampling
+        counter; collective. Returns the directory."""
+        directory = os.fspath(directory)
+        self.actor.save(os.path.join(directory, "actor"))
+        _write_state(directory, f"actor_worker_rank{self.rank}.json",
+                     {"weights_version": self._version, "gen_calls": self._gen_calls, "seed": self.seed,
+                      "world_size": self.world_size})
+        return directory
+
+    @endpoint(D.broadcast())
+    def load(self, directory: str) -> int:
+        """Restore what ``save`` wrote (the rollout model resyncs on the next ``generate``); returns the version."""
+        directory = os.fspath(directory)
+        state = _read_state(directory, f"actor_worker_rank{self.rank}.json", "ActorRolloutRefWorker.load")
+        self.actor.load(os.path.join(directory, "actor"))
+        self._version = int(state["weights_version"])
+        self._gen_calls = int(state["gen_calls"])
+        self._synced = None
+        return self._version
+
+    @endpoint(D.broadcast())
+    def offload(self) -> int:
+        """Move actor, reference and rollout weights (and optimizer state) to host memory; bytes moved on this rank
+        (0 on CPU). Compute endpoints need ``onload`` first."""
+        moved = self.actor.offload()
+        if self.ref is not None:
+            moved += self.ref.offload()
+        if self.rollout.device.type != "cpu":
+            moved += sum(p.numel() * p.element_size() for p in self.rollout.model.parameters())
+            self.rollout.model.to("cpu")
+            torch.cuda.empty_cache()
+        return moved
+
+    @endpoint(D.broadcast())
+    def onload(self) -> int:
+        """Move everything ``offload`` moved back to the device; bytes moved on this rank."""
+        moved = self.actor.onload()
+        if self.ref is not None:
+            moved += self.ref.onload()
+        if self.rollout.device != self.actor.device:
+            self.rollout.model.to(self.actor.device)
+            moved += sum(p.numel() * p.element_size() for p in self.rollout.model.parameters())
+        return moved
+
+
+# ---------------------------------------------------------------------------------------------------------- critic
+class CriticWorker(Worker):
+    """A value model sharded with FSDP over the group; registers mesh ``"critic"``."""
+
+    def __init__(
+        self,
+        model: ModelConfig = None,
+        *,
+        model_path: str | os.PathLike | None = None,
+        seed: int = 0,
+        engine: EngineConfig | None = None,
+        attn_implementation: str | None = None,
+        num_threads: int | None = 1,
+    ) -> None:
+        """``model``/``model_path`` as for the actor; the value head is initialised from ``seed``."""
+        from engines._dist import init_distributed
+        from engines.models import build_value_model
+
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        self.config = engine if engine is not None else EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError(f"engine must be an engines.EngineConfig, got {type(self.config).__name__}")
+        init_distributed(torch.device(self.config.device) if self.config.device else None)
+        self.critic = FSDPEngine(
+            lambda: build_value_model(_own_config(model), seed=int(seed), path=model_path, attn_implementation=attn_implementation),
+            self.config, model_kind="value")
+        self._version = 0
+        self.register_mesh("critic", dp_rank=self.critic.dp_rank, dp_size=self.critic.dp_size,
+                           is_collector=self.critic.is_collector)
+
+    @endpoint(D.shard(mesh="critic"))
+    def compute_values(self, batch: Batch) -> Batch:
+        """Values of the states before each response token -> ``values`` [B, R] (0 where response_mask is 0)."""
+        _rows_of(batch, "compute_values")
+        return Batch.from_dict({"values": self.critic.compute_values(batch.tensors)["values"]})
+
+    @endpoint(D.shard(mesh="critic") | D.metrics())
+    def update_critic(self, batch: Batch, loss_fn: LossFn, ppo_epochs: int = 1,
+                      mini_batches: int = 1) -> dict[str, float]:
+        """``ppo_epochs`` x ``mini_batches`` optimizer steps of ``loss_fn`` (outputs: ``values``); ``critic/*``
+        metrics."""
+        metrics = _train(self.critic, batch, loss_fn, ppo_epochs, mini_batches, "critic", "update_critic")
+        self._version += 1
+        return metrics
+
+    @endpoint(D.broadcast())
+    def save(self, directory: str) -> str:
+        """Critic DCP checkpoint in ``directory/critic``; collective. Returns the directory."""
+        directory = os.fspath(directory)
+        self.critic.save(os.path.join(directory, "critic"))
+        _write_state(directory, f"critic_worker_rank{self.rank}.json", {"updates": self._version})
+        return directory
+
+    @endpoint(D.broadcast())
+    def load(self, directory: str) -> int:
+        """Restore what ``save`` wrote; returns the number of updates the critic had seen."""
+        directory = os.fspath(directory)
+        state = _read_state(directory, f"critic_worker_rank{self.rank}.json", "CriticWorker.load")
+        self.critic.load(os.path.join(directory, "critic"))
+        self._version = int(state["updates"])
+        return self._version
+
+    @endpoint(D.broadcast())
+    def offload(self) -> int:
+        """Critic parameters and optimizer state to host memory; bytes moved (0 on CPU)."""
+        return self.critic.offload()
+
+    @endpoint(D.broadcast())
+    def onload(self) -> int:
+        """Back to the device; bytes moved (0 on CPU)."""
+        return self.critic.onload()
+
+
+# ---------------------------------------------------------------------------------------------------------- rewards
+class RewardWorker(Worker):
+    """Rule-based reward on CPU: decode the (masked) responses, compare with a ground-truth column."""
+
+    def __init__(self, reward: str | Callable[..., Sequence[float]], tokenizer: Any, *,
+                 answer_key: str = "answer", num_threads: int | None = 1, **reward_kwargs: Any) -> None:
+        """``reward``: a name from ``engines.reward`` (``list_rewards()``) or ``fn(texts, truths, **kw)``;
+        ``reward_kwargs`` go to it."""
+        from engines.reward import RuleRewardEngine, register_reward
+
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        if callable(reward):
+            name = f"{getattr(reward, '__module__', '')}.{getattr(reward, '__qualname__', repr(reward))}"
+            register_reward(name, overwrite=True)(reward)
+        elif isinstance(reward, str):
+            name = reward
+        else:
+            raise TypeError(f"reward must be a registered reward name or a callable fn(texts, truths), got "
+                            f"{type(reward).__name__}")
+        tok = load_tokenizer(tokenizer)
+        if tok is None or not hasattr(tok, "decode"):
+            raise TypeError("RewardWorker needs a tokenizer with decode(ids): pass 'char', a local HF tokenizer "
+                            "name/path, or a tokenizer object")
+        self.engine = RuleRewardEngine(name, tok, **reward_kwargs)
+        self.answer_key = answer_key
+
+    @endpoint(D.shard(), requires=["responses"])
+    def score(self, batch: Batch) -> Batch:
+        """``scores`` [B] float32 and ``token_level_scores`` [B, R] (the score on the last valid response token)."""
+        if self.answer_key not in batch.non_tensors:
+            raise KeyError(f"score: the batch has no non-tensor column {self.answer_key!r} with ground truths (it has "
+                           f"{sorted(batch.keys())}); add it to the prompts or pass answer_key=... to RewardWorker")
+        truths = [str(a) for a in batch[self.answer_key]]
+        out = self.engine.score(batch.tensors, truths)
+        return Batch(out)
+
+    @endpoint(D.shard() | D.stream(), requires=["responses"])
+    def score_stream(self, batch: Batch) -> Batch:
+        """``score`` once per part of a streamed input (e.g. ``generate(..., micro_batches=k)``) as each part
+        arrives, so rewards overlap generation; the result streams in input order."""
+        return self.score(batch)
+
+
+class RewardModelWorker(Worker):
+    """A sequence-classification reward model, one full copy per rank (data parallel, no training)."""
+
+    def __init__(self, model: ModelConfig = None, *, model_path: str | os.PathLike | None = None, seed: int = 0,
+                 micro_batch_size: int = 16, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 num_threads: int | None = 1) -> None:
+        """``model``/``model_path`` as for the actor; ``device`` defaults to the rank's GPU, else CPU."""
+        from engines._dist import default_device
+        from engines.models import build_reward_model
+        from engines.reward import RewardModelEngine
+
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        dev = torch.device(device) if device else default_device()
+        net = build_reward_model(_own_config(model), seed=seed, path=model_path, dtype=dtype).to(dev)
+        self.engine = RewardModelEngine(net, micro_batch_size=micro_batch_size)
+
+    @endpoint(D.shard())
+    def score(self, batch: Batch) -> Batch:
+        """``scores`` [B] and ``token_level_scores`` [B, R] from the model's output at the last real token."""
+        _rows_of(batch, "score")
+        return Batch(self.engine.score(batch.tensors))
