@@ -23,8 +23,9 @@ def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
     """Overrides of the tiny Qwen2 config built from the ``model`` section."""
     m = cfg.model
     return {"vocab_size": m.vocab_size or vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads, "num_key_value_heads": max(1, m.num_heads // 2),
-            "intermediate_size": 2 * m.hidden_size, "max_position_embeddings": m.max_seq_len}
+            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads or max(1, m.num_heads // 2),
+            "intermediate_size": m.intermediate_size or 2 * m.hidden_size, "max_position_embeddings": m.max_seq_len,
+            "tie_word_embeddings": m.tie_embeddings}
 
 
 def engine_config(cfg: Config, section: Any, total_steps: int, seed: int) -> Any:
@@ -32,6 +33,9 @@ def engine_config(cfg: Config, section: Any, total_steps: int, seed: int) -> Any
     from engines import EngineConfig
 
     return EngineConfig(lr=section.lr, weight_decay=section.weight_decay, warmup_steps=section.warmup_steps,
+                        lr_schedule=getattr(section, "lr_schedule", "constant"),
+                        min_lr_ratio=getattr(section, "min_lr_ratio", 0.0),
+                        betas=(0.9, getattr(section, "beta2", 0.999)),
                         total_steps=total_steps, grad_clip=section.grad_clip,
                         micro_batch_size=section.micro_batch_size, seed=seed,
                         device="cuda" if cfg.resources.device == "cuda" else "cpu")

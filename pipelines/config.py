@@ -166,6 +166,9 @@ class ModelConfig(_Section):
     hidden_size: int = _knob(64, ge=1)
     num_layers: int = _knob(2, ge=1)
     num_heads: int = _knob(4, ge=1)
+    num_kv_heads: int | None = _knob(None, ge=1)  # null: num_heads // 2 (grouped-query attention)
+    intermediate_size: int | None = _knob(None, ge=1)  # MLP width; null: 2 x hidden_size
+    tie_embeddings: bool = False  # share input and output embeddings
     max_seq_len: int = _knob(64, ge=2)  # prompt + response positions of the tiny model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -202,6 +205,9 @@ class ActorConfig(_Section):
     _section = "actor"
     lr: float = _knob(2e-3, gt=0)
     warmup_steps: int = _knob(5, ge=0)  # linear warmup of the learning rate, in optimizer steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warmup; cosine decays to min_lr_ratio x lr
+    min_lr_ratio: float = _knob(0.0, ge=0, le=1)
+    beta2: float = _knob(0.999, gt=0, lt=1)  # AdamW second-moment decay
     weight_decay: float = _knob(0.0, ge=0)
     grad_clip: float | None = _knob(1.0, gt=0)  # max global grad norm; null: no clipping
     micro_batch_size: int = _knob(64, ge=1)  # rows per forward/backward (gradient accumulation)

@@ -93,5 +93,5 @@ def get_task(cfg: Config) -> TaskSpec:
         records = make_digit_task(int(params.get("num_prompts", 4096)), seed=int(params.get("seed", 1234)), **gen)
     pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name=name, records=records, reward_fn=digit_reward,
-                    reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.0))},
+                    reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.1))},
                     warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool)
