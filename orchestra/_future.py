@@ -143,10 +143,29 @@ class DataFuture:
 
     async def wait(self) -> None:
         """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
-        await self._wait_submitted()
-        pending = {s.done for s in self._slots}
-        pending |= {o for s in self._slots for o in s.outputs}
+        if not self._submitted.done():
+            await self._wait_submitted()
+        elif self._submitted.exception() is not None:
+            raise self._submitted.exception()
+        pending = {s.done for s in self._slots if not s.done.done()}
+        pending |= {o for s in self._slots for o in s.outputs if not o.done()}
+        for s in self._slots:  # failures that already happened
+            for f in (s.done, *s.outputs):
+                if f.done() and not f.cancelled() and f.exception() is not None:
+                    self.cancel()
+                    raise self._convert(f.exception(), s)
         try:
+            if len(pending) == 1 and self._deadline is None:  # the common one-rank case: no asyncio.wait machinery
+                (only,) = pending
+                try:
+                    await asyncio.shield(only)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001
+                    self.cancel()
+                    raise self._convert(e, self._slot_of(only)) from None
+                pending = {o for s in self._slots for o in s.outputs if not o.done()}
+                pending |= {s.done for s in self._slots if not s.done.done()}
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=self._remaining(),
                                                    return_when=asyncio.FIRST_EXCEPTION)

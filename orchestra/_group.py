@@ -467,6 +467,9 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tu
             if per_dp is None:
                 return a
             sources, layout = per_dp[spec.dp_of_rank[r] if spec is not None else 0]
+            if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
+                    and layout.kind == "whole" and not layout.pad_rows):
+                return sources[0][0].ref  # a controller-made shard: the Batch itself, or its ref for Ray to resolve
             return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
                            values_ok=spec is None)
 

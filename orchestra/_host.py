@@ -284,16 +284,25 @@ class Host:
 
     def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict,
                  spec: EndpointSpec, trace: list | None = None) -> tuple[tuple[tuple, dict], int]:
-        if not any(isinstance(a, DataArg) for a in (*args, *kwargs.values())):
+        if not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
             return (args, kwargs), 0
         pads: list[int] = []
 
         def one(a: Any) -> Any:
-            if not isinstance(a, DataArg):
+            if isinstance(a, DataArg):
+                batch, p = self._materialize(a, resolved, counters, trace)
+                pads.append(p)
+            elif isinstance(a, Batch):  # a controller-made shard, passed as is (or resolved by Ray from its ref)
+                batch = a
+                counters["parts_in"] += 1
+                counters["rows_in"] += len(a)
+                counters["rows_used"] += len(a)
+                counters["bytes_in"] += a.nbytes
+            else:
                 return a
-            batch, p = self._materialize(a, resolved, counters, trace)
-            pads.append(p)
-            if spec.requires and isinstance(batch, Batch):
+            if not isinstance(batch, Batch):  # a forwarded plain value (e.g. a state dict from rank 0)
+                return batch
+            if spec.requires:
                 missing = [k for k in spec.requires if k not in batch]
                 if missing:
                     raise KeyError(f"input is missing column(s) {missing} that endpoint {spec.name!r} requires; "
