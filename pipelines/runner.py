@@ -97,7 +97,8 @@ class Runner:
             finally:
                 sink.close()
             if cfg.runner.plot:
-                plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png", keys=("reward/mean", "reward/solved"))
+                plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png",
+                             keys=("reward/mean", "reward/solved"))
             return self.history
         finally:
             if self.tracer is not None:
