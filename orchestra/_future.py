@@ -9,7 +9,6 @@ passing the future into another call forwards the header refs so that the next w
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -102,9 +101,7 @@ class DataFuture:
         self._result: Any = _UNSET
         self._task: asyncio.Task | None = None
         self._cancelled = False
-        self._t0 = time.perf_counter()
         self._known_rows: int | None = None
-        self._dispatch: Any = None
         self._concat_all = False  # sharded Batch results: collect sees one batch of all rows
 
     # -- filled in by the group -----------------------------------------------------------------------------------

@@ -323,7 +323,6 @@ class _Endpoint:
             plan = stream_transform().check(plan)
         _check_columns(plan, spec)
         fut = DataFuture(group=g.name, endpoint=spec.name, timeout=self.timeout)
-        fut._dispatch = spec.dispatch
         if plan.shard is not None:
             rows = [len(a) if isinstance(a, Batch) else a.rows_if_known() for a in plan.data_args()]
             if rows and all(r is not None for r in rows):

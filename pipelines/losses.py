@@ -10,10 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from .algorithms import aggregate, entropy_bonus, kl_loss, kl_penalty, masked_mean, policy_loss, value_loss
+from .algorithms import aggregate, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
 
 __all__ = ["PolicyLoss", "ValueLoss", "SFTLoss"]
 
@@ -82,13 +81,3 @@ class SFTLoss:
     def __call__(self, outputs: Mapping[str, Tensor], mb: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         loss = aggregate(-outputs["log_probs"], mb["response_mask"], self.agg)
         return loss, {"nll": loss.detach()}
-
-
-def kl_metric(old_log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, kind: str = "k3") -> float:
-    """Mean per-token KL(policy || reference) estimate, for logging."""
-    return float(masked_mean(kl_penalty(old_log_probs.float(), ref_log_probs.float(), kind), mask))
-
-
-def response_lengths(mask: Tensor) -> Tensor:
-    """Number of valid response tokens per row."""
-    return mask.sum(-1).to(torch.float32)
