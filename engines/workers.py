@@ -468,12 +468,6 @@ class RewardWorker(Worker):
         out = self.engine.score(batch.tensors, truths)
         return Batch(out)
 
-    @endpoint(D.shard() | D.stream(), requires=["responses"])
-    def score_stream(self, batch: Batch) -> Batch:
-        """``score`` once per part of a streamed input (e.g. ``generate(..., micro_batches=k)``) as each part
-        arrives, so rewards overlap generation; the result streams in input order."""
-        return self.score(batch)
-
 
 class RewardModelWorker(Worker):
     """A sequence-classification reward model, one full copy per rank (data parallel, no training)."""

@@ -332,8 +332,7 @@ class _Endpoint:
         ticket = gate.ticket()
         if (g._shared._ready and gate.is_turn(ticket) and not spec.dispatch.needs_split(plan) and not plan.stream
                 and not any(isinstance(a, DataFuture) for a in plan.data_args())):
-            fut._collect = lambda values, plan=plan: spec.dispatch.collect(plan, values)  # fast path: send now
-            fut._concat_all = plan.shard is not None
+            _bind_collect(fut, spec, plan)  # fast path: send now
             try:
                 _send(g, spec, plan, fut, _per_rank_calls(plan, _describe_all_sync(plan)))
             finally:
@@ -364,8 +363,7 @@ async def _submit(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFutur
         await g.ready()
         await gate.turn(ticket)
         plan = await spec.dispatch.split(plan)
-        fut._collect = lambda values, plan=plan: spec.dispatch.collect(plan, values)
-        fut._concat_all = plan.shard is not None
+        _bind_collect(fut, spec, plan)
         if plan.stream:
             released = True  # the stream releases the gate once its last part is sent
             await _submit_stream(g, spec, plan, fut, lambda: gate.release(ticket))
@@ -380,6 +378,13 @@ async def _submit(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFutur
     finally:
         if not released:
             gate.release(ticket)
+
+
+def _bind_collect(fut: DataFuture, spec: EndpointSpec, plan: Plan) -> None:
+    """How ``await fut`` assembles per-rank results: the dispatch's collect over the final plan (sharded Batch
+    results arrive as one concatenation of every part)."""
+    fut._collect = lambda values: spec.dispatch.collect(plan, values)
+    fut._concat_all = plan.shard is not None
 
 
 def _send(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,

@@ -9,6 +9,7 @@ continues exactly, and writes ``metrics.jsonl``, TensorBoard scalars, a reward p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -120,7 +121,7 @@ class Runner:
             if cfg.runner.max_staleness >= 1 and step + 1 < total:
                 pending = self._launch(step + 1)  # generated with the current weights while this step updates
             ctx = StepContext(self.cluster, cfg, step, self.tracer)
-            with _span(self.tracer, f"step {step}", step=step):
+            with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
                 metrics = await self.step_fn(ctx, cur.rollouts)
                 self.actor_version += 1
                 await self._sync_rollout()
@@ -156,7 +157,7 @@ class Runner:
     def _record(self, step: int, cur: _Launched, metrics: dict[str, float], ctx: StepContext) -> dict[str, Any]:
         elapsed = time.time() - cur.started
         tokens = metrics.get("actor/tokens", 0.0)
-        return {"step": step, **{k: float(v) for k, v in metrics.items()}, **ctx.extra(),
+        return {"step": step, **{k: float(v) for k, v in metrics.items()}, **ctx.timings,
                 "perf/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "staleness": self.actor_version - 1 - cur.version, "time": time.time()}
 
@@ -222,18 +223,6 @@ def _set_rng_state(s: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(s["python"]))
     np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
     torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
-
-
-class _span:
-    def __init__(self, tracer: orc.Tracer | None, name: str, **args: Any) -> None:
-        self.tracer, self.name, self.args = tracer, name, args
-
-    def __enter__(self) -> None:
-        self.t0 = time.time()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.add_span(self.name, self.t0, time.time(), **self.args)
 
 
 def _progress(total: int, start: int) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -67,6 +66,3 @@ class StepContext:
         return {"reward/mean": float(s.mean()), "reward/std": float(s.std()) if len(s) > 1 else 0.0,
                 "reward/max": float(s.max()), "reward/min": float(s.min()),
                 "reward/solved": float((s >= 1.0).double().mean())}
-
-    def extra(self) -> dict[str, Any]:
-        return dict(self.timings)

@@ -87,7 +87,7 @@ async def test_rl_step_end_to_end(groups, tmp_path):
     ref = actor.compute_ref_log_prob(gen)
     values = critic.compute_values(gen)
     scores = reward.score(gen)
-    streamed = reward.score_stream(gen)  # one reward call per generated part, as parts arrive
+    streamed = reward.score.options(stream=True)(gen)  # one reward call per generated part, as parts arrive
     g, old_b, ref_b, val_b, sc_b, st_b = await asyncio.gather(gen, old, ref, values, scores, streamed)
 
     B = 4 * N_SAMPLES
