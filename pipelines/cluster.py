@@ -14,7 +14,7 @@ from orchestra import ResourcePool, WorkerGroup
 
 from .config import Config
 from .taskspec import TaskSpec
-from .workers import AdvantageWorker
+from .advantage_worker import AdvantageWorker
 
 __all__ = ["Cluster", "build_cluster", "model_overrides", "engine_config"]
 

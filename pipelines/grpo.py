@@ -12,7 +12,7 @@ import torch
 from orchestra import Batch, DataFuture
 
 from .algorithms import grpo_advantages
-from .losses import PolicyLoss
+from .objectives import PolicyLoss
 from .stage import StepContext, union
 
 __all__ = ["grpo_step"]

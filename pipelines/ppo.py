@@ -12,7 +12,7 @@ import math
 
 from orchestra import DataFuture
 
-from .losses import PolicyLoss, ValueLoss
+from .objectives import PolicyLoss, ValueLoss
 from .stage import StepContext, union
 
 __all__ = ["ppo_step"]

@@ -29,7 +29,7 @@ from .cluster import Cluster, build_cluster
 from .config import Config, config_to_dict
 from .data import PromptSampler
 from .grpo import grpo_step
-from .losses import SFTLoss
+from .objectives import SFTLoss
 from .metrics import MetricsSink, plot_metrics
 from .ppo import ppo_step
 from .stage import StepContext

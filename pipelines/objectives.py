@@ -1,4 +1,4 @@
-"""Loss functions handed to the training engines (picklable, so they travel to the workers with the call).
+"""Loss objects handed to the training engines (picklable, so they travel to the workers with the call).
 
 An engine calls ``loss_fn(outputs, micro_batch) -> (loss, metrics)`` per micro-batch; ``outputs`` holds the
 current policy's ``log_probs`` (and ``entropy``) or the critic's ``values`` for the micro-batch's response tokens.
