@@ -96,10 +96,16 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, in float32: logsumexp(z) - sum(p z)."""
+    """Entropy of softmax(logits) over the last dim, in float32: ``logsumexp(z) - sum(p z)`` -> ``[...]``.
+
+    Logits of -inf (tokens filtered by top-k / top-p) count as probability 0: their ``p z`` term is 0, not
+    ``0 * -inf = nan``, so value and gradient stay finite. The project's one implementation: the engine that holds
+    the logits computes entropy, and the pipelines' losses take the per-token result.
+    """
     logits = logits.float()
     p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+    finite = torch.where(torch.isfinite(logits), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return torch.logsumexp(logits, dim=-1) - (p * finite).sum(-1)
 
 
 def to_tensordict(data: Mapping[str, torch.Tensor], rows: int) -> TensorDict:

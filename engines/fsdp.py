@@ -4,14 +4,18 @@ One :class:`FSDPEngine` lives in each rank's process. It shards a Hugging Face m
 ``torch.distributed.fsdp.fully_shard`` (one FSDP unit per decoder layer plus the root) over a 1-D
 ``dp`` device mesh, so every rank is a data-parallel rank and a collector of its own rows.
 
-Micro-batch loss weighting (``EngineConfig.loss_scale``)
---------------------------------------------------------
+Micro-batch loss weighting (``loss_fn.loss_scale``, else ``EngineConfig.loss_scale``)
+------------------------------------------------------------------------------------
 ``loss_fn(outputs, micro_batch)`` must return the **mean** of its loss over the micro-batch's
-units: response tokens (``loss_scale="tokens"``, units = ``response_mask.sum()``) or rows
-(``loss_scale="rows"``). The engine multiplies micro-batch m's loss by ``n_m / N`` where ``n_m``
-are the units of m and ``N`` the units of the whole *global* batch (all DP ranks, all-reduced),
-and by ``dp_size`` to undo FSDP's gradient averaging over ranks. The gradient is therefore that
-of the global token- (or row-) mean, independent of ``micro_batch_size`` and of the DP size.
+units: response tokens (``"tokens"``, units = ``response_mask.sum()``), sequences with at least
+one response token (``"sequences"``, for seq-mean aggregations) or rows (``"rows"``). A loss
+object names its units in a ``loss_scale`` attribute (the pipelines' loss objects derive it from
+their aggregation mode); a plain function gets ``EngineConfig.loss_scale``. Before the
+micro-batch loop the engine all-reduces the unit count ``N`` of the whole *global* mini-batch
+(all DP ranks); it multiplies micro-batch m's loss by ``n_m / N`` (``n_m``: the units of m), and
+by ``dp_size`` to undo FSDP's gradient averaging over ranks. ``sum_m (n_m / N) mean_m`` is the
+mean over the global mini-batch, so the gradient is that of the whole mini-batch's loss,
+independent of ``micro_batch_size`` and of the DP size, for token- and sequence-level means alike.
 The reported ``loss`` and every loss_fn metric are the same weighted means.
 
 Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches so that every
@@ -20,7 +24,6 @@ rank issues the same FSDP collectives (a batch need not split evenly over ranks)
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -51,6 +54,7 @@ LossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tupl
 """``loss_fn(outputs, micro_batch) -> (loss, metrics)``; see the module docstring for weighting."""
 
 ModelKind = Literal["auto", "causal_lm", "value"]
+LOSS_SCALES = ("tokens", "sequences", "rows")
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class EngineConfig:
     micro_batch_size: rows per forward/backward in ``train_step``.
     forward_micro_batch_size: rows per forward in ``compute_log_prob``/``compute_values``
         (None: same as ``micro_batch_size``).
-    loss_scale: "tokens" or "rows"; how micro-batch losses are weighted (module docstring).
+    loss_scale: "tokens", "sequences" or "rows": the units a plain loss function averages over, for
+        weighting micro-batches (module docstring); a loss object's own ``loss_scale`` wins.
     seed: seeds torch's RNG when the engine is built (model factory, dropout).
     mixed_precision: bf16 params / fp32 gradient reduction; None means on for CUDA, off on CPU.
     reshard_after_forward: FSDP2 option (True frees gathered params after each forward).
@@ -86,7 +91,7 @@ class EngineConfig:
     grad_clip: float | None = 1.0
     micro_batch_size: int = 8
     forward_micro_batch_size: int | None = None
-    loss_scale: Literal["tokens", "rows"] = "tokens"
+    loss_scale: Literal["tokens", "sequences", "rows"] = "tokens"
     seed: int = 0
     mixed_precision: bool | None = None
     reshard_after_forward: bool = True
@@ -99,8 +104,8 @@ class EngineConfig:
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
             raise ValueError("lr_schedule='cosine' needs total_steps > 0 (the step where lr reaches min_lr_ratio*lr)")
-        if self.loss_scale not in ("tokens", "rows"):
-            raise ValueError(f"loss_scale must be 'tokens' or 'rows', got {self.loss_scale!r}")
+        if self.loss_scale not in LOSS_SCALES:
+            raise ValueError(f"loss_scale must be one of {', '.join(LOSS_SCALES)}, got {self.loss_scale!r}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
@@ -144,6 +149,21 @@ def _layers_to_shard(model: nn.Module) -> list[nn.Module]:
     # fallback: children of the largest ModuleList (decoder stacks are ModuleLists)
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
+
+
+def _micro_units(
+    loss_fn: LossFn, default: str, response_mask: torch.Tensor, ranges: list[tuple[int, int]], tokens: list[float]
+) -> list[float]:
+    """Per micro-batch, the units ``loss_fn`` averages over (its ``loss_scale``, else ``default``)."""
+    scale = getattr(loss_fn, "loss_scale", None) or default
+    if scale == "tokens":
+        return tokens
+    if scale == "sequences":
+        has_token = response_mask.bool().any(-1)
+        return [float(has_token[s:e].sum().item()) for s, e in ranges]
+    if scale == "rows":
+        return [float(e - s) for s, e in ranges]
+    raise ValueError(f"train_step: loss_fn.loss_scale must be one of {', '.join(LOSS_SCALES)}, got {scale!r}")
 
 
 class FSDPEngine:
@@ -369,7 +389,7 @@ class FSDPEngine:
             raise KeyError(f"train_step: batch needs 'response_mask' [B, R] (got keys {sorted(data)})")
         ranges = self._micro_ranges(rows, cfg.micro_batch_size)
         tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]
-        units = tok if cfg.loss_scale == "tokens" else [float(e - s) for s, e in ranges]
+        units = _micro_units(loss_fn, cfg.loss_scale, data["response_mask"], ranges, tok)
         counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges))], dtype=torch.float64, device=self.device)
         n_local = torch.tensor([len(ranges)], dtype=torch.int64, device=self.device)
         if self._world > 1:
@@ -451,38 +471,32 @@ class FSDPEngine:
         return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Sharded checkpoint (model + optimizer) with torch.distributed.checkpoint, plus
-        ``engine_state.json`` (step, config). Collective; ``directory`` must be visible to all ranks."""
-        import torch.distributed.checkpoint as dcp
+        """Sharded checkpoint: this rank's model and optimizer shards as safetensors, layout and step in JSON
+        (``engines.checkpoint``; nothing is pickled). Collective; ``directory`` must be visible to all ranks."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        self._check_ready("save")
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-        if self._rank == 0:
-            state = {"global_step": self.global_step, "dp_size": self._world, "config": asdict(self.config)}
-            with open(os.path.join(directory, "engine_state.json"), "w") as f:
-                json.dump(state, f, indent=2)
-        dist.barrier()
+        from engines.checkpoint import save_sharded
 
-    def load(self, directory: str | os.PathLike) -> None:
-        """Restore model, optimizer and step from :meth:`save` (any DP size). Collective."""
-        import torch.distributed.checkpoint as dcp
+        self._check_ready("save")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        save_sharded(directory, model_sd, optim_sd, device=self.device,
+                     engine_state={"global_step": self.global_step, "lr": self.lr, "model_kind": self.model_kind,
+                                   "config": asdict(self.config)})
+
+    def load(self, directory: str | os.PathLike, *, verify: bool = True) -> None:
+        """Restore model, optimizer, step (hence the LR schedule) and, with the same DP size, RNG from
+        :meth:`save`, written by any DP size. ``verify`` checks each file's size and sha256 against the index
+        first. A missing, corrupt or mismatching checkpoint raises ``engines.checkpoint.CheckpointError``
+        before the engine changes. Collective."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from engines.checkpoint import load_sharded
+
         self._check_ready("load")
-        directory = os.fspath(directory)
-        meta = os.path.join(directory, "engine_state.json")
-        if not os.path.exists(meta):
-            raise FileNotFoundError(f"{directory!r} is not an FSDPEngine checkpoint (no engine_state.json); pass the directory given to save()")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=directory)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        with open(meta) as f:
-            self.global_step = int(json.load(f)["global_step"])
+        state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        self.global_step = int(state["global_step"])
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 # Kept in sync with pipelines.algorithms (tested); not imported so that reading a config needs no torch.
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "abs"]
 
 

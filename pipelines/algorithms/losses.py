@@ -1,4 +1,4 @@
-"""PPO losses: clipped policy surrogate (with optional dual clip), clipped value loss, entropy.
+"""PPO losses: clipped policy surrogate (with optional dual clip), clipped value loss, entropy bonus.
 
 Metrics come back as detached 0-d tensors so a micro-batch loop never forces a device sync;
 call ``.item()`` when logging.
@@ -88,17 +88,6 @@ def value_loss(
     return loss, metrics
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the softmax over the last dim: ``[B, R, V] -> [B, R]``.
-
-    Logits of -inf (filtered tokens) count as probability 0 and keep value and gradient finite.
-    """
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    p = log_p.exp()
-    log_p = torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))
-    return -(p * log_p).sum(-1)
-
-
 def entropy_bonus(
     entropy: Tensor,
     response_mask: Tensor,
@@ -106,5 +95,5 @@ def entropy_bonus(
     agg: AggMode = "token-mean",
     normalizer: float | None = None,
 ) -> Tensor:
-    """Loss term ``-coef * aggregate(entropy)``: adding it to the loss rewards higher entropy."""
+    """Loss term ``-coef * aggregate(entropy)``: *add* it to the loss, so that descending the loss raises entropy."""
     return -coef * aggregate(entropy, response_mask, agg, normalizer)

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 
@@ -68,15 +68,20 @@ def aggregate(
     - ``token-mean``: sum over all valid tokens / number of valid tokens (long answers weigh more).
     - ``seq-mean-token-sum``: per sequence sum over its tokens, then mean over sequences.
     - ``seq-mean-token-mean``: per sequence mean over its tokens, then mean over sequences.
-    Sequences without valid tokens are left out of the sequence means.  With gradient accumulation
-    pass ``normalizer`` = the token count (token-mean) or sequence count (seq modes) of the whole
-    mini-batch, so that summing the micro-batch losses gives exactly the mini-batch loss.
+    - ``seq-mean-token-sum-norm``: per sequence sum over its tokens divided by the constant response width
+      ``R`` (the generation budget, not the sequence's own length), then mean over sequences (Dr. GRPO).
+    Sequences without valid tokens are left out of the sequence means. :func:`agg_units` names what the mean
+    is over. With gradient accumulation pass ``normalizer`` = that unit count of the whole mini-batch, so that
+    summing the micro-batch losses gives exactly the mini-batch loss (the training engine instead weights
+    micro-batch means by their unit share, which is the same thing).
     """
     if mode == "token-mean":
         total, count = masked_sum(loss_mat, mask), mask.bool().sum().to(loss_mat.dtype)
-    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         reduce = masked_mean if mode == "seq-mean-token-mean" else masked_sum
         per_seq = reduce(loss_mat, mask, dim=-1)
+        if mode == "seq-mean-token-sum-norm":
+            per_seq = per_seq / loss_mat.shape[-1]
         total, count = per_seq.sum(), mask.bool().any(-1).sum().to(loss_mat.dtype)
     else:
         raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
@@ -85,3 +90,16 @@ def aggregate(
             raise ValueError(f"normalizer must be > 0, got {normalizer}")
         return total / normalizer
     return total / count.clamp(min=1.0)
+
+
+def agg_units(mode: AggMode) -> Literal["tokens", "sequences"]:
+    """What ``mode`` averages over: valid ``"tokens"`` (token-mean) or ``"sequences"`` with a valid token.
+
+    A training engine that splits a mini-batch into micro-batches (and data-parallel ranks) weights each
+    micro-batch's loss by its share of these units, so the objective is the whole mini-batch's loss.
+    """
+    if mode == "token-mean":
+        return "tokens"
+    if mode in AGG_MODES:
+        return "sequences"
+    raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.algorithms import aggregate, masked_mean, masked_sum, masked_var, masked_whiten
+from pipelines.algorithms import AGG_MODES, aggregate, masked_mean, masked_sum, masked_var, masked_whiten
 
 T = torch.tensor
 
@@ -62,6 +62,7 @@ MASK = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # the third row has no valid token
         ("token-mean", 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
         ("seq-mean-token-sum", 5.0),  # (6 + 4) / 2 sequences
         ("seq-mean-token-mean", 3.0),  # (2 + 4) / 2 sequences
+        ("seq-mean-token-sum-norm", 5.0 / 3),  # (6 / 3 + 4 / 3) / 2 sequences: sums over the width R = 3
     ],
 )
 def test_aggregate_modes(mode, expected):
@@ -87,7 +88,7 @@ def test_aggregate_errors():
 @given(
     st.integers(2, 6),
     st.integers(1, 5),
-    st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+    st.sampled_from(AGG_MODES),
     st.integers(0, 2**16),
 )
 def test_micro_batch_sum_with_normalizer_equals_full_batch(B, R, mode, seed):
