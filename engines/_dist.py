@@ -3,7 +3,9 @@
 - :func:`init_distributed` joins (or creates) the default process group from the usual env vars
   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), picking gloo on CPU and nccl on CUDA.
 - :func:`spawn` runs a function on N local ranks with ``torch.multiprocessing`` and returns the
-  per-rank results (through ``torch.save`` files, so tensors survive the child's exit).
+  per-rank results (through ``torch.save`` files in a private temporary directory, so tensors survive the
+  child's exit; read back with ``weights_only=True``, which loads tensors and plain containers and never runs
+  code, whoever wrote the file).
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def spawn(
 
     Each child gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT (a free port) and
     ``torch.set_num_threads(threads)``; ``fn`` must be importable (module level). ``fn`` should
-    create its engine (which joins the group) and return picklable values. A child's exception
-    is re-raised here with its traceback.
+    create its engine (which joins the group) and return tensors, numbers, strings, None and
+    dicts/lists/tuples of them (what ``torch.load(weights_only=True)`` reads back; other objects
+    fail to load with an error naming them). A child's exception is re-raised here with its traceback.
     """
     import torch.multiprocessing as mp
 
@@ -132,12 +135,12 @@ def spawn(
             for r in range(world_size):
                 p = os.path.join(out_dir, f"rank{r}.pt")
                 if os.path.exists(p):
-                    rec = torch.load(p, weights_only=False)
+                    rec = torch.load(p, weights_only=True)
                     if not rec["ok"]:
                         errors.append(f"--- rank {r} ---\n{rec['error']}")
             raise RuntimeError("spawned rank failed:\n" + "\n".join(errors)) from exc
         results = []
         for r in range(world_size):
-            rec = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            rec = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
             results.append(rec["result"])
         return results

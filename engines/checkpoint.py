@@ -1,0 +1,441 @@
+"""Sharded checkpoints of an FSDP2 model and its optimizer that never unpickle anything.
+
+A checkpoint directory holds, for a run of ``W`` ranks:
+
+- ``model-rank{r:05d}-of-{W:05d}.safetensors`` and ``optim-rank{r:05d}-of-{W:05d}.safetensors``: rank r's local
+  shards (FSDP2 DTensor local tensors) of the weights and of the optimizer's tensor state (Adam moments).
+  Tensors that are not sharded are stored once, by rank 0.
+- ``index.json``: for every tensor (``model/<fqn>``, ``optim/<fqn>/<state>``) its global shape, dtype, placement
+  (``{"kind": "shard", "dim": d}`` or ``{"kind": "replicate"}``) and the shards that hold it (rank, file, global
+  offset, shape); for every file its size and sha256. Written last, so a directory without it is incomplete.
+- ``engine_state.json``: everything that is not a tensor: the step (the LR schedule is a function of it),
+  optimizer param groups and scalar state (Adam ``step`` counts), per-rank torch RNG state, the engine config.
+
+Loading validates the index against the running model (names, global shapes, dtypes), checks each file's size
+and sha256 before reading it, and copies into each rank's local shard the parts of the saved shards that overlap
+it, so a checkpoint written by W ranks loads into any number of ranks. Tensors are read with ``safetensors``
+(a JSON header plus raw bytes) and everything else with ``json``: a tampered file fails to parse, it cannot run
+code. Checkpoints should still come from a place you trust: a well-formed checkpoint can hold any weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FORMAT", "CheckpointError", "load_sharded", "read_json", "save_sharded", "sha256_file",
+           "write_json_atomic"]
+
+FORMAT = "orchestra.fsdp-checkpoint/1"
+INDEX = "index.json"
+STATE = "engine_state.json"
+
+log = logging.getLogger("orchestra")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, not ours, or not matching the model."""
+
+
+# ------------------------------------------------------------------------------------------------------------ files
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Parse a JSON file; a missing, unreadable or truncated file raises :class:`CheckpointError` naming it."""
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{p} is missing; the checkpoint is incomplete or this is not a checkpoint "
+                              f"directory") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p} is not valid JSON ({e}); the file is truncated or corrupt: use another "
+                              f"checkpoint or restore the file") from e
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = None) -> None:
+    """Write JSON to a temporary file beside ``path``, flush it to disk, then rename it over ``path``."""
+    p = os.fspath(path)
+    tmp = f"{p}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """``(size in bytes, sha256 hex digest)`` of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            n += len(block)
+    return n, h.hexdigest()
+
+
+def _shard_file(kind: str, rank: int, world: int) -> str:
+    return f"{kind}-rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------------------------------------ layout
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _placement(t: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    """``(placement, local tensor)``; plain tensors count as replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return {"kind": "replicate"}, t
+    if t.device_mesh.ndim != 1:
+        raise CheckpointError(f"only 1-D device meshes are supported, got a {t.device_mesh.ndim}-D mesh")
+    p = t.placements[0]
+    if type(p) is Shard:
+        return {"kind": "shard", "dim": p.dim % max(t.ndim, 1)}, t.to_local()
+    if type(p) is Replicate:
+        return {"kind": "replicate"}, t.to_local()
+    raise CheckpointError(f"cannot checkpoint a tensor with placement {p!r}; supported: Shard(d), Replicate()")
+
+
+def _flatten(model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor],
+                                                                                 dict[str, dict[str, Any]]]:
+    """Tensor entries by checkpoint key, and the optimizer's scalar state (0-d tensors and numbers) by fqn."""
+    tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, st in optim_sd.get("state", {}).items():
+        for name, v in st.items():
+            is_dt = type(v).__name__ == "DTensor"
+            if isinstance(v, torch.Tensor) and (is_dt or v.dim() > 0):
+                tensors[f"optim/{fqn}/{name}"] = v
+            elif isinstance(v, torch.Tensor):
+                scalars.setdefault(fqn, {})[name] = {"value": v.item(), "dtype": _dtype_name(v.dtype)}
+            elif isinstance(v, (bool, int, float)):
+                scalars.setdefault(fqn, {})[name] = {"value": v, "dtype": type(v).__name__}
+            else:
+                raise CheckpointError(f"optimizer state {fqn}/{name} is a {type(v).__name__}; only tensors and "
+                                      f"numbers can be checkpointed")
+    return tensors, scalars
+
+
+def _jsonable_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in group.items():
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        if isinstance(v, tuple):
+            v = list(v)
+        try:
+            json.dumps(v)
+        except TypeError:
+            raise CheckpointError(f"optimizer param group entry {k!r} ({type(v).__name__}) is not JSON-able") from None
+        out[k] = v
+    return out
+
+
+def _all_gather_json(obj: Any, device: torch.device) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), in rank order; bytes travel as uint8 tensors, not pickles."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    world = dist.get_world_size()
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: data.numel()] = data
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf)
+    return [json.loads(o[: int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
+
+
+def _rng_state(device: torch.device) -> dict[str, list[int]]:
+    state = {"torch_cpu": torch.get_rng_state().tolist()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+
+
+# ------------------------------------------------------------------------------------------------------------ save
+def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any],
+                 *, device: torch.device, engine_state: Mapping[str, Any]) -> None:
+    """Write this rank's shards, then (rank 0) ``engine_state.json`` and ``index.json``. Collective.
+
+    ``model_sd``/``optim_sd`` come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded
+    DTensors, optimizer state keyed by parameter name); ``engine_state`` is JSON-able (step, config...).
+    """
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    os.makedirs(directory, exist_ok=True)
+    entries, scalars = _flatten(model_sd, optim_sd)
+    stored: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
+    local: dict[str, dict[str, Any]] = {}
+    for key, t in entries.items():
+        placement, piece = _placement(t)
+        local[key] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "placement": placement,
+                      "local_shape": list(piece.shape)}
+        if placement["kind"] == "shard" or rank == 0:
+            # a private contiguous CPU copy: tied weights share storage, which safetensors refuses
+            stored[key.split("/", 1)[0]][key] = piece.detach().to("cpu", copy=True).contiguous()
+    files: dict[str, dict[str, Any]] = {}
+    for kind, tensors in stored.items():
+        name = _shard_file(kind, rank, world)
+        path = os.path.join(directory, name)
+        save_file(tensors, path, metadata={"format": FORMAT, "rank": str(rank), "world_size": str(world)})
+        size, digest = sha256_file(path)
+        files[name] = {"bytes": size, "sha256": digest}
+    infos = _all_gather_json({"rank": rank, "files": files, "tensors": {k: v["local_shape"] for k, v in local.items()},
+                              "rng": _rng_state(device)}, device)
+    if rank == 0:
+        index_tensors: dict[str, Any] = {}
+        for key, meta in local.items():
+            shape, placement = meta["shape"], meta["placement"]
+            shards = []
+            if placement["kind"] == "shard":
+                d, start = placement["dim"], 0
+                for info in infos:
+                    piece = info["tensors"][key]
+                    offset = [0] * len(shape)
+                    offset[d] = start
+                    shards.append({"rank": info["rank"], "file": _shard_file(key.split("/", 1)[0], info["rank"], world),
+                                   "offset": offset, "shape": piece})
+                    start += piece[d]
+                if start != shape[d]:
+                    raise CheckpointError(f"{key}: local shards add up to {start} rows along dim {d}, the tensor has "
+                                          f"{shape[d]}; this sharding is not a contiguous split")
+            else:
+                shards.append({"rank": 0, "file": _shard_file(key.split("/", 1)[0], 0, world),
+                               "offset": [0] * len(shape), "shape": shape})
+            index_tensors[key] = {"shape": shape, "dtype": meta["dtype"], "placement": placement, "shards": shards}
+        all_files = {name: f for info in infos for name, f in info["files"].items()}
+        state = {"format": FORMAT, "world_size": world, **engine_state,
+                 "optimizer": {"param_groups": [_jsonable_group(g) for g in optim_sd.get("param_groups", [])],
+                               "scalars": scalars},
+                 "rng": [info["rng"] for info in infos]}
+        write_json_atomic(os.path.join(directory, STATE), state)
+        write_json_atomic(os.path.join(directory, INDEX),
+                          {"format": FORMAT, "world_size": world, "files": all_files, "tensors": index_tensors},
+                          indent=1)
+    if dist.is_initialized() and world > 1:
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------------------------ load
+def _expect(cond: bool, path: str, what: str) -> None:
+    if not cond:
+        raise CheckpointError(f"{path}: {what}; the file is corrupt or was not written by this version of orchestra")
+
+
+def _some(names: set[str] | list[str], n: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, torch.Tensor],
+                 scalars: Mapping[str, Mapping[str, Any]], optim_sd: Mapping[str, Any]) -> None:
+    """The saved layout matches the running model and optimizer (names, shapes, dtypes, groups)."""
+    ipath, spath = os.path.join(directory, INDEX), os.path.join(directory, STATE)
+    _expect(isinstance(index, dict) and index.get("format") == FORMAT, ipath,
+            f"not an {FORMAT} index (format {index.get('format') if isinstance(index, dict) else None!r})")
+    _expect(isinstance(index.get("tensors"), dict) and isinstance(index.get("files"), dict), ipath,
+            "no 'tensors'/'files' tables")
+    _expect(isinstance(state, dict) and state.get("format") == FORMAT, spath, f"not an {FORMAT} engine state")
+    _expect(isinstance(state.get("global_step"), int), spath, "no integer 'global_step'")
+    for name in index["files"]:
+        _expect(isinstance(name, str) and os.path.basename(name) == name and not name.startswith("."), ipath,
+                f"file name {name!r} is not a plain file name")
+    saved, current = set(index["tensors"]), set(entries)
+    if saved != current:
+        raise CheckpointError(
+            f"{ipath} does not match the model being loaded: missing {_some(current - saved) or 'nothing'}; "
+            f"unexpected {_some(saved - current) or 'nothing'}. The checkpoint was written for another model "
+            f"(or optimizer); load it into the model it was saved from")
+    for key, t in entries.items():
+        e = index["tensors"][key]
+        _expect(isinstance(e, dict) and isinstance(e.get("shards"), list), ipath, f"{key} has no shard list")
+        if list(e.get("shape", [])) != list(t.shape) or e.get("dtype") != _dtype_name(t.dtype):
+            raise CheckpointError(f"{key}: the checkpoint has shape {e.get('shape')} {e.get('dtype')}, the model "
+                                  f"being loaded has {list(t.shape)} {_dtype_name(t.dtype)} ({ipath}); load it into "
+                                  f"the model it was saved from")
+        for s in e["shards"]:
+            _expect(isinstance(s, dict) and s.get("file") in index["files"]
+                    and len(s.get("offset", [])) == t.dim() == len(s.get("shape", [])), ipath,
+                    f"{key} has a malformed shard entry {s!r}")
+    opt = state.get("optimizer")
+    _expect(isinstance(opt, dict) and isinstance(opt.get("scalars"), dict)
+            and isinstance(opt.get("param_groups"), list), spath, "no optimizer state")
+    saved_scalars = {f"{fqn}/{n}" for fqn, st in opt["scalars"].items() for n in st}
+    cur_scalars = {f"{fqn}/{n}" for fqn, st in scalars.items() for n in st}
+    if saved_scalars != cur_scalars:
+        missing, unexpected = _some(cur_scalars - saved_scalars), _some(saved_scalars - cur_scalars)
+        raise CheckpointError(f"{spath}: optimizer scalar state differs: missing {missing or 'nothing'}; unexpected "
+                              f"{unexpected or 'nothing'}; was it saved with another optimizer?")
+    groups = optim_sd.get("param_groups", [])
+    if [g.get("params") for g in opt["param_groups"]] != [list(g["params"]) for g in groups]:
+        raise CheckpointError(f"{spath}: the optimizer param groups hold other parameters than the running "
+                              f"optimizer's; was it saved with another model or optimizer?")
+
+
+class _Shards:
+    """Opens shard files on first use, after checking their size and sha256 against the index."""
+
+    def __init__(self, directory: str, files: Mapping[str, Mapping[str, Any]], verify: bool) -> None:
+        self.directory, self.files, self.verify = directory, files, verify
+        self._open: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        if name in self._open:
+            return self._open[name]
+        path = os.path.join(self.directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        if self.verify:
+            expect = self.files[name]
+            size, digest = sha256_file(path)
+            if size != expect.get("bytes"):
+                raise CheckpointError(f"{path}: size {size} bytes, the index says {expect.get('bytes')}; the file "
+                                      f"was truncated or replaced after it was written")
+            if digest != expect.get("sha256"):
+                raise CheckpointError(f"{path}: sha256 {digest[:16]}... does not match the index "
+                                      f"({str(expect.get('sha256'))[:16]}...); the file changed after it was written")
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise CheckpointError(f"{path} is not a valid safetensors file ({type(e).__name__}: {e})") from e
+        self._open[name] = handle
+        return handle
+
+    def check(self, name: str, key: str, shape: list[int], dtype: torch.dtype) -> None:
+        """File ``name`` (verified, parsed) holds ``key`` with the index's shape and the model's dtype."""
+        f = self.get(name)
+        path = os.path.join(self.directory, name)
+        if key not in f.keys():
+            raise CheckpointError(f"{path} has no tensor {key}, the index says it does; the file was replaced")
+        sl = f.get_slice(key)
+        saved = (list(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+        if saved != (list(shape), dtype):
+            raise CheckpointError(f"{path}: {key} is {saved[0]} {saved[1]}, expected {list(shape)} {dtype} from the "
+                                  f"index and the model; the file was replaced")
+
+    def read(self, name: str, key: str, box: tuple[slice, ...], full: bool) -> torch.Tensor:
+        """``box`` of tensor ``key`` from file ``name`` (already checked)."""
+        f = self.get(name)
+        try:
+            return f.get_tensor(key) if full else f.get_slice(key)[box]
+        except Exception as e:  # an I/O error or a file changed since check()
+            raise CheckpointError(f"{os.path.join(self.directory, name)}: cannot read {key} "
+                                  f"({type(e).__name__}: {e})") from e
+
+
+def _boxes(local_offset: list[int], local_shape: list[int], shards: list[Mapping[str, Any]]
+           ) -> Iterator[tuple[Mapping[str, Any], tuple[slice, ...], tuple[slice, ...], bool]]:
+    """For each saved shard overlapping the local box: (shard, slice into the shard, slice into the local tensor,
+    whether the whole shard is needed)."""
+    for s in shards:
+        src, dst, full = [], [], True
+        for lo, n, so, sn in zip(local_offset, local_shape, s["offset"], s["shape"]):
+            a, b = max(lo, so), min(lo + n, so + sn)
+            if a >= b:
+                break
+            src.append(slice(a - so, b - so))
+            dst.append(slice(a - lo, b - lo))
+            full = full and a == so and b == so + sn
+        else:
+            yield s, tuple(src), tuple(dst), full
+
+
+def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any],
+                 *, device: torch.device, verify: bool = True) -> dict[str, Any]:
+    """Fill ``model_sd``/``optim_sd`` (templates from ``get_state_dict``, this rank's sharding) in place from
+    a :func:`save_sharded` directory written by any number of ranks; returns the saved engine state. Collective.
+
+    Every check (JSON, index vs model, sizes and sha256 when ``verify``, safetensors headers) runs before any
+    tensor of the templates is written, and on every rank; a failure raises :class:`CheckpointError`.
+    """
+    directory = os.fspath(directory)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    index = read_json(os.path.join(directory, INDEX))
+    state = read_json(os.path.join(directory, STATE))
+    entries, scalars = _flatten(model_sd, optim_sd)
+    _check_index(directory, index, state, entries, scalars, optim_sd)
+    locals_: dict[str, torch.Tensor] = {}
+    placements: dict[str, dict[str, Any]] = {}
+    for key, t in entries.items():
+        placements[key], locals_[key] = _placement(t)
+    shapes = _all_gather_json({k: list(v.shape) for k, v in locals_.items()}, device)
+    shards = _Shards(directory, index["files"], verify)
+    plan: list[tuple[torch.Tensor, tuple[slice, ...], str, str, tuple[slice, ...], bool]] = []
+    for key, dst in locals_.items():  # pass 1: open (and verify) every file needed, check headers and coverage
+        placement = placements[key]
+        offset = [0] * dst.dim()
+        if placement["kind"] == "shard":
+            d = placement["dim"]
+            offset[d] = sum(shapes[r][key][d] for r in range(rank))
+        covered = 0
+        for s, src, where, full in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
+            shards.check(s["file"], key, s["shape"], dst.dtype)
+            plan.append((dst, where, s["file"], key, src, full))
+            covered += math.prod(w.stop - w.start for w in where)
+        if covered != dst.numel():
+            raise CheckpointError(f"{os.path.join(directory, INDEX)}: the shards of {key} cover {covered} of the "
+                                  f"{dst.numel()} elements this rank needs; the index is corrupt")
+    with torch.no_grad():  # pass 2: every check passed, copy the overlapping parts into the templates
+        for dst, where, name, key, src, full in plan:
+            dst[where].copy_(shards.read(name, key, src, full))
+    saved_scalars = state["optimizer"]["scalars"]
+    for fqn, st in optim_sd.get("state", {}).items():
+        for name, v in list(st.items()):
+            if fqn in scalars and name in scalars[fqn]:
+                value = saved_scalars[fqn][name]["value"]
+                if isinstance(v, torch.Tensor):
+                    v.fill_(value)
+                else:
+                    st[name] = type(v)(value)
+    for group, saved in zip(optim_sd.get("param_groups", []), state["optimizer"]["param_groups"]):
+        for k, v in saved.items():
+            if k == "params" or k not in group:
+                continue
+            cur = group[k]
+            if isinstance(cur, tuple):
+                v = tuple(v)
+            elif isinstance(cur, torch.Tensor):
+                cur.fill_(v)
+                continue
+            group[k] = v
+    rngs = state.get("rng") or []
+    if state.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1) and rank < len(rngs):
+        _set_rng_state(rngs[rank], device)
+    else:
+        log.info("checkpoint %s was written by %s ranks, this run has %s: model and optimizer state are resharded; "
+                 "per-rank RNG state is not restored", directory, state.get("world_size"),
+                 dist.get_world_size() if dist.is_initialized() else 1)
+    return state
