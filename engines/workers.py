@@ -13,7 +13,6 @@ Batch layout as in ``engines/__init__.py``.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import statistics
 import time
@@ -129,20 +128,30 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
 
 
 def _write_state(directory: str, name: str, state: dict[str, Any]) -> None:
+    """A worker's per-rank JSON state next to its engine checkpoint (written atomically)."""
+    from engines.checkpoint import write_json_atomic
+
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=2)
-    os.replace(tmp, os.path.join(directory, name))
+    write_json_atomic(os.path.join(directory, name), state, indent=2)
 
 
-def _read_state(directory: str, name: str, what: str) -> dict[str, Any]:
+def _read_state(directory: str, name: str, what: str, world_size: int | None = None) -> dict[str, Any]:
+    """Read what :func:`_write_state` wrote; a missing file, bad JSON or another world size raises
+    ``CheckpointError`` naming the file (and saved vs current world size)."""
+    from engines.checkpoint import CheckpointError, read_json
+
     path = os.path.join(directory, name)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{what}: {path!r} is missing; pass a directory written by save() with the same number "
-                                f"of ranks")
-    with open(path) as f:
-        return json.load(f)
+        raise CheckpointError(f"{what}: {path} is missing; pass a directory written by save() with the same number "
+                              f"of ranks")
+    state = read_json(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{what}: {path} holds a {type(state).__name__}, not a JSON object")
+    saved = state.get("world_size")
+    if world_size is not None and saved is not None and saved != world_size:
+        raise CheckpointError(f"{what}: {path} was written by a group of {saved} ranks, this group has {world_size}; "
+                              f"per-rank sampling state cannot be resharded: resume with {saved} workers")
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------- actor
@@ -312,8 +321,9 @@ class ActorRolloutRefWorker(Worker):
     # -- state ------------------------------------------------------------------------------------------------------
     @endpoint(D.broadcast())
     def save(self, directory: str) -> str:
-        """Actor DCP checkpoint (model + optimizer) in ``directory/actor`` plus this rank's version and sampling
-        counter; collective. Returns the directory."""
+        """Actor checkpoint (model + optimizer shards as safetensors, JSON index and state; see
+        ``engines.checkpoint``) in ``directory/actor`` plus this rank's version and sampling counter as JSON;
+        collective. Returns the directory."""
         directory = os.fspath(directory)
         self.actor.save(os.path.join(directory, "actor"))
         _write_state(directory, f"actor_worker_rank{self.rank}.json",
@@ -322,11 +332,13 @@ class ActorRolloutRefWorker(Worker):
         return directory
 
     @endpoint(D.broadcast())
-    def load(self, directory: str) -> int:
-        """Restore what ``save`` wrote (the rollout model resyncs on the next ``generate``); returns the version."""
+    def load(self, directory: str, verify: bool = True) -> int:
+        """Restore what ``save`` wrote (the rollout model resyncs on the next ``generate``); returns the version.
+        ``verify``: check every shard's size and sha256 first (skip only when the caller already did)."""
         directory = os.fspath(directory)
-        state = _read_state(directory, f"actor_worker_rank{self.rank}.json", "ActorRolloutRefWorker.load")
-        self.actor.load(os.path.join(directory, "actor"))
+        state = _read_state(directory, f"actor_worker_rank{self.rank}.json", "ActorRolloutRefWorker.load",
+                            self.world_size)
+        self.actor.load(os.path.join(directory, "actor"), verify=verify)
         self._version = int(state["weights_version"])
         self._gen_calls = int(state["gen_calls"])
         self._synced = None
@@ -405,18 +417,21 @@ class CriticWorker(Worker):
 
     @endpoint(D.broadcast())
     def save(self, directory: str) -> str:
-        """Critic DCP checkpoint in ``directory/critic``; collective. Returns the directory."""
+        """Critic checkpoint (safetensors shards + JSON, as the actor's) in ``directory/critic``; collective.
+        Returns the directory."""
         directory = os.fspath(directory)
         self.critic.save(os.path.join(directory, "critic"))
-        _write_state(directory, f"critic_worker_rank{self.rank}.json", {"updates": self._version})
+        _write_state(directory, f"critic_worker_rank{self.rank}.json",
+                     {"updates": self._version, "world_size": self.world_size})
         return directory
 
     @endpoint(D.broadcast())
-    def load(self, directory: str) -> int:
-        """Restore what ``save`` wrote; returns the number of updates the critic had seen."""
+    def load(self, directory: str, verify: bool = True) -> int:
+        """Restore what ``save`` wrote; returns the number of updates the critic had seen. ``verify`` as for the
+        actor."""
         directory = os.fspath(directory)
-        state = _read_state(directory, f"critic_worker_rank{self.rank}.json", "CriticWorker.load")
-        self.critic.load(os.path.join(directory, "critic"))
+        state = _read_state(directory, f"critic_worker_rank{self.rank}.json", "CriticWorker.load", self.world_size)
+        self.critic.load(os.path.join(directory, "critic"), verify=verify)
         self._version = int(state["updates"])
         return self._version
 
