@@ -12,11 +12,11 @@ from typing import Any
 
 from orchestra import ResourcePool, WorkerGroup
 
-from .config import Config
+from .config import ActorConfig, Config, CriticConfig
 from .taskspec import TaskSpec
 from .advantage_worker import AdvantageWorker
 
-__all__ = ["Cluster", "build_cluster", "model_overrides", "engine_config"]
+__all__ = ["Cluster", "build_cluster", "model_overrides", "engine_config", "optimizer_steps"]
 
 
 def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
@@ -28,17 +28,20 @@ def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
             "tie_word_embeddings": m.tie_embeddings}
 
 
-def engine_config(cfg: Config, section: Any, total_steps: int, seed: int) -> Any:
-    """An ``engines.EngineConfig`` from an actor/critic config section."""
+def engine_config(cfg: Config, section: ActorConfig | CriticConfig, total_steps: int, seed: int) -> Any:
+    """An ``engines.EngineConfig`` from the actor's or the critic's own section (every knob explicit)."""
     from engines import EngineConfig
 
     return EngineConfig(lr=section.lr, weight_decay=section.weight_decay, warmup_steps=section.warmup_steps,
-                        lr_schedule=getattr(section, "lr_schedule", "constant"),
-                        min_lr_ratio=getattr(section, "min_lr_ratio", 0.0),
-                        betas=(0.9, getattr(section, "beta2", 0.999)),
-                        total_steps=total_steps, grad_clip=section.grad_clip,
+                        lr_schedule=section.lr_schedule, min_lr_ratio=section.min_lr_ratio,
+                        betas=(0.9, section.beta2), total_steps=total_steps, grad_clip=section.grad_clip,
                         micro_batch_size=section.micro_batch_size, seed=seed,
                         device="cuda" if cfg.resources.device == "cuda" else "cpu")
+
+
+def optimizer_steps(cfg: Config, section: ActorConfig | CriticConfig) -> int:
+    """Optimizer steps of the whole run for the actor or the critic (the end of its LR schedule)."""
+    return cfg.runner.total_steps * section.ppo_epochs * section.mini_batches
 
 
 @dataclass
@@ -83,8 +86,7 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     r = cfg.resources
     tok = task.tokenizer()
     model = model_overrides(cfg, tok.vocab_size)
-    per_step = cfg.actor.ppo_epochs * cfg.actor.mini_batches
-    total = cfg.runner.total_steps * per_step + task.warm_start_steps
+    total = optimizer_steps(cfg, cfg.actor) + task.warm_start_steps
     seed = cfg.runner.seed
     sampling = SamplingParams(n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
@@ -96,7 +98,8 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     init: dict[str, dict] = {"actor": actor_init}
     if cfg.algorithm.name == "ppo":
         roles["critic"] = CriticWorker
-        init["critic"] = dict(model=model, seed=seed + 1, engine=engine_config(cfg, cfg.critic, total, seed + 1))
+        init["critic"] = dict(model=model, seed=seed + 1,
+                              engine=engine_config(cfg, cfg.critic, optimizer_steps(cfg, cfg.critic), seed + 1))
     views = WorkerGroup.colocate(actor_pool, roles, group_name="actor", **init)
     pools = [actor_pool]
     rollout = views["actor"]

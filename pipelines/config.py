@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,11 +93,15 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, path)
-            except ConfigError:
-                continue
+            except ConfigError as e:
+                errors.append(e)
+        not_finite = [e for e in errors if "finite" in str(e)]
+        if not_finite:
+            raise not_finite[0]
         raise bad(_describe(tp))
     if get_origin(tp) is Literal:
         choices = get_args(tp)
@@ -113,14 +118,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return value
         raise bad("int")
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise bad("float")
+        if number is None:
+            raise bad("float")
+        if not math.isfinite(number):  # .inf / .nan would train to NaN and "finish"
+            raise bad("a finite float")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -200,7 +210,7 @@ class RolloutConfig(_Section):
 
 @dataclass(frozen=True)
 class ActorConfig(_Section):
-    """Policy optimization; ppo_epochs and mini_batches also drive the critic."""
+    """Policy optimization (the critic has its own section)."""
 
     _section = "actor"
     lr: float = _knob(2e-3, gt=0)
@@ -222,14 +232,19 @@ class ActorConfig(_Section):
 
 @dataclass(frozen=True)
 class CriticConfig(_Section):
-    """Value model optimization (PPO only)."""
+    """Value model optimization (PPO only). Every knob is the critic's own: nothing is taken from ``actor``."""
 
     _section = "critic"
     lr: float = _knob(1e-3, gt=0)
-    warmup_steps: int = _knob(0, ge=0)
+    warmup_steps: int = _knob(0, ge=0)  # linear warmup of the learning rate, in critic optimizer steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warmup; cosine decays to min_lr_ratio x lr
+    min_lr_ratio: float = _knob(0.0, ge=0, le=1)
+    beta2: float = _knob(0.999, gt=0, lt=1)  # AdamW second-moment decay
     weight_decay: float = _knob(0.0, ge=0)
     grad_clip: float | None = _knob(1.0, gt=0)
     micro_batch_size: int = _knob(64, ge=1)
+    ppo_epochs: int = _knob(1, ge=1)  # passes over each step's batch
+    mini_batches: int = _knob(1, ge=1)  # critic optimizer steps per pass
     value_clip: float | None = _knob(0.2, gt=0)  # null: unclipped value loss
     loss_agg: AggMode = "token-mean"
 
@@ -246,7 +261,8 @@ class AlgorithmConfig(_Section):
     norm_adv_by_std: bool = True  # GRPO: divide by the group std (false: Dr. GRPO style)
     adv_eps: float = _knob(1e-6, gt=0)  # GRPO: added to the group std
     kl_coef: float = _knob(0.0, ge=0)  # 0: no KL term and no reference model
-    kl_estimator: KLKind = "k3"
+    kl_reward_estimator: KLKind = "k1"  # KL in the reward (kl_in=reward): k1, whose policy gradient is the KL's
+    kl_loss_estimator: KLKind = "k3"  # KL as a loss term (kl_in=loss): k3, >= 0 and low variance
     kl_in: Literal["loss", "reward"] = "loss"  # KL as a loss term (GRPO) or a reward penalty (PPO)
 
 
@@ -257,6 +273,7 @@ class RunnerConfig(_Section):
     _section = "runner"
     seed: int = _knob(0, ge=0)  # model init and global torch RNG
     total_steps: int = _knob(200, ge=1)
+    max_bad_steps: int = _knob(3, ge=1)  # stop after this many consecutive steps with a non-finite loss/grad norm
     max_staleness: int = _knob(0, ge=0, le=1)  # 1: step k+1's rollout overlaps step k's update
     micro_batches_per_step: int = _knob(1, ge=1)  # stream each step through the stages in parts
     checkpoint_every: int = _knob(0, ge=0)  # in steps; 0: no checkpoints
@@ -315,16 +332,21 @@ class Config:
             raise ConfigError(
                 f"rollout.n: bad value {self.rollout.n}; GRPO needs at least 2 responses per prompt "
                 "(a group of one has no baseline)", "rollout.n")
+        if self.algorithm.name == "grpo" and self.algorithm.kl_in == "reward":
+            raise ConfigError(
+                "algorithm.kl_in: bad value 'reward'; GRPO takes the KL to the reference as a loss term "
+                "(kl_in=loss); the KL-in-reward form needs algorithm.name=ppo", "algorithm.kl_in")
         if self.data.prompts_per_step % self.runner.micro_batches_per_step:
             raise ConfigError(
                 f"runner.micro_batches_per_step: bad value {self.runner.micro_batches_per_step}; must "
                 f"divide data.prompts_per_step ({self.data.prompts_per_step}) so that every micro-batch "
                 "holds whole prompt groups", "runner.micro_batches_per_step")
         rows = self.data.prompts_per_step * self.rollout.n
-        if self.actor.mini_batches > rows:
-            raise ConfigError(
-                f"actor.mini_batches: bad value {self.actor.mini_batches}; a step has only {rows} rows "
-                "(data.prompts_per_step * rollout.n)", "actor.mini_batches")
+        for name, section in (("actor", self.actor), ("critic", self.critic)):
+            if section.mini_batches > rows and (name == "actor" or self.algorithm.name == "ppo"):
+                raise ConfigError(
+                    f"{name}.mini_batches: bad value {section.mini_batches}; a step has only {rows} rows "
+                    "(data.prompts_per_step * rollout.n)", f"{name}.mini_batches")
         if self.model.path is None:
             if self.model.hidden_size % self.model.num_heads:
                 raise ConfigError(
@@ -349,9 +371,20 @@ def _sections() -> dict[str, type[_Section]]:
     return {f.name: _hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 
+# Keys that were renamed or split: the error says what to write instead.
+_RENAMED = {
+    "algorithm.kl_estimator": "it was split in two: algorithm.kl_reward_estimator (the KL penalty in the reward, "
+                              "default k1) and algorithm.kl_loss_estimator (the KL loss term, default k3); "
+                              "see docs/algorithms.md",
+}
+
+
 def _unknown_key(section: str | None, key: str) -> ConfigError:
     """Error for an unknown key, suggesting a near miss in the section or the same key elsewhere."""
     sections = _sections()
+    if f"{section}.{key}" in _RENAMED:
+        path = f"{section}.{key}"
+        return ConfigError(f"unknown key {path!r}: {_RENAMED[path]}", path)
     if section is None:
         hint = _suggest(key, list(sections))
         return ConfigError(f"unknown section {key!r}{hint}; sections: {', '.join(sections)}", key)

@@ -35,7 +35,7 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
 
     loss = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                       dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg, entropy_coef=cfg.actor.entropy_coef,
-                      kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator)
+                      kl_coef=alg.kl_coef, kl_estimator=alg.kl_loss_estimator)
     batch = union(rollouts, old, ref, Batch.from_dict({"advantages": adv}))
     metrics = await ctx.stage("update_actor", ctx.cluster.actor.update_actor(
         batch, loss_fn=loss, ppo_epochs=cfg.actor.ppo_epochs, mini_batches=cfg.actor.mini_batches))

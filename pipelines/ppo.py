@@ -32,7 +32,7 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
 
     adv = ctx.stage("gae", c.advantage.gae.options(**stream)(
         union(rollouts, scores, old, ref, values), gamma=alg.gamma, lam=alg.lam,
-        kl_coef=alg.kl_coef if kl_in_reward else 0.0, kl_estimator=alg.kl_estimator))
+        kl_coef=alg.kl_coef if kl_in_reward else 0.0, kl_estimator=alg.kl_reward_estimator))
     mean, std = 0.0, 1.0
     if alg.whiten_advantages:
         m = await c.advantage.moments(union(rollouts, adv))
@@ -42,15 +42,15 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     policy = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                         dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg,
                         entropy_coef=cfg.actor.entropy_coef, kl_coef=0.0 if kl_in_reward else alg.kl_coef,
-                        kl_estimator=alg.kl_estimator, adv_mean=mean, adv_std=std)
+                        kl_estimator=alg.kl_loss_estimator, adv_mean=mean, adv_std=std)
     batch = union(rollouts, old, ref, values, adv)
     actor_m, critic_m = await asyncio.gather(
         ctx.stage("update_actor", c.actor.update_actor(batch, loss_fn=policy, ppo_epochs=cfg.actor.ppo_epochs,
                                                         mini_batches=cfg.actor.mini_batches)),
         ctx.stage("update_critic", c.critic.update_critic(batch, loss_fn=ValueLoss(cfg.critic.value_clip,
                                                                                    cfg.critic.loss_agg),
-                                                          ppo_epochs=cfg.actor.ppo_epochs,
-                                                          mini_batches=cfg.actor.mini_batches)))
+                                                          ppo_epochs=cfg.critic.ppo_epochs,
+                                                          mini_batches=cfg.critic.mini_batches)))
     s = (await scores)["scores"]
     return {**ctx.score_metrics(s), "adv/mean": mean, "adv/std": std,
             **actor_m, **critic_m}

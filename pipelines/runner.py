@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import shutil
 import time
@@ -29,13 +30,16 @@ from .cluster import Cluster, build_cluster
 from .config import Config, config_to_dict
 from .data import PromptSampler
 from .grpo import grpo_step
-from .objectives import SFTLoss
+from .health import NonFiniteGuard
 from .metrics import MetricsSink, plot_metrics
+from .objectives import SFTLoss
 from .ppo import ppo_step
 from .stage import StepContext
 from .taskspec import TaskSpec, get_task, prompt_batch
 
 __all__ = ["Runner", "STEPS"]
+
+log = logging.getLogger("orchestra")
 
 StepFn = Callable[[StepContext, DataFuture], Awaitable[dict[str, float]]]
 STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step}
@@ -69,6 +73,7 @@ class Runner:
         self.rollout_version = 0
         self.start_step = 0
         self.history: list[dict[str, Any]] = []
+        self.guard = NonFiniteGuard(cfg.runner.max_bad_steps)  # raises TrainingDivergedError on NaN/inf runs
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
@@ -81,6 +86,7 @@ class Runner:
         _seed_everything(cfg.runner.seed)
         orc.init()
         self.cluster = build_cluster(cfg, self.task)
+        failed = False
         try:
             await self.cluster.ready()
             if cfg.runner.trace:
@@ -101,10 +107,24 @@ class Runner:
                 plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png",
                              keys=("reward/mean", "reward/solved"))
             return self.history
+        except BaseException:
+            failed = True
+            raise
         finally:
+            await self._close(failed)
+
+    async def _close(self, failed: bool) -> None:
+        """Save the trace, then shut the cluster down, whatever happens. If saving the trace fails while the run
+        itself failed, that error is logged and the run's own error propagates; otherwise it is raised."""
+        try:
             if self.tracer is not None:
                 await self.tracer.collect()
                 self.tracer.save(self.out / "trace.json")
+        except Exception:
+            if not failed:
+                raise
+            log.exception("saving the trace failed while the run was failing (the run's error follows)")
+        finally:
             self.cluster.shutdown()
 
     async def _loop(self, sink: MetricsSink) -> None:
@@ -129,6 +149,7 @@ class Runner:
             rec = self._record(step, cur, metrics, ctx)
             sink.write(rec)
             self.history.append(rec)
+            self.guard.check(step, metrics)  # after the step's metrics are written, so the bad step is on record
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward/mean']:.3f}", tok_s=f"{rec['perf/tokens_per_s']:.0f}")

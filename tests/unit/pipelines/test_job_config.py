@@ -101,7 +101,7 @@ def test_sections_are_frozen_and_validated_on_construction():
         # unknown choices
         ("algorithm.name=ppo2", "algorithm.name: bad value 'ppo2' (str); expected one of 'grpo', 'ppo' "
                                 "(did you mean 'ppo'?)"),
-        ("algorithm.kl_estimator=k5", "expected one of 'k1', 'k2', 'k3', 'abs'"),
+        ("algorithm.kl_loss_estimator=k5", "expected one of 'k1', 'k2', 'k3', 'abs'"),
         ("resources.placement=remote", "expected one of 'colocated', 'split'"),
         # constraints across sections
         ("rollout.n=1", "rollout.n: bad value 1; GRPO needs at least 2 responses"),

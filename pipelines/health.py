@@ -1,0 +1,65 @@
+"""Stop a run that has stopped training: non-finite losses or gradient norms, or steps whose updates were all
+skipped. Without this a diverged run "finishes" with NaN metrics and exit status 0."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["NonFiniteGuard", "TrainingDivergedError"]
+
+ROLES = ("actor", "critic")
+WATCHED = ("loss", "grad_norm")
+
+
+class TrainingDivergedError(RuntimeError):
+    """The run diverged; ``step`` and ``metric`` (e.g. ``"actor/grad_norm"``) name where it was seen."""
+
+    def __init__(self, message: str, step: int, metric: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.metric = metric
+
+
+@dataclass
+class NonFiniteGuard:
+    """Checks each step's metrics (``actor/*``, ``critic/*`` from the update endpoints) and raises
+    :class:`TrainingDivergedError` when
+
+    - ``<role>/loss`` or ``<role>/grad_norm`` has been non-finite for ``max_bad_steps`` consecutive steps, or
+    - every optimizer update of a role in one step was skipped (``<role>/skipped == <role>/optimizer_steps``:
+      the engine skips an update whose gradient is not finite, so nothing was learned this step).
+    """
+
+    max_bad_steps: int = 3
+    bad_run: int = field(default=0, init=False)  # consecutive steps with a non-finite watched metric
+
+    def __post_init__(self) -> None:
+        if self.max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps must be >= 1, got {self.max_bad_steps}")
+
+    def check(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record ``step``'s metrics; raise if the run has diverged."""
+        for role in ROLES:
+            updates = metrics.get(f"{role}/optimizer_steps", 0.0)
+            skipped = metrics.get(f"{role}/skipped", 0.0)
+            if updates > 0 and skipped >= updates:
+                raise TrainingDivergedError(
+                    f"training diverged at step {step}: all {int(updates)} {role} updates were skipped because "
+                    f"the gradient was not finite ({role}/skipped={int(skipped)}, {role}/loss="
+                    f"{metrics.get(f'{role}/loss', float('nan'))}, {role}/grad_norm="
+                    f"{metrics.get(f'{role}/grad_norm', float('nan'))}); lower the learning rate or check the "
+                    f"inputs", step, f"{role}/skipped")
+        bad = [(k, v) for role in ROLES for name in WATCHED
+               if (v := metrics.get(k := f"{role}/{name}")) is not None and not math.isfinite(v)]
+        if not bad:
+            self.bad_run = 0
+            return
+        self.bad_run += 1
+        if self.bad_run >= self.max_bad_steps:
+            key, value = bad[0]
+            raise TrainingDivergedError(
+                f"training diverged at step {step}: {key}={value} (non-finite for {self.bad_run} consecutive steps, "
+                f"runner.max_bad_steps={self.max_bad_steps}); lower the learning rate or check the inputs",
+                step, key)
