@@ -1,0 +1,273 @@
+"""Run checkpoints on disk: atomic, verified, pruned, and never in the way of a user's earlier run.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step_000049/             a committed checkpoint (what the workers wrote + runner.json + manifest.json)
+    step_000099/
+    latest                   "step_000099": the newest committed checkpoint
+    step_000149.tmp-1f2e3d4c one being written (or left by a crash: never used, removed by the next commit)
+
+A checkpoint is written into a ``step_XXXXXX.tmp-<random>`` directory; when every file is there,
+``manifest.json`` (relative path, size and sha256 of every other file) is written last, the directory is renamed
+into place and ``latest`` is replaced atomically (temporary file + rename). A crash at any point leaves
+``latest`` naming the previous complete checkpoint. Before anything is loaded the manifest is checked; a
+checkpoint that fails (missing or changed file, truncated JSON) is reported with a warning naming the file and
+the previous good one is used. Only directories named like ours are ever pruned or removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from engines.checkpoint import CheckpointError, read_json, write_json_atomic
+
+__all__ = ["LATEST", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
+           "prepare_output_dir", "prune", "read_json", "stage", "verify", "write_json_atomic", "write_manifest"]
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+MANIFEST_FORMAT = "orchestra.checkpoint-manifest/1"
+_STEP = re.compile(r"^step_(\d{6,})$")
+_STAGED = re.compile(r"^(step_\d{6,})\.(tmp|old)-[0-9a-f]{8}$")
+_LATEST_TMP = re.compile(r"^latest\.tmp-[0-9a-f]{8}$")
+
+log = logging.getLogger("orchestra")
+
+
+# ------------------------------------------------------------------------------------------------------------ manifest
+def _hash(path: Path, sync: bool) -> tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            n += len(block)
+        if sync:
+            os.fsync(f.fileno())
+    return n, h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path) -> dict[str, Any]:
+    """Hash every file under ``directory`` (flushing each to disk) and write ``manifest.json``; returns it."""
+    directory = Path(directory)
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names):
+            p = Path(root) / name
+            rel = p.relative_to(directory).as_posix()
+            if rel == MANIFEST:
+                continue
+            if p.is_symlink() or not p.is_file():
+                raise CheckpointError(f"{p} is not a regular file; a checkpoint holds only the files its writers made")
+            size, digest = _hash(p, sync=True)
+            files.append({"path": rel, "bytes": size, "sha256": digest})
+        _fsync_dir(Path(root))
+    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    write_json_atomic(directory / MANIFEST, manifest, indent=1)
+    return manifest
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """Check ``directory`` against its manifest: every listed file present, same size, same sha256.
+
+    Raises :class:`CheckpointError` naming the first file that is missing, changed or truncated (or the
+    manifest itself when it is missing or not valid JSON). Returns the manifest.
+    """
+    directory = Path(directory)
+    mpath = directory / MANIFEST
+    manifest = read_json(mpath)
+    if not (isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
+            and isinstance(manifest.get("files"), list)):
+        raise CheckpointError(f"{mpath} is not an orchestra checkpoint manifest")
+    root = directory.resolve()
+    for entry in manifest["files"]:
+        rel = entry.get("path") if isinstance(entry, dict) else None
+        if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in Path(rel).parts:
+            raise CheckpointError(f"{mpath} lists {rel!r}, which is not a path inside the checkpoint")
+        p = directory / rel
+        if not p.resolve().is_relative_to(root):
+            raise CheckpointError(f"{mpath} lists {rel!r}, which leads outside the checkpoint")
+        if not p.is_file():
+            raise CheckpointError(f"{p} is missing (listed in {mpath}); the checkpoint is incomplete")
+        size, digest = _hash(p, sync=False)
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{p} has {size} bytes, the manifest says {entry.get('bytes')}: the file was "
+                                  f"truncated or replaced after the checkpoint was written")
+        if digest != entry.get("sha256"):
+            raise CheckpointError(f"{p} does not match its sha256 in {mpath}: the file changed after the "
+                                  f"checkpoint was written")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------------------ writing
+def stage(root: Path, step: int) -> Path:
+    """A fresh ``step_XXXXXX.tmp-<random>`` directory under ``root`` to write checkpoint ``step`` into."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    d = root / f"step_{step:06d}.tmp-{secrets.token_hex(4)}"
+    d.mkdir()
+    return d
+
+
+def abort(staged: Path) -> None:
+    """Remove a staged directory after its writers failed (the error being handled is the one that matters)."""
+    if _STAGED.match(Path(staged).name) is None:
+        raise ValueError(f"{staged} is not a staged checkpoint directory")
+    try:
+        shutil.rmtree(staged)
+    except OSError as e:
+        log.warning("could not remove the unfinished checkpoint %s (%s); the next checkpoint removes it", staged, e)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def commit(staged: Path, *, keep: int) -> Path:
+    """Finish a staged checkpoint: manifest, rename into place, point ``latest`` at it, prune to the newest
+    ``keep`` (0 keeps all) and remove unfinished ones left by crashes. Returns the committed directory."""
+    staged = Path(staged)
+    m = _STAGED.match(staged.name)
+    if m is None or m.group(2) != "tmp":
+        raise ValueError(f"{staged} is not a staged checkpoint directory (made by stage())")
+    root = staged.parent
+    final = root / m.group(1)
+    write_manifest(staged)
+    aside = None
+    if final.exists():  # left by an earlier run past the step we resumed from: replaced, never mixed
+        aside = root / f"{final.name}.old-{secrets.token_hex(4)}"
+        os.replace(final, aside)
+    os.replace(staged, final)
+    _fsync_dir(root)
+    _write_latest(root, final.name)
+    if aside is not None:
+        shutil.rmtree(aside)
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and _STAGED.match(p.name) or p.is_file() and _LATEST_TMP.match(p.name):
+            log.warning("removing %s: an unfinished checkpoint left by an interrupted run", p)
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    prune(root, keep, protect=final)
+    return final
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint directories under ``root`` as ``(step, path)``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
+    return sorted(found)
+
+
+def prune(root: Path, keep: int, *, protect: Path | None = None) -> list[Path]:
+    """Remove all but the newest ``keep`` committed checkpoints (0 keeps all); ``protect`` is never removed.
+    Touches nothing that is not named ``step_<digits>``. Returns what was removed."""
+    if keep <= 0:
+        return []
+    dirs = [p for _, p in committed(root)]
+    doomed = [p for p in dirs[:-keep] if protect is None or p.resolve() != Path(protect).resolve()]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+# ------------------------------------------------------------------------------------------------------------ reading
+def _latest_pointer(root: Path) -> Path | None:
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("%s cannot be read (%s); looking for the newest good checkpoint instead", pointer, e)
+        return None
+    if _STEP.match(name) is None or not (root / name).is_dir():
+        log.warning("%s names %r, which is not a checkpoint under %s; looking for the newest good checkpoint "
+                    "instead", pointer, name, root)
+        return None
+    return root / name
+
+
+def latest_good(root: Path) -> Path:
+    """The checkpoint to resume from: the one ``latest`` names if its manifest checks out, else the newest
+    committed one that does (with a warning naming what was wrong). Raises :class:`CheckpointError` when there
+    is none, or none is good."""
+    root = Path(root)
+    first = _latest_pointer(root)
+    candidates = [first] if first is not None else []
+    candidates += [p for _, p in reversed(committed(root)) if p != first]
+    if not candidates:
+        raise CheckpointError(f"--resume: no checkpoint under {root}; run without --resume to start, and set "
+                              f"runner.checkpoint_every to write checkpoints")
+    problems = []
+    for d in candidates:
+        try:
+            verify(d)
+        except CheckpointError as e:
+            log.warning("checkpoint %s cannot be used: %s", d.name, e)
+            problems.append(f"{d.name}: {e}")
+            continue
+        if problems:
+            log.warning("resuming from %s, the newest checkpoint that checks out", d)
+        return d
+    raise CheckpointError(f"--resume: no usable checkpoint under {root}:\n  " + "\n  ".join(problems)
+                          + "\nrestore the files from a copy, or start over with --overwrite")
+
+
+def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | None:
+    """Check ``out`` before anything starts; returns the checkpoint to resume from (None for a fresh run).
+
+    - ``resume``: the newest good checkpoint (:func:`latest_good`), or :class:`CheckpointError`.
+    - a fresh run into a directory that holds checkpoints: :class:`CheckpointError` unless ``overwrite``, which
+      removes our checkpoints (``step_*``, ``latest``, unfinished ones) and ``metrics.jsonl``, nothing else.
+    """
+    out = Path(out)
+    root = out / "checkpoints"
+    if resume and overwrite:
+        raise CheckpointError("--resume continues the run in runner.output_dir and --overwrite replaces it: pass one")
+    if resume:
+        return latest_good(root)
+    steps = committed(root)
+    if not steps and not (root / LATEST).exists():
+        return None
+    if not overwrite:
+        newest = steps[-1][1].name if steps else (root / LATEST)
+        raise CheckpointError(f"{out} holds checkpoints of an earlier run (newest: {newest}); pass --resume to "
+                              f"continue it, --overwrite to replace it, or choose another runner.output_dir")
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and (_STEP.match(p.name) or _STAGED.match(p.name)):
+            shutil.rmtree(p)
+        elif p.is_file() and (p.name == LATEST or _LATEST_TMP.match(p.name)):
+            p.unlink()
+    if not any(root.iterdir()):
+        root.rmdir()
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file():
+        metrics.unlink()
+    log.warning("--overwrite: removed the checkpoints and metrics.jsonl of the earlier run in %s", out)
+    return None

@@ -1,0 +1,188 @@
+"""Run checkpoints on disk (Ray-free): staged then renamed, manifest-verified, pruned, with a fallback to the
+previous good checkpoint and errors that name the file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+
+from pipelines import checkpoint as ckpt
+from pipelines.checkpoint import CheckpointError
+
+
+def _write_checkpoint_files(d: Path, step: int) -> None:
+    """What the workers and the runner write: nested shard files, worker JSON, runner.json."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    (d / "actor" / "actor").mkdir(parents=True)
+    save_file({"w": np.full((4, 4), step, dtype=np.float32)}, str(d / "actor" / "actor" / "model.safetensors"))
+    (d / "actor" / "actor" / "index.json").write_text(json.dumps({"step": step}))
+    (d / "actor" / "actor_worker_rank0.json").write_text(json.dumps({"weights_version": step}))
+    (d / "runner.json").write_text(json.dumps({"step": step, "rng": list(range(50))}))
+
+
+def _save(root: Path, step: int, keep: int = 3) -> Path:
+    d = ckpt.stage(root, step)
+    _write_checkpoint_files(d, step)
+    return ckpt.commit(d, keep=keep)
+
+
+def test_commit_renames_into_place_and_points_latest_at_it(tmp_path):
+    root = tmp_path / "checkpoints"
+    final = _save(root, 1)
+    assert final == root / "step_000001"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+    assert (root / "latest").read_text() == "step_000001"
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert [f["path"] for f in manifest["files"]] == ["runner.json", "actor/actor_worker_rank0.json",
+                                                      "actor/actor/index.json", "actor/actor/model.safetensors"]
+    assert all(f["bytes"] == (final / f["path"]).stat().st_size and len(f["sha256"]) == 64 for f in manifest["files"])
+    assert ckpt.latest_good(root) == final
+
+
+def test_crash_between_write_and_rename_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    crashed = ckpt.stage(root, 3)  # the writers finished, the process died before commit()
+    _write_checkpoint_files(crashed, 3)
+    (root / "latest.tmp-0badf00d").write_text("step_000003")  # and a half-done pointer update
+    assert (root / "latest").read_text() == "step_000001"
+    assert ckpt.latest_good(root) == root / "step_000001"
+    assert ckpt.prepare_output_dir(tmp_path, resume=True, overwrite=False) == root / "step_000001"
+    # the next commit clears what the crash left behind
+    _save(root, 3)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000003"]
+
+
+def test_corrupt_bytes_are_caught_by_the_manifest_and_the_previous_checkpoint_is_used(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    newest = _save(root, 2)
+    shard = newest / "actor" / "actor" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8:] = b"\xff" * 8  # weights overwritten, safetensors header intact, same size
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not match its sha256"):
+        ckpt.verify(newest)
+    with caplog.at_level(logging.WARNING, logger="orchestra"):
+        assert ckpt.latest_good(root) == root / "step_000001"
+    assert any("model.safetensors" in r.getMessage() and "step_000002" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("victim", ["runner.json", "actor/actor/index.json"])
+def test_truncated_json_is_named(tmp_path, victim):
+    d = _save(tmp_path / "checkpoints", 1)
+    text = (d / victim).read_text()
+    (d / victim).write_text(text[:-3])
+    with pytest.raises(CheckpointError, match=rf"{victim}.*truncated"):
+        ckpt.verify(d)
+
+
+def test_truncated_manifest_is_named(tmp_path):
+    d = _save(tmp_path / "checkpoints", 1)
+    text = (d / "manifest.json").read_text()
+    (d / "manifest.json").write_text(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match=r"manifest\.json is not valid JSON"):
+        ckpt.verify(d)
+
+
+def test_missing_file_is_named(tmp_path):
+    d = _save(tmp_path / "checkpoints", 1)
+    (d / "actor" / "actor_worker_rank0.json").unlink()
+    with pytest.raises(CheckpointError, match=r"actor_worker_rank0\.json is missing"):
+        ckpt.verify(d)
+
+
+def test_no_good_checkpoint_is_a_clear_error(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        d = _save(root, step)
+        (d / "runner.json").write_text("{")
+    with caplog.at_level(logging.WARNING, logger="orchestra"), \
+            pytest.raises(CheckpointError, match=r"no usable checkpoint(.|\n)*step_000002(.|\n)*step_000001"):
+        ckpt.latest_good(root)
+    with pytest.raises(CheckpointError, match="no checkpoint under"):
+        ckpt.latest_good(tmp_path / "elsewhere")
+
+
+def test_planted_pickle_in_every_binary_file_is_refused_before_loading(tmp_path):
+    marker = tmp_path / "marker"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w')",))
+
+    d = _save(tmp_path / "checkpoints", 1)
+    binaries = [p for p in d.rglob("*") if p.is_file() and p.suffix != ".json"]
+    assert binaries
+    for p in binaries:
+        p.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors has \d+ bytes, the manifest says"):
+        ckpt.verify(d)
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        ckpt.prepare_output_dir(tmp_path, resume=True, overwrite=False)
+    assert not marker.exists()
+
+
+def test_manifest_paths_cannot_leave_the_checkpoint(tmp_path):
+    d = _save(tmp_path / "checkpoints", 1)
+    (tmp_path / "outside.json").write_text("{}")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["files"].append({"path": "../../outside.json", "bytes": 2, "sha256": "0" * 64})
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a path inside the checkpoint"):
+        ckpt.verify(d)
+
+
+def test_pruning_keeps_the_newest_and_touches_nothing_else(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step_best").mkdir(parents=True)  # a user's directory that only looks like ours
+    (root / "notes.txt").write_text("mine")
+    for step in range(5):
+        _save(root, step, keep=3)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "notes.txt", "step_000002", "step_000003",
+                                                      "step_000004", "step_best"]
+    _save(root, 5, keep=0)  # 0 keeps everything
+    assert len(ckpt.committed(root)) == 4
+
+
+def test_resaving_a_step_replaces_a_stale_checkpoint_whole(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    stale = _save(root, 2)
+    (stale / "extra.json").write_text("{}")  # a file the new checkpoint will not have
+    (root / "latest").write_text("step_000001")  # as after resuming from step 1
+    again = _save(root, 2)
+    assert not (again / "extra.json").exists()
+    assert ckpt.latest_good(root) == again
+
+
+def test_fresh_run_into_a_directory_with_checkpoints_is_refused(tmp_path):
+    _save(tmp_path / "checkpoints", 1)
+    with pytest.raises(CheckpointError, match=r"holds checkpoints of an earlier run.*--resume.*--overwrite"):
+        ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=False)
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()
+    with pytest.raises(CheckpointError, match="pass one"):
+        ckpt.prepare_output_dir(tmp_path, resume=True, overwrite=True)
+
+
+def test_overwrite_removes_only_our_checkpoints_and_metrics(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    ckpt.stage(root, 2)
+    (root / "notes.txt").write_text("mine")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "my_analysis.csv").write_text("a,b\n")
+    assert ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=True) is None
+    assert sorted(p.name for p in root.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "my_analysis.csv"]
+
+
+def test_fresh_directory_needs_nothing(tmp_path):
+    assert ckpt.prepare_output_dir(tmp_path / "new", resume=False, overwrite=False) is None
+    assert ckpt.prepare_output_dir(tmp_path / "new", resume=False, overwrite=True) is None
