@@ -277,6 +277,7 @@ class RunnerConfig(_Section):
     max_staleness: int = _knob(0, ge=0, le=1)  # 1: step k+1's rollout overlaps step k's update
     micro_batches_per_step: int = _knob(1, ge=1)  # stream each step through the stages in parts
     checkpoint_every: int = _knob(0, ge=0)  # in steps; 0: no checkpoints
+    keep_checkpoints: int = _knob(3, ge=0)  # newest checkpoints kept in output_dir/checkpoints; 0: all
     output_dir: str = "outputs/run"
     metrics: bool = True  # metrics.jsonl in output_dir
     tensorboard: bool = False
