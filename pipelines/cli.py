@@ -1,4 +1,9 @@
-"""``orchestra train CONFIG.yaml key=value ... [--resume]``: run a training job from a typed config."""
+"""``orchestra train CONFIG.yaml key=value ... [--resume | --overwrite]``: run a training job from a typed config.
+
+User errors (a bad config, an output_dir that holds an earlier run, a missing or corrupt checkpoint) are printed
+as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2, before the cluster
+starts; a traceback means a bug or a failure during the run.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,12 @@ def main(argv: list[str] | None = None) -> int:
                        "section.key=value (e.g. actor.lr=1e-3 runner.total_steps=50).")
     t.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
     t.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in runner.output_dir")
+    again = t.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in "
+                       "runner.output_dir (checked before the cluster starts)")
+    again.add_argument("--overwrite", action="store_true", help="start over in a runner.output_dir that holds "
+                       "checkpoints: removes its checkpoints and metrics.jsonl (nothing else); without it such a run "
+                       "is refused")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
@@ -30,9 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
+    from .checkpoint import CheckpointError
     from .runner import run
 
-    history = run(cfg, resume=args.resume, progress=not args.no_progress)
+    try:
+        history = run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    except CheckpointError as e:
+        print(f"orchestra train: {e}", file=sys.stderr)
+        return 2
     if history:
         last = history[-1]
         print(f"done: {len(history)} steps, last reward/mean {last['reward/mean']:.3f}; metrics in "

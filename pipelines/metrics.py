@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import CheckpointError
+
 __all__ = ["MetricsSink", "plot_metrics", "read_metrics"]
+
+log = logging.getLogger("orchestra")
+
+
+def _parse_lines(path: Path, *, torn_tail_ok: bool) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` for each non-empty line. A last line cut short by a crash is dropped with a warning
+    when ``torn_tail_ok``; any other line that is not a JSON object raises :class:`CheckpointError` naming it."""
+    lines = path.read_text().splitlines()
+    out: list[tuple[str, dict[str, Any]]] = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "step" not in rec:
+                raise ValueError("not an object with a 'step'")
+        except ValueError as e:
+            if torn_tail_ok and no == len(lines):
+                log.warning("%s line %d is incomplete (the run stopped while writing it); dropping it", path, no)
+                break
+            raise CheckpointError(f"{path} line {no} is not valid JSON ({e}); fix or remove that line") from e
+        out.append((line, rec))
+    return out
 
 
 class MetricsSink:
@@ -24,8 +50,8 @@ class MetricsSink:
             if truncate_after is None:
                 self.path.write_text("")
             elif self.path.exists():
-                keep = [line for line in self.path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= truncate_after]
+                keep = [line for line, rec in _parse_lines(self.path, torn_tail_ok=True)
+                        if rec["step"] <= truncate_after]
                 self.path.write_text("".join(line + "\n" for line in keep))
         self._tb = None
         if tensorboard:
@@ -51,8 +77,8 @@ class MetricsSink:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl`` file (a bad line raises :class:`CheckpointError` naming it)."""
+    return [rec for _, rec in _parse_lines(Path(path), torn_tail_ok=False)]
 
 
 def plot_metrics(path: str | Path, png: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> Path | None:

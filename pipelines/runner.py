@@ -9,11 +9,11 @@ continues exactly, and writes ``metrics.jsonl``, TensorBoard scalars, a reward p
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import random
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +26,8 @@ import torch
 import orchestra as orc
 from orchestra import Batch, DataFuture
 
+from . import checkpoint as ckpt
+from .checkpoint import CheckpointError
 from .cluster import Cluster, build_cluster
 from .config import Config, config_to_dict
 from .data import PromptSampler
@@ -59,8 +61,11 @@ class _Launched:
 class Runner:
     """Runs a training job described by a Config (see ``orchestra train --help``)."""
 
-    def __init__(self, cfg: Config, *, resume: bool = False, progress: bool = True) -> None:
-        self.cfg, self.resume, self.progress = cfg, resume, progress
+    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> None:
+        """``resume``: continue from the newest good checkpoint in ``runner.output_dir``; ``overwrite``: start over
+        in an output_dir that holds checkpoints (without it such a run is refused)."""
+        self.cfg, self.resume, self.overwrite, self.progress = cfg, resume, overwrite, progress
+        self._resume_from: Path | None = None
         self.out = Path(cfg.runner.output_dir)
         self.step_fn = STEPS[cfg.algorithm.name]
         self.task: TaskSpec = get_task(cfg)
@@ -79,8 +84,8 @@ class Runner:
     async def run(self) -> list[dict[str, Any]]:
         """Run (or resume) the job to ``runner.total_steps``; returns the metrics of the steps run here."""
         cfg = self.cfg
-        if not self.resume and self.out.exists() and (self.out / "checkpoints").exists():
-            shutil.rmtree(self.out / "checkpoints")
+        # before anything starts: refuse to clobber an earlier run, and check the checkpoint --resume will use
+        self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         _seed_everything(cfg.runner.seed)
@@ -193,34 +198,44 @@ class Runner:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     async def save(self, step: int) -> Path:
         """Checkpoint after ``step``: actor (and critic) weights + optimizer + scheduler, rollout RNG counters,
-        sampler state, controller RNG, versions."""
-        d = self.out / "checkpoints" / f"step_{step:06d}"
-        d.mkdir(parents=True, exist_ok=True)
+        sampler state, controller RNG, versions. Written into a staging directory and renamed into place with a
+        manifest (``pipelines.checkpoint``), so ``latest`` always names a complete checkpoint."""
+        d = ckpt.stage(self.out / "checkpoints", step)
         c = self.cluster
-        await c.actor.save(str(d / "actor"))
-        if c.critic is not None:
-            await c.critic.save(str(d / "critic"))
-        if c.split:
-            await c.rollout.save(str(d / "rollout"))
-        state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
-                 "rng": _rng_state()}
-        (d / "runner.json").write_text(json.dumps(state))
-        (self.out / "checkpoints" / "latest").write_text(d.name)
-        return d
+        try:
+            await c.actor.save(str(d / "actor"))
+            if c.critic is not None:
+                await c.critic.save(str(d / "critic"))
+            if c.split:
+                await c.rollout.save(str(d / "rollout"))
+            state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
+                     "rng": _rng_state()}
+            ckpt.write_json_atomic(d / "runner.json", state)
+        except BaseException:
+            ckpt.abort(d)
+            raise
+        return await asyncio.to_thread(ckpt.commit, d, keep=self.cfg.runner.keep_checkpoints)
 
     async def _restore(self) -> None:
-        latest = self.out / "checkpoints" / "latest"
-        if not latest.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.out / 'checkpoints'}; run without --resume "
-                                    f"or set runner.checkpoint_every")
-        d = self.out / "checkpoints" / latest.read_text().strip()
-        state = json.loads((d / "runner.json").read_text())
+        """Load the checkpoint ``prepare_output_dir`` chose and verified before the cluster started."""
+        d = self._resume_from
+        if d is None:
+            raise CheckpointError("--resume: no checkpoint was selected; this is a bug in the runner")
+        state = ckpt.read_json(d / "runner.json")
+        missing = [k for k in ("step", "sampler", "actor_version", "rng") if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise CheckpointError(f"{d / 'runner.json'} lacks {missing}; it was not written by this runner")
         c = self.cluster
-        await c.actor.load(str(d / "actor"))
-        if c.critic is not None:
-            await c.critic.load(str(d / "critic"))
-        if c.split:
-            await c.rollout.load(str(d / "rollout"))
+        try:  # the manifest covered every file: the workers need not hash them again
+            await c.actor.load(str(d / "actor"), verify=False)
+            if c.critic is not None:
+                await c.critic.load(str(d / "critic"), verify=False)
+            if c.split:
+                await c.rollout.load(str(d / "rollout"))
+        except orc.WorkerError as e:
+            if e.exc_type != "CheckpointError":
+                raise
+            raise CheckpointError(f"--resume from {d}: {e.role} rank {e.rank} cannot load it: {e.message}") from e
         self.sampler.load_state_dict(state["sampler"])
         _set_rng_state(state["rng"])
         self.actor_version = state["actor_version"]
@@ -252,6 +267,6 @@ def _progress(total: int, start: int) -> Any:
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
-def run(cfg: Config, *, resume: bool = False, progress: bool = True) -> list[dict[str, Any]]:
+def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> list[dict[str, Any]]:
     """Run a job from synchronous code (the CLI): uvloop when available."""
-    return orc.run(Runner(cfg, resume=resume, progress=progress).run())
+    return orc.run(Runner(cfg, resume=resume, overwrite=overwrite, progress=progress).run())

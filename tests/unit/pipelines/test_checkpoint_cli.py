@@ -1,0 +1,89 @@
+"""``orchestra train`` never destroys a run: a second run into an output_dir with checkpoints is refused, and
+``--resume`` checks the checkpoint before Ray starts; user errors come out as ``orchestra train: ...``, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import orchestra
+from pipelines import checkpoint as ckpt
+from pipelines.cli import main as cli_main
+
+
+class RayStarted(Exception):
+    """Raised instead of starting Ray: these checks must all happen before the cluster exists."""
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RayStarted("orchestra.init was called")
+
+    monkeypatch.setattr(orchestra, "init", refuse)
+
+
+def _committed(out: Path, step: int = 1) -> Path:
+    d = ckpt.stage(out / "checkpoints", step)
+    (d / "runner.json").write_text(json.dumps({"step": step}))
+    return ckpt.commit(d, keep=3)
+
+
+def _train(out: Path, *flags: str) -> list[str]:
+    return ["train", f"runner.output_dir={out}", "runner.total_steps=2", "--no-progress", *flags]
+
+
+def test_second_run_into_the_same_output_dir_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    _committed(out)
+    assert cli_main(_train(out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: ") and "--resume" in err and "--overwrite" in err and str(out) in err
+    assert "Traceback" not in err
+    assert (out / "checkpoints" / "step_000001" / "runner.json").exists()  # nothing was deleted
+
+
+def test_resume_without_a_checkpoint_fails_before_ray(tmp_path, capsys):
+    assert cli_main(_train(tmp_path / "run", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: --resume: no checkpoint under") and "Traceback" not in err
+
+
+def test_resume_with_only_a_corrupt_checkpoint_names_the_file_before_ray(tmp_path, capsys):
+    out = tmp_path / "run"
+    d = _committed(out)
+    (d / "runner.json").write_text('{"st')
+    assert cli_main(_train(out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: ") and "runner.json" in err and "--overwrite" in err
+
+
+def test_resume_with_a_good_checkpoint_gets_as_far_as_starting_ray(tmp_path):
+    out = tmp_path / "run"
+    _committed(out)
+    with pytest.raises(RayStarted):
+        cli_main(_train(out, "--resume"))
+
+
+def test_overwrite_starts_over_keeping_other_files(tmp_path):
+    out = tmp_path / "run"
+    _committed(out)
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(RayStarted):
+        cli_main(_train(out, "--overwrite"))
+    assert not (out / "checkpoints").exists() and (out / "notes.md").read_text() == "mine"
+
+
+def test_resume_and_overwrite_exclude_each_other(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(_train(tmp_path, "--resume", "--overwrite"))
+    assert e.value.code == 2
+    assert "orchestra train: error:" in capsys.readouterr().err
+
+
+def test_missing_config_file_is_a_cli_error(tmp_path, capsys):
+    assert cli_main(["train", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: ") and "nope.yaml" in err
