@@ -291,14 +291,20 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
     opt = state.get("optimizer")
     _expect(isinstance(opt, dict) and isinstance(opt.get("scalars"), dict)
             and isinstance(opt.get("param_groups"), list), spath, "no optimizer state")
+    _expect(all(isinstance(st, dict) for st in opt["scalars"].values()), spath, "malformed optimizer scalars")
     saved_scalars = {f"{fqn}/{n}" for fqn, st in opt["scalars"].items() for n in st}
     cur_scalars = {f"{fqn}/{n}" for fqn, st in scalars.items() for n in st}
     if saved_scalars != cur_scalars:
         missing, unexpected = _some(cur_scalars - saved_scalars), _some(saved_scalars - cur_scalars)
         raise CheckpointError(f"{spath}: optimizer scalar state differs: missing {missing or 'nothing'}; unexpected "
                               f"{unexpected or 'nothing'}; was it saved with another optimizer?")
+    for fqn, st in opt["scalars"].items():
+        for n, v in st.items():
+            _expect(isinstance(v, dict) and isinstance(v.get("value"), (bool, int, float)), spath,
+                    f"optimizer scalar {fqn}/{n} is not a number")
     groups = optim_sd.get("param_groups", [])
-    if [g.get("params") for g in opt["param_groups"]] != [list(g["params"]) for g in groups]:
+    saved_params = [g.get("params") if isinstance(g, dict) else None for g in opt["param_groups"]]
+    if saved_params != [list(g["params"]) for g in groups]:
         raise CheckpointError(f"{spath}: the optimizer param groups hold other parameters than the running "
                               f"optimizer's; was it saved with another model or optimizer?")
 
