@@ -24,6 +24,7 @@ _EXPORTS = {
     "EngineConfig": "engines.fsdp",
     "FSDPEngine": "engines.fsdp",
     "lr_factor": "engines.fsdp",
+    "CheckpointError": "engines.checkpoint",
     "RolloutEngine": "engines.rollout",
     "SamplingParams": "engines.rollout",
     "RewardModelEngine": "engines.reward",
