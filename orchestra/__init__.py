@@ -7,8 +7,10 @@ worker to worker; dispatch transforms (``orchestra.dispatch``) say how a call is
 from . import dispatch
 from ._batch import Batch
 from ._errors import (
+    CallCancelledError,
     CallTimeoutError,
     DispatchError,
+    GroupClosedError,
     OrchestraError,
     PlacementError,
     WorkerDiedError,
@@ -24,9 +26,11 @@ from ._worker import Worker, endpoint
 
 __all__ = [
     "Batch",
+    "CallCancelledError",
     "CallTimeoutError",
     "DataFuture",
     "DispatchError",
+    "GroupClosedError",
     "OrchestraError",
     "Part",
     "PlacementError",

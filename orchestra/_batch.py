@@ -18,11 +18,6 @@ from tensordict import TensorDict
 
 __all__ = ["Batch"]
 
-# Tensors received through the object store are views of read-only shared memory; torch warns about it on every
-# conversion. The framework never writes into them (see Batch.clone for a private copy), so the warning is noise.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
 _NUMPY_UNSUPPORTED = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
@@ -54,7 +49,15 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
 
 
 def _tensor_from_wire(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
-    t = torch.from_numpy(arr)
+    if arr.flags.writeable:
+        t = torch.from_numpy(arr)
+    else:
+        # A view of the object store's shared memory. It never reaches user code as is: workers and the controller
+        # hand out private copies (see Host._resolve and Invocation.result), so torch's not-writable warning is
+        # silenced for this one conversion only.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
     if dtype is not None:
         t = t.view(getattr(torch, dtype))
     return t

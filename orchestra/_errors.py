@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["OrchestraError", "WorkerError", "WorkerDiedError", "CallTimeoutError", "DispatchError", "PlacementError"]
+__all__ = ["OrchestraError", "WorkerError", "WorkerDiedError", "CallTimeoutError", "CallCancelledError", "DispatchError",
+           "PlacementError", "GroupClosedError", "UPSTREAM_FAILED"]
+
+# exc_type of the WorkerError a rank raises when an upstream call it reads from failed; the controller replaces
+# it with the upstream's own error (the group, rank and endpoint that actually failed).
+UPSTREAM_FAILED = "UpstreamFailed"
 
 
 class OrchestraError(Exception):
@@ -58,6 +63,15 @@ class CallTimeoutError(OrchestraError, TimeoutError):
                  pending_ranks: Sequence[int] = ()) -> None:
         self.group, self.endpoint, self.pending_ranks = group, endpoint, tuple(pending_ranks)
         super().__init__(message)
+
+
+class CallCancelledError(OrchestraError):
+    """The call was cancelled (``fut.cancel()``, a sibling rank's failure, or a cancelled awaiter) before it gave a
+    result. Not an ``asyncio.CancelledError``: tasks that did not ask for the cancel see an ordinary error."""
+
+
+class GroupClosedError(OrchestraError, RuntimeError):
+    """The group (or orchestra itself) was shut down: calls in flight then, and calls made after, fail with this."""
 
 
 class DispatchError(OrchestraError, ValueError):

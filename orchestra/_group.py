@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import _stats
-from ._batch import Batch, balanced_sizes
-from ._errors import DispatchError, OrchestraError
-from ._future import DataFuture, UnionFuture, _Slot, convert_error
-from ._host import CONCURRENCY_GROUPS, REFS_KWARG, host_class, method_name
+from . import _runtime, _stats
+from ._batch import Batch
+from ._errors import DispatchError
+from ._future import DataFuture
+from ._host import CONCURRENCY_GROUPS, host_class, method_name
+from ._invocation import Invocation, closed_error, convert_error
 from ._pool import ResourcePool
-from ._wire import DataArg, Layout, PartInfo, Source
 from ._worker import EndpointSpec, MeshInfo, Worker, endpoints_of
 from .dispatch import Plan
 from .dispatch import stream as stream_transform
 
 __all__ = ["WorkerGroup"]
+
+log = logging.getLogger("orchestra")
 
 
 class _Gate:
@@ -63,27 +68,40 @@ class _Gate:
 
 
 class _Shared:
-    """The actors of a group (shared by the role views of a colocated group) and their start-up."""
+    """The actors of a group (shared by the role views of a colocated group), their start-up, the calls in flight
+    (``live``) and the group's end: ``close`` cancels start-up and every call, kills the actors and lets go of
+    the pool."""
 
     def __init__(self, pool: ResourcePool, roles: dict[str, tuple[type, tuple, dict]], name: str) -> None:
         self.pool, self.roles, self.name = pool, roles, name
         self.hosts: list[Any] = []
         self.info: list[dict] = []
         self.meshes: dict[tuple[str, str], list[MeshInfo]] = {}
-        self.seq: list[int] = []
         self._start: asyncio.Task | None = None
         self._ready = False
-        self._dead = False
+        self.closed: str | None = None  # why the group was shut down
         self.gate = _Gate()
+        self.live: weakref.WeakSet = weakref.WeakSet()  # invocations not yet finished
+        pool.acquire()
+        _runtime.register(self)
+
+    def is_ready(self) -> bool:
+        return self._ready and self.closed is None
 
     def start(self) -> asyncio.Task:
+        if self.closed is not None:
+            raise closed_error(self.name, self.closed)
         if self._start is None:
-            self._start = asyncio.get_running_loop().create_task(self._boot())
-            self._start.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._start = asyncio.get_running_loop().create_task(self._boot(), name=f"orchestra:{self.name}.start")
+            self._start.add_done_callback(_retrieve_start)
         return self._start
 
     async def _boot(self) -> None:
         slots = await self.pool.slots()
+        if self.closed is not None:  # shut down while placing: give back what was placed meanwhile
+            if not self.pool.holds_refs():
+                await anyio.to_thread.run_sync(self.pool.release)
+            raise closed_error(self.name, self.closed)
         world = len(slots)
         res = self.pool.actor_resources()
         actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(
@@ -104,30 +122,66 @@ class _Shared:
                                 "MASTER_ADDR": ip, "MASTER_PORT": str(port)}, self.roles)
                 for h, s in zip(self.hosts, slots)])
         except BaseException as e:
-            self.kill()
-            err = convert_error(e, self.name, "__init__", None)
-            raise err from None
+            if self.closed is not None:
+                raise closed_error(self.name, self.closed) from None
+            hosts = self.close("its start-up failed")
+            await anyio.to_thread.run_sync(self.finish_close, hosts)
+            raise convert_error(e, self.name, "__init__", None) from None
+        if self.closed is not None:
+            raise closed_error(self.name, self.closed)
         self._ready = True
 
     async def ready(self) -> None:
-        if self._dead:
-            raise OrchestraError(f"group {self.name!r} was shut down; create a new WorkerGroup")
+        t = self._start
+        if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # the start-up error (e.g. a rank's __init__ failed), for every awaiter
+        if self.closed is not None:
+            raise closed_error(self.name, self.closed)
         await asyncio.shield(self.start())
 
-    def kill(self) -> None:
-        for h in self.hosts:
+    def close(self, why: str = "shutdown() was called") -> list[Any]:
+        """Mark closed, cancel start-up and every call in flight; returns the actor handles still to kill."""
+        if self.closed is not None:
+            return []
+        self.closed = why
+        if self._start is not None and not self._start.done() and self._start is not _current_task():
+            self._start.cancel()
+        err = closed_error(self.name, why)
+        for inv in list(self.live):
+            inv.cancel(err)
+        hosts, self.hosts = self.hosts, []
+        return hosts
+
+    def finish_close(self, hosts: list[Any]) -> None:
+        """Kill the actors and give the pool back (blocking Ray calls: run off the event loop when on one)."""
+        for h in hosts:
             try:
                 ray.kill(h)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
+                log.debug("group %r: ray.kill: %r", self.name, e)
+        self.pool.release_ref()
+
+
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop (shutdown() from sync code)
+        return None
+
+
+def _retrieve_start(t: asyncio.Task) -> None:
+    if not t.cancelled():
+        t.exception()  # raised to every awaiter of ready(); retrieved here so asyncio does not log it
 
 
 class WorkerGroup:
     """The ranks of a pool running one Worker class; endpoints appear as methods that return DataFutures.
 
     ``WorkerGroup(pool, Cls, *init_args, group_name=..., **init_kwargs)`` returns at once; actors start in the
-    background (``await group.ready()`` waits for them). ``WorkerGroup.colocate`` puts several roles in one
-    process per rank.
+    background (``await group.ready()`` waits for them). Use it as ``async with WorkerGroup(...) as g:`` or end it
+    with ``await g.aclose()`` / ``g.shutdown()``: calls in flight then fail with ``GroupClosedError``, the actors
+    are killed, and the pool is released once no group uses it. ``WorkerGroup.colocate`` puts several roles in
+    one process per rank.
     """
 
     def __init__(self, pool: ResourcePool, cls: type[Worker], *args: Any, group_name: str | None = None,
@@ -195,45 +249,73 @@ class WorkerGroup:
         """The Ray actor handles, one per rank (after ``ready()``)."""
         return list(self._shared.hosts)
 
+    @property
+    def closed(self) -> bool:
+        """True once the group was shut down."""
+        return self._shared.closed is not None
+
     async def ready(self) -> WorkerGroup:
         """Wait until every rank's worker is constructed; raises the first construction error."""
         await self._shared.ready()
         return self
 
+    async def _control(self, method: str, *args: Any) -> list[Any]:
+        """One control-lane call per rank; a dead rank is a WorkerDiedError naming this group and the rank."""
+        await self.ready()
+        hosts = self._shared.hosts
+        results = await asyncio.gather(*[getattr(h, method).remote(*args) for h in hosts], return_exceptions=True)
+        for rank, r in enumerate(results):
+            if isinstance(r, BaseException):
+                if self._shared.closed is not None:
+                    raise closed_error(self.name, self._shared.closed) from None
+                raise convert_error(r, self.name, method, rank) from None
+        return list(results)
+
     async def describe(self) -> list[dict[str, Any]]:
         """Per rank: rank, local rank, node, pid, bundle, devices, roles and registered meshes."""
-        await self.ready()
-        return list(await asyncio.gather(*[h.describe.remote() for h in self._shared.hosts]))
+        return await self._control("describe")
 
     async def stats(self) -> list[dict[str, dict[str, float]]]:
         """Per rank, per endpoint of this role: calls, parts/rows/bytes fetched and produced, seconds."""
-        await self.ready()
-        return list(await asyncio.gather(*[h.stats.remote(self._role) for h in self._shared.hosts]))
+        return await self._control("stats", self._role)
 
     async def reset_stats(self) -> None:
-        await self.ready()
-        await asyncio.gather(*[h.reset_stats.remote() for h in self._shared.hosts])
+        await self._control("reset_stats")
 
     async def set_tracing(self, enabled: bool = True) -> None:
         """Record a span per call on every rank (and the parts each fetched and produced) for ``orchestra.Tracer``."""
-        await self.ready()
-        await asyncio.gather(*[h.set_tracing.remote(enabled) for h in self._shared.hosts])
+        await self._control("set_tracing", enabled)
 
     async def take_events(self) -> list[tuple[int, list[dict]]]:
         """Per rank, (pid, spans recorded since the last take)."""
-        await self.ready()
-        return list(await asyncio.gather(*[h.take_events.remote() for h in self._shared.hosts]))
+        return await self._control("take_events")
 
     async def ping(self) -> list[int]:
-        """Round trip to every rank's control loop (answers even while an endpoint computes)."""
-        await self.ready()
-        return list(await asyncio.gather(*[h.ping.remote() for h in self._shared.hosts]))
+        """Round trip to every rank's control lane (answers even while an endpoint computes)."""
+        return await self._control("ping")
 
     def shutdown(self) -> None:
-        """Kill the actors (of every colocated role) and give the pool's placement groups back."""
-        self._shared._dead = True
-        self._shared.kill()
-        self._shared.pool.release()
+        """End the group now (blocking): cancel start-up and every call in flight, kill the actors (of every
+        colocated role) and release the pool once no other group uses it. ``await aclose()`` on an event loop."""
+        hosts = self._shared.close()
+        if hosts or self._shared.pool.holds_refs():
+            self._shared.finish_close(hosts)
+
+    async def aclose(self) -> None:
+        """``shutdown()`` for async code: the blocking Ray calls run in a worker thread."""
+        hosts = self._shared.close()
+        if hosts or self._shared.pool.holds_refs():
+            await anyio.to_thread.run_sync(self._shared.finish_close, hosts)
+
+    async def __aenter__(self) -> WorkerGroup:
+        try:
+            return await self.ready()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
 
     def __getattr__(self, name: str) -> _Endpoint:
         if name.startswith("_"):
@@ -254,14 +336,15 @@ class WorkerGroup:
         return method_name(list(self._shared.roles).index(self._role), endpoint)
 
     # -- meshes ---------------------------------------------------------------------------------------------------
-    def _cached_mesh(self, name: str) -> list[MeshInfo] | None:
+    def cached_mesh(self, name: str) -> list[MeshInfo] | None:
+        """Mesh ``name`` as registered on every rank, if already looked up (for a dispatch's sync ``check``)."""
         return self._shared.meshes.get((self._role, name))
 
-    async def _mesh(self, name: str, endpoint: str) -> list[MeshInfo]:
+    async def mesh(self, name: str, endpoint: str = "?") -> list[MeshInfo]:
+        """Mesh ``name`` as registered on every rank (looked up once, validated, then cached)."""
         key = (self._role, name)
         if key not in self._shared.meshes:
-            await self.ready()
-            found = await asyncio.gather(*[h.meshes.remote(self._role) for h in self._shared.hosts])
+            found = await self._control("meshes", self._role)
             self._shared.meshes[key] = _validate_mesh(self.name, endpoint, name, [m.get(name) for m in found])
         return self._shared.meshes[key]
 
@@ -300,9 +383,18 @@ class _Endpoint:
         self.group, self.spec, self.timeout, self.stream = group, spec, timeout, stream
 
     def options(self, *, timeout: float | None = None, stream: bool | None = None) -> _Endpoint:
-        """This endpoint with call options: ``timeout`` seconds until the call fails with a TimeoutError;
-        ``stream=True`` maps a sharded endpoint over the parts of a streamed input as they arrive (``D.stream()``)."""
-        return _Endpoint(self.group, self.spec, timeout if timeout is not None else self.timeout,
+        """This endpoint with call options: ``timeout`` seconds (> 0) until the call fails with CallTimeoutError
+        and is cancelled everywhere; ``stream=True`` maps a sharded endpoint over the parts of a streamed input as
+        they arrive (``D.stream()``)."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"{self!r}.options(timeout={timeout!r}): timeout must be a number of seconds")
+            if not timeout > 0 or timeout != timeout or timeout == float("inf"):
+                raise ValueError(f"{self!r}.options(timeout={timeout!r}): timeout must be a finite number of "
+                                 f"seconds > 0 (leave it out for no deadline)")
+        if stream is not None and not isinstance(stream, bool):
+            raise TypeError(f"{self!r}.options(stream={stream!r}): stream must be True or False")
+        return _Endpoint(self.group, self.spec, float(timeout) if timeout is not None else self.timeout,
                          self.stream if stream is None else stream)
 
     def __repr__(self) -> str:
@@ -310,6 +402,9 @@ class _Endpoint:
 
     def __call__(self, *args: Any, **kwargs: Any) -> DataFuture:
         g, spec = self.group, self.spec
+        shared = g._shared
+        if shared.closed is not None:
+            raise closed_error(g.name, shared.closed)
         if spec.signature is not None:
             try:
                 spec.signature.bind(None, *args, **kwargs)
@@ -322,25 +417,12 @@ class _Endpoint:
         if self.stream and not plan.stream:
             plan = stream_transform().check(plan)
         _check_columns(plan, spec)
-        fut = DataFuture(group=g.name, endpoint=spec.name, timeout=self.timeout)
-        if plan.shard is not None:
-            rows = [len(a) if isinstance(a, Batch) else a.rows_if_known() for a in plan.data_args()]
-            if rows and all(r is not None for r in rows):
-                fut._known_rows = rows[0]
+        if shared._start is None:
+            shared.start()
+        inv = Invocation(g, spec, plan, self.timeout)
         _stats.add_call()
-        gate = g._shared.gate
-        ticket = gate.ticket()
-        if (g._shared._ready and gate.is_turn(ticket) and not spec.dispatch.needs_split(plan) and not plan.stream
-                and not any(isinstance(a, DataFuture) for a in plan.data_args())):
-            _bind_collect(fut, spec, plan)  # fast path: send now
-            try:
-                _send(g, spec, plan, fut, _per_rank_calls(plan, _describe_all_sync(plan)))
-            finally:
-                gate.release(ticket)
-            return fut
-        fut._task = asyncio.get_running_loop().create_task(_submit(g, spec, plan, fut, ticket))
-        fut._task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return fut
+        inv.start()
+        return DataFuture(inv)
 
 
 def _check_columns(plan: Plan, spec: EndpointSpec) -> None:
@@ -352,294 +434,3 @@ def _check_columns(plan: Plan, spec: EndpointSpec) -> None:
             if missing:
                 raise DispatchError(f"{plan.where()}: the batch is missing column(s) {missing} (it has "
                                     f"{sorted(a.keys())}); add them or pass a future whose result has them")
-
-
-async def _submit(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture, ticket: int) -> None:
-    """Finish the plan (mesh lookups, upstream headers), build per-rank descriptors and send the calls, in the
-    order the calls on this group were made."""
-    gate = g._shared.gate
-    released = False
-    try:
-        await g.ready()
-        await gate.turn(ticket)
-        plan = await spec.dispatch.split(plan)
-        _bind_collect(fut, spec, plan)
-        if plan.stream:
-            released = True  # the stream releases the gate once its last part is sent
-            await _submit_stream(g, spec, plan, fut, lambda: gate.release(ticket))
-        else:
-            _send(g, spec, plan, fut, _per_rank_calls(plan, await _describe_all(plan)))
-    except BaseException as e:
-        gate.release(ticket)
-        fut._fail_submit(e if not isinstance(e, asyncio.CancelledError) else
-                         asyncio.CancelledError(f"{g.name}.{spec.name} was cancelled before it was sent"))
-        if isinstance(e, asyncio.CancelledError):
-            raise
-    finally:
-        if not released:
-            gate.release(ticket)
-
-
-def _bind_collect(fut: DataFuture, spec: EndpointSpec, plan: Plan) -> None:
-    """How ``await fut`` assembles per-rank results: the dispatch's collect over the final plan (sharded Batch
-    results arrive as one concatenation of every part)."""
-    fut._collect = lambda values: spec.dispatch.collect(plan, values)
-    fut._concat_all = plan.shard is not None
-
-
-def _send(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
-          calls: dict[int, tuple[tuple, dict, list]]) -> None:
-    hosts = g._shared.hosts
-    meth = g._method_name(spec.name)
-    collectors = set(plan.shard.collectors if plan.shard is not None else
-                     plan.collectors if plan.collectors is not None else plan.ranks)
-    slots = []
-    for r in plan.ranks:
-        args, kwargs, refs = calls[r]
-        slot = _Slot(r, r in collectors)
-        if spec.streaming:
-            a, kw = _with_refs(args, kwargs, refs)
-            gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
-            slot.call_ref = gen
-            asyncio.get_running_loop().create_task(_drain(gen, slot))
-        else:
-            a, kw = _with_refs(args, kwargs, refs)
-            ref = getattr(hosts[r], meth).remote(*a, **kw)
-            slot.call_ref = ref
-            slot.add(ref)
-            slot.finish()
-        slots.append(slot)
-    fut._set_slots(slots)
-
-
-def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:
-    """Upstream header refs ride nested in one keyword argument; the worker fetches them (see Host._call)."""
-    if not refs:
-        return args, kwargs
-    return args, {**kwargs, REFS_KWARG: list(refs)}
-
-
-async def _drain(gen: Any, slot: _Slot) -> None:
-    try:
-        async for ref in gen:
-            slot.add(ref)
-        slot.finish()
-    except BaseException as e:  # noqa: BLE001 - surfaced through the future
-        slot.finish(e)
-
-
-async def _slot_refs(fut: DataFuture) -> list[list[ray.ObjectRef]]:
-    """The output refs of each collected slot of an upstream future, once its calls are all sent and finished
-    streaming (values are not awaited: only the refs are needed)."""
-    await fut._wait_submitted()
-    for s in fut._slots:
-        if s.collected:
-            try:
-                await s.done
-            except BaseException as e:
-                raise convert_error(e, fut.group, fut.endpoint, s.rank) from None
-    return [list(s.refs) for s in fut._slots if s.collected]
-
-
-async def _describe_all(plan: Plan) -> dict[int, Any]:
-    """Descriptors of every data argument (awaiting upstream futures' submission, never their payloads)."""
-    out: dict[int, Any] = {}
-    for a in plan.data_args():
-        if id(a) not in out and (plan.shard is not None or isinstance(a, DataFuture)):
-            out[id(a)] = (_describe_batch(a, plan.shard) if isinstance(a, Batch)
-                          else await _describe_data(a, plan.shard, plan))
-    return out
-
-
-def _describe_all_sync(plan: Plan) -> dict[int, Any]:
-    """Like ``_describe_all`` when every data argument is a concrete Batch."""
-    if plan.shard is None:
-        return {}
-    return {id(a): _describe_batch(a, plan.shard) for a in plan.data_args()}
-
-
-def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
-    """(args, kwargs, top-level refs) for every executing rank, with data arguments turned into descriptors."""
-    spec = plan.shard
-    out = {}
-    for r in plan.ranks:
-        args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
-        b = _ArgBuilder()
-
-        def convert(a: Any) -> Any:
-            per_dp = described.get(id(a))
-            if per_dp is None:
-                return a
-            sources, layout = per_dp[spec.dp_of_rank[r] if spec is not None else 0]
-            if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
-                    and layout.kind == "whole" and not layout.pad_rows):
-                return sources[0][0].ref  # a controller-made shard: the Batch itself, or its ref for Ray to resolve
-            return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
-                           values_ok=spec is None)
-
-        out[r] = (tuple([convert(a) for a in args]), {k: convert(v) for k, v in kwargs.items()}, b.refs)
-    return out
-
-
-class _ArgBuilder:
-    """Collects the refs a rank's call takes as top-level arguments (Ray resolves them before the call runs)."""
-
-    def __init__(self) -> None:
-        self.refs: list[Any] = []
-        self._index: dict[Any, int] = {}
-
-    def add(self, o: Any) -> Any:
-        if isinstance(o, ray.ObjectRef):
-            i = self._index.get(o)
-            if i is None:
-                i = self._index[o] = len(self.refs)
-                self.refs.append(o)
-            return i
-        return o
-
-
-INLINE_BYTES = 64 << 10  # controller-made shards below this travel inside the call instead of via ray.put
-
-
-def _put(b: Batch) -> PartInfo:
-    nbytes = b.nbytes
-    if nbytes < INLINE_BYTES:
-        return PartInfo(b, len(b), nbytes)
-    _stats.add_put(nbytes)
-    return PartInfo(ray.put(b), len(b), nbytes)
-
-
-def _describe_batch(a: Batch, spec: Any) -> dict[int, tuple[list[list[Any]], Layout]]:
-    """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
-    D = spec.dp_size
-    batch = a.pad_to_multiple(D) if spec.pad and len(a) % D else a
-    shards = batch.split(balanced_sizes(len(batch), D))
-    out, start = {}, 0
-    for d, s in enumerate(shards):
-        pad_rows = min(len(s), max(0, start + len(s) - len(a))) if batch is not a else 0
-        start += len(s)
-        out[d] = ([[_put(s)]], Layout("whole", pad_rows=pad_rows))
-    return out
-
-
-async def _describe_data(a: Batch | DataFuture, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
-    """Per DP index: the sources (lists of output refs / part infos) and the layout of the rows it reads."""
-    comps = list(a._parts_of) if isinstance(a, UnionFuture) else [a]
-    if spec is None:  # broadcast: every rank reads everything
-        return {0: ([await _all_outputs(c) for c in comps], Layout("whole"))}
-    D = spec.dp_size
-    slot_lists = []
-    aligned = not spec.pad
-    for c in comps:
-        if isinstance(c, Batch):  # stored as D balanced parts, so that each rank reads about its share
-            slot_lists.append([[_put(p) for p in c.chunk(D) if len(p)]])
-            aligned = False
-        else:
-            slots = await _slot_refs(c)
-            slot_lists.append(slots)
-            aligned = aligned and len(slots) == D
-    if aligned:
-        return {d: ([slots[d] for slots in slot_lists], Layout("whole")) for d in range(D)}
-    flat = [[o for s in slots for o in s] for slots in slot_lists]
-    return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty)) for d in range(D)}
-
-
-async def _all_outputs(c: Any) -> list[Any]:
-    if isinstance(c, Batch):
-        return [_put(c)]
-    return [o for s in await _slot_refs(c) for o in s]
-
-
-async def _submit_stream(g: WorkerGroup, spec: EndpointSpec, plan: Plan, fut: DataFuture,
-                         release: Any) -> None:
-    """``stream()``: one call per arriving upstream part; the part from upstream slot i goes to DP replica i mod D
-    (every rank of it). ``release`` is called once the last part is sent."""
-    streamed = [a for a in plan.data_args() if isinstance(a, DataFuture)]
-    if len(streamed) != 1 or any(isinstance(x, Batch) for x in _components(streamed[0])):
-        raise DispatchError(f"{plan.where()}: stream() needs exactly one DataFuture argument (or a union of "
-                            f"futures) to map over")
-    if spec.streaming:
-        raise DispatchError(f"{plan.where()}: stream() maps a plain endpoint over parts; a generator endpoint "
-                            f"cannot be mapped")
-    src = streamed[0]
-    comps = _components(src)
-    for c in comps:
-        await c._wait_submitted()
-    n_slots = {len([s for s in c._slots if s.collected]) for c in comps}
-    if len(n_slots) != 1:
-        raise DispatchError(f"{plan.where()}: the futures joined with | stream from different numbers of ranks "
-                            f"{sorted(n_slots)}; stream() pairs their parts one to one")
-    shard = plan.shard
-    D = shard.dp_size
-    if shard.mesh is not None and n_slots.pop() != D:
-        # ranks of a mesh run collectives: every DP replica must get a call per part. With a different number of
-        # upstream ranks that cannot keep rows in order, so the call waits for every part and is sent once.
-        plan = plan.with_(stream=False)
-        _send(g, spec, plan, fut, _per_rank_calls(plan, await _describe_all(plan)))
-        release()
-        return
-    members = {d: [r for r in plan.ranks if shard.dp_of_rank[r] == d] for d in range(D)}
-    comp_slots = [[s for s in c._slots if s.collected] for c in comps]
-    out_slots = [_Slot(cs.rank, True) for cs in comp_slots[0]]
-    fut._set_slots(out_slots)
-    hosts = g._shared.hosts
-    meth = g._method_name(spec.name)
-    remaining = [len(out_slots)]
-
-    def one_done() -> None:
-        remaining[0] -= 1
-        if remaining[0] == 0:
-            release()
-
-    async def follow(i: int) -> None:
-        k = 0
-        d = i % D
-        try:
-            while True:
-                if all(len(cs[i].refs) > k for cs in comp_slots):
-                    refs = [cs[i].refs[k] for cs in comp_slots]
-                    for r in members[d]:
-                        args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
-                        darg = DataArg(tuple(Source((j,)) for j in range(len(refs))), Layout("whole"))
-                        args = tuple(darg if x is src else x for x in args)
-                        kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
-                        a, kw = _with_refs(args, kwargs, refs)
-                        ref = getattr(hosts[r], meth).remote(*a, **kw)
-                        if r in shard.collectors:
-                            out_slots[i].add(ref)
-                            out_slots[i].call_ref = ref
-                        else:  # tracked for errors only
-                            side = _Slot(r, False)
-                            side.add(ref)
-                            side.finish()
-                            fut._slots.append(side)
-                    k += 1
-                    continue
-                if all(cs[i].done.done() for cs in comp_slots):
-                    for cs in comp_slots:
-                        exc = cs[i].done.exception()
-                        if exc is not None:
-                            raise convert_error(exc, src.group, src.endpoint, cs[i].rank)
-                    if any(len(cs[i].refs) != len(comp_slots[0][i].refs) for cs in comp_slots):
-                        raise DispatchError(f"{plan.where()}: the joined futures yielded different numbers of "
-                                            f"parts on slot {i}; stream() pairs their parts one to one")
-                    out_slots[i].finish()
-                    return
-                waits = [cs[i].watch() for cs in comp_slots]
-                if any(len(cs[i].refs) > k for cs in comp_slots) or any(cs[i].done.done() for cs in comp_slots):
-                    continue
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException as e:  # noqa: BLE001 - surfaced through the future
-            out_slots[i].finish(e)
-        finally:
-            one_done()
-
-    loop = asyncio.get_running_loop()
-    for i in range(len(out_slots)):
-        loop.create_task(follow(i))
-    if not out_slots:
-        release()
-
-
-def _components(a: Any) -> list[Any]:
-    return list(a._parts_of) if isinstance(a, UnionFuture) else [a]

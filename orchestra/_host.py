@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -22,8 +23,8 @@ from typing import Any
 import ray
 
 from ._batch import Batch, balanced_sizes
-from ._errors import WorkerError
-from ._wire import DataArg, Output, PartInfo, Source, overlapping, row_range
+from ._errors import UPSTREAM_FAILED, WorkerError
+from ._wire import INLINE_BYTES, REFS_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 __all__ = ["Host"]
@@ -60,7 +61,6 @@ CONTROL = "control"
 CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1}
 
 
-REFS_KWARG = "_orc_refs"
 _DONE = object()
 
 
@@ -70,9 +70,17 @@ def _is_value(o: Any) -> bool:
 
 def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     """The user arguments, and the upstream headers the call reads (fetched here, in the worker, not by Ray before
-    the call: a task whose argument failed upstream would never reach the actor and stall its ordered queue)."""
+    the call: a task whose argument failed upstream would never reach the actor and stall its ordered queue).
+    An upstream failure raises a WorkerError marked UPSTREAM_FAILED: the controller reports the upstream's own
+    error (its group, rank and endpoint) instead of this rank's."""
     refs = kwargs.pop(REFS_KWARG, None)
-    return args, (tuple(ray.get(refs)) if refs else ())
+    if not refs:
+        return args, ()
+    try:
+        return args, tuple(ray.get(refs))
+    except ray.exceptions.RayError as e:
+        raise WorkerError(f"an upstream call this one reads from failed: {type(e).__name__}",
+                          exc_type=UPSTREAM_FAILED) from None
 
 
 def host_class(roles: dict[str, type]) -> type:
@@ -113,6 +121,49 @@ class _Runtime:
 _RUNTIME = _Runtime()
 
 
+class _Stats:
+    """Per role, per endpoint counters: the compute lane adds, the control lane reads a consistent snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_role: dict[str, dict[str, dict[str, float]]] = {}
+
+    def counters(self, role: str, name: str) -> dict[str, float]:
+        """The counters of (role, endpoint), created on first use (under the lock: the only structural change)."""
+        with self._lock:
+            eps = self._by_role.setdefault(role, {})
+            c = eps.get(name)
+            if c is None:
+                c = eps[name] = _counters()
+            return c
+
+    def snapshot(self, role: str | None = None) -> dict[str, dict[str, float]]:
+        with self._lock:
+            roles = [role] if role else list(self._by_role)
+            return {ep: dict(c) for r in roles for ep, c in self._by_role.get(r, {}).items()}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._by_role = {}
+
+
+class _Events:
+    """Trace spans recorded by the compute lane and taken by the control lane; none is lost between the two."""
+
+    def __init__(self, maxlen: int = 200_000) -> None:
+        self._lock = threading.Lock()
+        self._items: collections.deque = collections.deque(maxlen=maxlen)
+
+    def add(self, event: dict) -> None:
+        with self._lock:
+            self._items.append(event)
+
+    def take(self) -> list[dict]:
+        with self._lock:
+            items, self._items = self._items, collections.deque(maxlen=self._items.maxlen)
+        return list(items)
+
+
 class Host:
     """Ray actor hosting the roles of one rank (several roles when colocated)."""
 
@@ -122,11 +173,10 @@ class Host:
         self.roles: dict[str, Worker] = {}
         self.specs: dict[str, dict[str, EndpointSpec]] = {}
         self.contexts: dict[str, _Context] = {}
-        self.stats_: dict[str, dict[str, dict[str, float]]] = collections.defaultdict(
-            lambda: collections.defaultdict(_counters))
+        self.stats_ = _Stats()
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self.tracing = False
-        self.events: collections.deque = collections.deque(maxlen=200_000)
+        self.events = _Events()
 
     def _aloop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -188,16 +238,11 @@ class Host:
 
     @ray.method(concurrency_group=CONTROL)
     def stats(self, role: str | None = None) -> dict[str, dict[str, float]]:
-        roles = [role] if role else list(self.stats_)
-        out: dict[str, dict[str, float]] = {}
-        for r in roles:
-            for ep, c in self.stats_.get(r, {}).items():
-                out[ep] = dict(c)
-        return out
+        return self.stats_.snapshot(role)
 
     @ray.method(concurrency_group=CONTROL)
     def reset_stats(self) -> None:
-        self.stats_.clear()
+        self.stats_.reset()
 
     @ray.method(concurrency_group=CONTROL)
     def set_tracing(self, enabled: bool) -> None:
@@ -206,9 +251,7 @@ class Host:
     @ray.method(concurrency_group=CONTROL)
     def take_events(self) -> tuple[int, list[dict]]:
         """(pid, recorded spans) since the last take; each span names the parts it fetched and produced."""
-        out = list(self.events)
-        self.events.clear()
-        return os.getpid(), out
+        return os.getpid(), self.events.take()
 
     @ray.method(concurrency_group=COMPUTE)
     def noop(self, *args: Any, **kwargs: Any) -> None:
@@ -278,7 +321,7 @@ class Host:
         spec = self.specs[role].get(name)
         if spec is None:
             raise AttributeError(f"{type(self.roles[role]).__name__} has no endpoint {name!r}")
-        counters = self.stats_[role][name]
+        counters = self.stats_.counters(role, name)
         counters["calls"] += 1
         return spec, getattr(self.roles[role], name), self.contexts[role], counters
 
@@ -290,10 +333,12 @@ class Host:
 
         def one(a: Any) -> Any:
             if isinstance(a, DataArg):
-                batch, p = self._materialize(a, resolved, counters, trace)
+                batch, p = self._materialize(a, resolved, counters, trace, spec.zero_copy_inputs)
                 pads.append(p)
             elif isinstance(a, Batch):  # a controller-made shard, passed as is (or resolved by Ray from its ref)
-                batch = a
+                # one that came through the object store (>= INLINE_BYTES) is shared memory: other ranks of a mesh
+                # read the same object, so the endpoint gets a private copy unless it promised not to write
+                batch = a if a.nbytes < INLINE_BYTES or spec.zero_copy_inputs else a.clone()
                 counters["parts_in"] += 1
                 counters["rows_in"] += len(a)
                 counters["rows_used"] += len(a)
@@ -307,7 +352,7 @@ class Host:
                 if missing:
                     raise KeyError(f"input is missing column(s) {missing} that endpoint {spec.name!r} requires; "
                                    f"it has {sorted(batch.keys())}")
-            return batch.clone() if spec.writable_inputs else batch
+            return batch
 
         new_args = tuple([one(a) for a in args])
         new_kwargs = {k: one(v) for k, v in kwargs.items()}
@@ -316,7 +361,7 @@ class Host:
         return (new_args, new_kwargs), (pads[0] if pads else 0)
 
     def _materialize(self, arg: DataArg, resolved: tuple, counters: dict,
-                     trace: list | None = None) -> tuple[Any, int]:
+                     trace: list | None = None, zero_copy: bool = False) -> tuple[Any, int]:
         """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union.
 
         A source whose outputs are plain values (not Batches) arrives as its value: one rank's value as is,
@@ -339,7 +384,7 @@ class Host:
         wanted = _wanted(start, stop, n) if arg.layout.kind == "balanced" else [(0, n)]
         out = None
         for parts in part_lists:
-            b = self._read(parts, wanted, counters, trace)
+            b = self._read(parts, wanted, counters, trace, zero_copy)
             out = b if out is None else out.union(b)
         counters["rows_used"] += len(out)
         return out, pad
@@ -364,7 +409,9 @@ class Host:
 
     @staticmethod
     def _read(parts: list[PartInfo], wanted: list[tuple[int, int]], counters: dict,
-              trace: list | None = None) -> Batch:
+              trace: list | None = None, zero_copy: bool = False) -> Batch:
+        """The rows ``wanted`` of ``parts``, fetched and joined. The result is private to this call: a single
+        piece read from the object store (shared memory other readers see) is copied unless ``zero_copy``."""
         plan = [ov for lo, hi in wanted for ov in overlapping([p.rows for p in parts], lo, hi)]
         need = sorted({i for i, _, _ in plan})
         remote = [i for i in need if isinstance(parts[i].ref, ray.ObjectRef)]
@@ -379,6 +426,9 @@ class Host:
         for i, lo, hi in plan:
             b = fetched.get(i, parts[i].ref)
             pieces.append(b if (lo, hi) == (0, len(b)) else b.slice(lo, hi))
+        if len(pieces) == 1:
+            i = plan[0][0]
+            return pieces[0] if zero_copy or not isinstance(parts[i].ref, ray.ObjectRef) else pieces[0].clone()
         if pieces:
             return Batch.concat(pieces)
         if not parts:
@@ -408,7 +458,7 @@ class Host:
 
     def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
         produced = [(p.ref.hex(), p.nbytes, p.rows) for p in out.parts] if isinstance(out, Output) and out.parts else []
-        self.events.append({"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched,
+        self.events.add({"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched,
                             "produced": produced})
 
     def _store_output(self, item: Any, counters: dict) -> Output:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,9 +12,13 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
+import anyio
+
 from ._errors import PlacementError
 
 __all__ = ["ResourcePool", "Slot"]
+
+log = logging.getLogger("orchestra")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class ResourcePool:
         self._slots: list[Slot] | None = None
         self._pgs: list[Any] = []
         self._lock: asyncio.Lock | None = None
+        self._refs = 0  # groups using this pool: the placement groups are released when the last one closes
 
     @property
     def world_size(self) -> int:
@@ -77,15 +83,18 @@ class ResourcePool:
         return out
 
     def _check_fits(self) -> None:
+        """Fail at once when the pool can never fit the cluster. Resources other pools hold now are waited for
+        (up to ``placement_timeout``): Ray frees a released pool's resources asynchronously."""
         bundle = self.bundle()
         need_total = {k: v * self.world_size for k, v in bundle.items()}
         avail = ray.available_resources()
+        total = ray.cluster_resources()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         node_totals = [n.get("Resources", {}) for n in nodes]
         problems = []
         for k, v in need_total.items():
-            if avail.get(k, 0.0) + 1e-9 < v:
-                problems.append(f"{k}: need {v:g}, available {avail.get(k, 0.0):g} of {ray.cluster_resources().get(k, 0):g}")
+            if total.get(k, 0.0) + 1e-9 < v:
+                problems.append(f"{k}: need {v:g}, available {avail.get(k, 0.0):g} of {total.get(k, 0):g}")
         for i, count in enumerate(self.process_on_nodes):
             need = {k: v * count for k, v in bundle.items()}
             if not any(all(t.get(k, 0.0) + 1e-9 >= v for k, v in need.items()) for t in node_totals):
@@ -113,25 +122,37 @@ class ResourcePool:
         return self._slots
 
     async def _place(self) -> list[Slot]:
-        self._check_fits()
+        # Ray's state queries and placement-group calls block: they run in a worker thread, off the event loop
+        await anyio.to_thread.run_sync(self._check_fits)
         bundle = self.bundle()
-        pgs = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
-                               name=f"{self.name}-{i}-{uuid.uuid4().hex[:8]}")
-               for i, n in enumerate(self.process_on_nodes)]
-        self._pgs = pgs
+
+        def create() -> list[Any]:
+            for i, n in enumerate(self.process_on_nodes):  # recorded as made, so a cancel still releases them
+                self._pgs.append(placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
+                                                 name=f"{self.name}-{i}-{uuid.uuid4().hex[:8]}"))
+            return list(self._pgs)
+
         try:
+            pgs = await anyio.to_thread.run_sync(create)
             await asyncio.wait_for(asyncio.gather(*[pg.ready() for pg in pgs]), self.placement_timeout)
         except asyncio.TimeoutError:
-            states = [placement_group_table(pg).get("state") for pg in pgs]
-            self.release()
+            states = await anyio.to_thread.run_sync(lambda: [placement_group_table(pg).get("state") for pg in pgs])
+            avail = await anyio.to_thread.run_sync(ray.available_resources)
+            await anyio.to_thread.run_sync(self.release)
             raise PlacementError(self._fit_message(
                 [f"placement groups not ready after {self.placement_timeout:g} s (states {states}); the cluster "
-                 f"has {ray.available_resources()} available"])) from None
-        node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        placed = []
-        for pg, count in zip(pgs, self.process_on_nodes):
-            node = placement_group_table(pg)["bundles_to_node_id"][0]
-            placed.append((node_ip.get(node, ""), node, pg, count))
+                 f"has {avail} available"])) from None
+        except BaseException:  # cancelled (the group was shut down while placing): give the reservation back
+            self.release()
+            raise
+
+        def where() -> list[tuple[str, str, Any, int]]:
+            node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+            return [(node_ip.get(node, ""), node, pg, count)
+                    for pg, count in zip(pgs, self.process_on_nodes)
+                    for node in [placement_group_table(pg)["bundles_to_node_id"][0]]]
+
+        placed = await anyio.to_thread.run_sync(where)
         placed.sort(key=lambda t: tuple(int(x) if x.isdigit() else 0 for x in t[0].split(".")))
         slots, rank, per_node = [], 0, {}
         for ip, node, pg, count in placed:
@@ -142,14 +163,27 @@ class ResourcePool:
                 rank += 1
         return slots
 
+    def acquire(self) -> None:
+        """A group starts using this pool (``release_ref`` when it closes)."""
+        self._refs += 1
+
+    def holds_refs(self) -> bool:
+        return self._refs > 0
+
+    def release_ref(self) -> None:
+        """A group using this pool closed: release the placement groups when it was the last one."""
+        self._refs = max(0, self._refs - 1)
+        if self._refs == 0:
+            self.release()
+
     def release(self) -> None:
-        """Give the placement groups back to the cluster (workers placed in them must be gone)."""
-        for pg in self._pgs:
+        """Give the placement groups back to the cluster now (workers placed in them must be gone). Blocking."""
+        pgs, self._pgs, self._slots = self._pgs, [], None
+        for pg in pgs:
             try:
                 remove_placement_group(pg)
-            except Exception:
-                pass
-        self._pgs, self._slots = [], None
+            except Exception as e:  # noqa: BLE001 - Ray already gone, or the group already removed
+                log.warning("resource pool %r: could not remove placement group %s: %r", self.name, pg.id.hex(), e)
 
     def __repr__(self) -> str:
         return (f"ResourcePool(process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "

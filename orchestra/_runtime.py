@@ -1,56 +1,148 @@
-"""Starting and stopping the Ray cluster the controller talks to, and running the controller's event loop."""
+"""Starting and stopping the Ray cluster the controller talks to, and running the controller's event loop.
+
+A private local cluster (``orc.init()`` without an address) listens on loopback where Ray allows it (node IP
+127.0.0.1) and always has Ray's token authentication on: Ray still binds some gRPC servers to every interface, so
+the token is what keeps other hosts out. ``orc.shutdown()`` first closes every group (calls in flight fail with
+``GroupClosedError``), then stops Ray.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import ray
 
-__all__ = ["init", "shutdown", "run"]
+__all__ = ["init", "shutdown", "run", "register"]
 
 T = TypeVar("T")
+log = logging.getLogger("orchestra")
 
 # Set before Ray starts, in this process and (through the runtime env) in every worker.
-_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
+_ENV = {"RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false",
         # Ray starts workers at nice 15; ours do the job's compute, so they run at the controller's priority.
         "RAY_worker_niceness": "0"}
 
+_groups: weakref.WeakSet = weakref.WeakSet()  # every group's shared state, closed by shutdown()
+
+
+def register(group: Any) -> None:
+    """Track a group so that ``shutdown()`` can close it (its calls in flight then fail at once)."""
+    _groups.add(group)
+
+
+class _Session:
+    """What ``init`` returns: the cluster's resources, and a context manager that calls ``shutdown`` at exit."""
+
+    def __init__(self, resources: dict[str, Any]) -> None:
+        self.resources = resources
+
+    def __getitem__(self, key: str) -> Any:
+        return self.resources[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.resources.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.resources
+
+    def __repr__(self) -> str:
+        return f"orchestra session {self.resources}"
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        shutdown()
+
+    async def __aenter__(self) -> _Session:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        shutdown()
+
 
 def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus: int | None = None,
-         **ray_kwargs: Any) -> dict[str, Any]:
-    """Connect to Ray: a private local cluster on loopback unless ``address`` names one. Idempotent.
+         **ray_kwargs: Any) -> _Session:
+    """Connect to Ray: a private local cluster on loopback, with token authentication, unless ``address`` names
+    one. Idempotent. Use as ``with orc.init(): ...`` to shut down at exit.
 
-    Workers inherit this process's import path, so Worker classes defined in your scripts and tests import there.
-    Returns the cluster's resources.
+    Workers of a local cluster inherit this process's import path, so Worker classes defined in your scripts and
+    tests import there. Returns the session (``session["CPU"]`` etc. are the cluster's resources).
     """
     if ray.is_initialized():
-        return ray.cluster_resources()
+        return _Session(ray.cluster_resources())
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
+    env_vars = dict(_ENV)
+    runtime_env = dict(ray_kwargs.pop("runtime_env", None) or {})
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address is None:
+        # Left unset, Ray turns token authentication on for a new local cluster and writes ~/.ray/auth_token.
+        if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+            log.warning("RAY_AUTH_MODE=%s: Ray's token authentication is OFF; Ray binds some servers to every "
+                        "interface, so anyone who can reach this machine can run code in the cluster",
+                        os.environ["RAY_AUTH_MODE"])
+        _loopback_only(True)
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     cwd = os.getcwd()
     if cwd not in paths:
         paths.insert(0, cwd)
-    env_vars = {**_ENV, "PYTHONPATH": os.pathsep.join(paths)}
-    runtime_env = dict(ray_kwargs.pop("runtime_env", None) or {})
+    env_vars["PYTHONPATH"] = os.pathsep.join(paths)
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "runtime_env": runtime_env}
+    kwargs["runtime_env"] = runtime_env
     kwargs.update(ray_kwargs)
     if address is None:
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        try:
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        except BaseException:
+            _loopback_only(False)
+            raise
     else:
         ray.init(address=address, **kwargs)
-    return ray.cluster_resources()
+    return _Session(ray.cluster_resources())
 
 
 def shutdown() -> None:
-    """Disconnect from (and, if it was started by ``init``, stop) the Ray cluster."""
+    """Close every group (their calls in flight fail with ``GroupClosedError``), then disconnect from (and, if
+    ``init`` started it, stop) the Ray cluster."""
+    for g in list(_groups):
+        g.close("orchestra was shut down")
+    _groups.clear()
     if ray.is_initialized():
         ray.shutdown()
+    _loopback_only(False)
+
+
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_saved_env: list[str | None] = []
+
+
+def _loopback_only(on: bool) -> None:
+    """Make Ray's single-machine mode (node IP 127.0.0.1) apply to the local cluster started next, and undo it.
+
+    Ray replaces a ``_node_ip_address`` of 127.0.0.1 by the machine's address unless clusters are disabled, which
+    is its own switch for single-machine use; it is read from the environment by the processes Ray starts and
+    from ``ray_constants`` in this one.
+    """
+    from ray._private import ray_constants
+
+    if on:
+        _saved_env.append(os.environ.get(_LOOPBACK_ENV))
+        os.environ[_LOOPBACK_ENV] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    elif _saved_env:
+        old = _saved_env.pop()
+        if old is None:
+            os.environ.pop(_LOOPBACK_ENV, None)
+        else:
+            os.environ[_LOOPBACK_ENV] = old
+        ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(_LOOPBACK_ENV, not ray_constants.IS_WINDOWS_OR_OSX)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

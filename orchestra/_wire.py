@@ -12,7 +12,11 @@ from typing import Any
 
 from ._batch import balanced_sizes
 
-__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "row_range", "overlapping"]
+__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "row_range", "overlapping", "REFS_KWARG",
+           "INLINE_BYTES"]
+
+REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
+INLINE_BYTES = 64 << 10  # controller-made shards below this travel inside the call instead of via ray.put
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class EndpointSpec:
     streaming: bool
     is_async: bool
     requires: tuple[str, ...] = ()
-    writable_inputs: bool = False
+    zero_copy_inputs: bool = False
     signature: inspect.Signature | None = None
 
 
@@ -40,12 +40,14 @@ _SPEC_ATTR = "__orchestra_endpoint__"
 
 
 def endpoint(dispatch: Dispatch | Callable[..., Any] | None = None, *, requires: Sequence[str] = (),
-             writable_inputs: bool = False) -> Any:
+             zero_copy_inputs: bool = False) -> Any:
     """Mark a Worker method as callable on the whole group, with ``dispatch`` saying how a call is split and collected.
 
     Use bare (``@endpoint``: broadcast) or with a transform (``@endpoint(D.shard())``). ``requires`` names input
-    columns checked before the method runs; ``writable_inputs=True`` hands the method private copies of its input
-    batches instead of read-only views of the object store. Generator methods (sync or async) stream their yields.
+    columns checked before the method runs. Input batches are the method's own: writing into them changes nothing
+    another reader sees. ``zero_copy_inputs=True`` skips the copy that costs for rows read whole from one stored
+    part, handing the method views of the object store's shared memory instead — a promise never to write into
+    them. Generator methods (sync or async) stream their yields.
     """
 
     def wrap(fn: F) -> F:
@@ -57,7 +59,7 @@ def endpoint(dispatch: Dispatch | Callable[..., Any] | None = None, *, requires:
             streaming=inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn),
             is_async=inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
             requires=tuple(requires),
-            writable_inputs=writable_inputs,
+            zero_copy_inputs=zero_copy_inputs,
             signature=inspect.signature(fn),
         )
         setattr(fn, _SPEC_ATTR, spec)

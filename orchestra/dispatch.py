@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ._batch import Batch
+
 __all__ = [
     "Dispatch", "Plan", "ShardSpec", "broadcast", "scatter", "shard", "pad", "rank_zero", "metrics", "stream",
     "dp_with_func", "only_ranks", "from_rank",
@@ -67,15 +69,12 @@ class Plan:
 
 
 def _is_data(x: Any) -> bool:
-    from ._batch import Batch
-    from ._future import DataFuture
-
-    return isinstance(x, (Batch, DataFuture))
+    # a DataFuture is recognised by what it offers (the sources a call reads), so that dispatch imports neither
+    # the future nor the group: both sit above it
+    return isinstance(x, Batch) or hasattr(type(x), "_orc_sources")
 
 
 def _rows_known(x: Any) -> int | None:
-    from ._batch import Batch
-
     return len(x) if isinstance(x, Batch) else x.rows_if_known()
 
 
@@ -213,7 +212,7 @@ class _Shard(Dispatch):
             spec = ShardSpec(tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)),
                              self.pad, self.allow_empty)
         else:
-            cached = plan.group._cached_mesh(self.mesh)
+            cached = plan.group.cached_mesh(self.mesh)
             if cached is not None:
                 spec = _mesh_spec(cached, self.mesh, self.pad, self.allow_empty)
         if spec is not None:
@@ -223,7 +222,7 @@ class _Shard(Dispatch):
 
     async def split(self, plan: Plan) -> Plan:
         if plan.shard is not None and plan.shard.dp_size == 0:  # mesh not looked up yet
-            mesh = await plan.group._mesh(self.mesh, plan.endpoint)
+            mesh = await plan.group.mesh(self.mesh, plan.endpoint)
             spec = _mesh_spec(mesh, self.mesh, plan.shard.pad, plan.shard.allow_empty)
             check_rows(plan, spec)
             plan = plan.with_(shard=spec)
@@ -233,8 +232,6 @@ class _Shard(Dispatch):
         return plan.shard is not None and plan.shard.dp_size == 0
 
     def collect(self, plan: Plan, results: list[Any]) -> Any:
-        from ._batch import Batch
-
         if results and all(isinstance(r, Batch) for r in results):
             return Batch.concat(results)
         return results

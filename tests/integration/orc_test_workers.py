@@ -138,10 +138,10 @@ class Scorer(Worker):
     def write_in_place(self, batch: Batch) -> Batch:
         return Batch.from_dict({"sum": batch["x"].sum().reshape(1).repeat(len(batch))})
 
-    @endpoint(D.shard(), writable_inputs=True)
+    @endpoint(D.shard())
     def mutate(self, batch: Batch) -> Batch:
         x = batch["x"]
-        x += 1000  # allowed: writable_inputs hands the method a private copy
+        x += 1000  # allowed: inputs are the method's own copies
         return Batch.from_dict({"x": x})
 
 
@@ -195,3 +195,87 @@ class BadInit(Worker):
     def __init__(self) -> None:
         if self.rank == 1:
             raise RuntimeError("cannot build model on rank 1")
+
+
+class Hazard(Worker):
+    """Endpoints that do what careless user code does: write into inputs, change row counts, run collectives."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    @endpoint(D.shard())
+    def echo(self, batch: Batch) -> Batch:
+        return batch
+
+    @endpoint(D.broadcast())
+    def echo_all(self, batch: Batch) -> Batch:
+        return batch
+
+    @endpoint(D.shard())
+    def add1(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"a": batch["x"] + 1})
+
+    @endpoint(D.shard(pad=True))
+    def score(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"s": batch["x"] * 2})
+
+    @endpoint(D.shard())
+    def mutate(self, batch: Batch) -> Batch:
+        batch["x"].add_(1000)  # careless: writes into its input
+        return Batch.from_dict({"n": torch.full((len(batch),), len(batch))})
+
+    @endpoint(D.shard())
+    def total(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"t": batch["x"].sum().reshape(1).repeat(len(batch))})
+
+    @endpoint(D.shard())
+    def expand(self, batch: Batch, n: int) -> Batch:
+        return batch.repeat(n)
+
+    @endpoint(D.shard())
+    def count(self, batch: Batch) -> int:
+        self.seen += 1
+        return len(batch)
+
+    @endpoint(D.broadcast())
+    def seen_calls(self) -> int:
+        return self.seen
+
+    @endpoint(D.shard())
+    def allreduce_rows(self, batch: Batch) -> Batch:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        t = torch.tensor([len(batch)])
+        dist.all_reduce(t)
+        return Batch.from_dict({"total": t.repeat(len(batch))})
+
+    @endpoint(D.shard())
+    def gen_fail(self, batch: Batch):
+        yield batch
+        raise ValueError(f"generator failed on rank {self.rank}")
+
+    @endpoint(D.broadcast())
+    def sleep(self, seconds: float) -> int:
+        end = time.time() + seconds
+        while time.time() < end and not self.cancelled():
+            time.sleep(0.01)
+        return self.rank
+
+    @endpoint(D.shard())
+    def slow_gen(self, batch: Batch, pieces: int = 4, delay: float = 0.2):
+        for piece in batch.chunk(pieces):
+            end = time.time() + delay
+            while time.time() < end and not self.cancelled():
+                time.sleep(0.01)
+            yield Batch.from_dict({"x": piece["x"]})
+
+    @endpoint(D.shard() | D.stream())
+    def per_part(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"y": batch["x"] * 2})
+
+    @endpoint(D.broadcast())
+    def mark(self, tag: str) -> str:
+        self.seen += 1
+        return tag

@@ -13,7 +13,6 @@ import torch
 
 from orchestra import Batch, DispatchError
 from orchestra import dispatch as D
-from orchestra._future import DataFuture
 from orchestra._worker import MeshInfo
 from orchestra.dispatch import Dispatch, Plan
 
@@ -24,13 +23,25 @@ class FakeGroup:
     name = "actor"
 
     def __init__(self, mesh: list[MeshInfo] | None = None) -> None:
-        self.mesh = mesh
+        self._mesh_infos = mesh
 
-    def _cached_mesh(self, name: str) -> list[MeshInfo] | None:
+    def cached_mesh(self, name: str) -> list[MeshInfo] | None:
         return None
 
-    async def _mesh(self, name: str, endpoint: str) -> list[MeshInfo]:
-        return self.mesh
+    async def mesh(self, name: str, endpoint: str) -> list[MeshInfo]:
+        return self._mesh_infos
+
+
+class FakeFuture:
+    """What transforms read from a DataFuture argument: the rows its producers reported (None until they have)."""
+
+    _orc_sources = ()
+
+    def __init__(self) -> None:
+        self.rows: int | None = None
+
+    def rows_if_known(self) -> int | None:
+        return self.rows
 
 
 def plan(*args, world: int = 4, group: FakeGroup | None = None, **kwargs) -> Plan:
@@ -89,14 +100,11 @@ def test_shard_rejects_fewer_rows_than_ranks():
 
 
 def test_shard_row_check_uses_known_future_rows():
-    async def go():
-        fut = DataFuture(group="up", endpoint="gen")
-        D.shard().check(plan(fut))  # rows unknown: nothing to check yet
-        fut._known_rows = 2
-        with pytest.raises(DispatchError, match="a batch of 2 rows"):
-            D.shard().check(plan(fut))
-
-    asyncio.run(go())
+    fut = FakeFuture()
+    D.shard().check(plan(fut))  # rows unknown: nothing to check yet
+    fut.rows = 2  # reported by the producers
+    with pytest.raises(DispatchError, match="a batch of 2 rows"):
+        D.shard().check(plan(fut))
 
 
 def test_shard_over_a_mesh_is_resolved_in_split():

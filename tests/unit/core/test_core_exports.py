@@ -11,7 +11,8 @@ import orchestra
 from orchestra import dispatch
 
 PUBLIC = {
-    "Batch", "CallTimeoutError", "DataFuture", "DispatchError", "OrchestraError", "Part", "PlacementError",
+    "Batch", "CallCancelledError", "CallTimeoutError", "DataFuture", "DispatchError", "GroupClosedError",
+    "OrchestraError", "Part", "PlacementError",
     "ResourcePool", "Tracer", "Worker", "WorkerDiedError", "WorkerError", "WorkerGroup", "controller_stats",
     "dispatch", "endpoint", "init", "reset_controller_stats", "run", "shutdown",
 }

@@ -1,0 +1,743 @@
+"""Invocation: the one owner of a group call, from plan to result.
+
+An invocation holds the call's plan, its place in the group's send order (gate ticket), one slot per executing
+rank, every background task of the call (a root task with an anyio task group: submission, generator drains,
+per-part stream followers) and its deadline. ``DataFuture`` is a thin view of it. Cancel, timeout and shutdown go
+through ``Invocation.cancel``: it records the terminal error, cancels the root task (and so every child), cancels
+the Ray work of every rank and part, and fails every slot, so no task outlives its invocation.
+
+Before any rank is sent anything, every rank's arguments are built and checked for serialization
+(``_preflight``): a call runs on all of its ranks or on none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import ray
+import torch
+from ray import cloudpickle
+
+from . import _stats
+from ._batch import Batch, balanced_sizes
+from ._errors import (
+    UPSTREAM_FAILED,
+    CallCancelledError,
+    CallTimeoutError,
+    DispatchError,
+    GroupClosedError,
+    OrchestraError,
+    WorkerDiedError,
+    WorkerError,
+)
+from ._wire import INLINE_BYTES, REFS_KWARG, DataArg, Layout, Output, PartInfo, Source
+from .dispatch import Plan
+
+__all__ = ["Invocation", "Slot", "convert_error", "components"]
+
+log = logging.getLogger("orchestra")
+
+
+
+class Slot:
+    """The outputs of one executing rank, in order; grows while a streaming endpoint yields."""
+
+    def __init__(self, rank: int, collected: bool) -> None:
+        self.rank, self.collected = rank, collected
+        self.refs: list[ray.ObjectRef] = []
+        self.outputs: list[asyncio.Future] = []  # each resolves to an Output (or a plain value)
+        self.done = asyncio.get_running_loop().create_future()
+        self.call_refs: list[Any] = []  # every ObjectRef / generator sent for this slot, for cancellation
+        self._waiters: list[asyncio.Future] = []
+
+    def add(self, ref: ray.ObjectRef) -> None:
+        self.refs.append(ref)
+        out = asyncio.wrap_future(ref.future())
+        out.add_done_callback(_retrieve)  # a forwarded, never-awaited failure must not log "never retrieved"
+        self.outputs.append(out)
+        self._notify()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.done.done():
+            if error is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(error)
+                self.done.exception()  # retrieved here; errors surface through wait()
+        self._notify()
+
+    def finished(self) -> bool:
+        return self.done.done() and all(o.done() for o in self.outputs)
+
+    def watch(self) -> asyncio.Future:
+        """A future resolved at the next new output or at the end (check state after taking it, then await)."""
+        w = asyncio.get_running_loop().create_future()
+        self._waiters.append(w)
+        return w
+
+    def _notify(self) -> None:
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
+def components(x: Any) -> list[Any]:
+    """The Batches and Invocations a data argument reads (a union has several; a future one; a Batch itself)."""
+    if isinstance(x, Batch):
+        return [x]
+    return list(x._orc_sources)
+
+
+class _Unset:
+    pass
+
+
+_UNSET = _Unset()
+
+
+class Invocation:
+    """One group call: plan, gate ticket, per-rank slots, background tasks, deadline and terminal state."""
+
+    def __init__(self, target: Any, spec: Any, plan: Plan, timeout: float | None) -> None:
+        self.target = target  # the WorkerGroup view: name, _shared (hosts, gate, live set), _method_name
+        self.shared = target._shared
+        self.spec, self.plan = spec, plan
+        self.group, self.endpoint = target.name, spec.name
+        self.loop = asyncio.get_running_loop()
+        self.slots: list[Slot] = []
+        self.submitted: asyncio.Future = self.loop.create_future()
+        self.timeout = timeout
+        self.deadline = None if timeout is None else self.loop.time() + timeout
+        self.error: BaseException | None = None  # terminal: cancel, timeout, shutdown
+        self.upstreams: list[Invocation] = [c for a in plan.data_args() for c in components(a)
+                                            if isinstance(c, Invocation)]
+        self.collect: Callable[[list[Any]], Any] | None = None
+        self.concat_all = False
+        self.result_value: Any = _UNSET
+        self._root: asyncio.Task | None = None
+        self._ticket: int | None = None
+
+    # -- starting -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Send now when nothing needs waiting for (the common repeated call); else start the owned root task."""
+        shared, spec, plan = self.shared, self.spec, self.plan
+        gate = shared.gate
+        self._ticket = gate.ticket()
+        shared.live.add(self)
+        if (shared.is_ready() and gate.is_turn(self._ticket) and not spec.streaming and not plan.stream
+                and not spec.dispatch.needs_split(plan) and not self.upstreams
+                and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
+            try:
+                self._bind_collect(plan)
+                self._send(plan, self._prepare(plan, _describe_batches(plan)), None)
+            except BaseException as e:
+                self._fail_submit(e)
+                raise
+            finally:
+                gate.release(self._ticket)
+            return
+        self._root = self.loop.create_task(self._run(), name=f"orchestra:{self.group}.{self.endpoint}")
+        self._root.add_done_callback(_retrieve_task)
+
+    async def _run(self) -> None:
+        shared, spec, gate, ticket = self.shared, self.spec, self.shared.gate, self._ticket
+        try:
+            with anyio.fail_after(self.timeout):  # the deadline also covers a call that nobody awaits
+                await shared.ready()
+                await gate.turn(ticket)
+                plan = await spec.dispatch.split(self.plan)
+                self._bind_collect(plan)
+                async with anyio.create_task_group() as tg:
+                    if plan.stream:
+                        await self._submit_stream(plan, tg, lambda: gate.release(ticket))
+                    else:
+                        calls = self._prepare(plan, await self._describe_all(plan))
+                        self._send(plan, calls, tg)
+                        gate.release(ticket)
+        except TimeoutError:
+            self.fail(self._timeout_error(self._running_ranks()))
+        except asyncio.CancelledError:
+            if self.error is None:  # cancelled from outside the invocation (loop shutdown)
+                self.cancel(CallCancelledError(f"{self.where()}: cancelled before it finished sending"))
+            raise
+        except BaseException as e:  # noqa: BLE001 - recorded on the invocation and raised by every await
+            self._fail_submit(e)
+            self.fail(e)
+        finally:
+            gate.release(ticket)
+
+    def where(self) -> str:
+        return f"group {self.group!r}, endpoint {self.endpoint!r}"
+
+    def _bind_collect(self, plan: Plan) -> None:
+        self.plan = plan
+        self.collect = lambda values: self.spec.dispatch.collect(plan, values)
+        self.concat_all = plan.shard is not None
+
+    def _fail_submit(self, error: BaseException) -> None:
+        if not self.submitted.done():
+            self.submitted.set_exception(error)
+            self.submitted.exception()
+
+    def _set_slots(self, slots: list[Slot]) -> None:
+        self.slots = slots
+        if not self.submitted.done():
+            self.submitted.set_result(None)
+
+    # -- sending --------------------------------------------------------------------------------------------------
+    def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
+        """Every rank's (args, kwargs, refs), each checked to serialize, before any rank is sent anything."""
+        calls = _per_rank_calls(plan, described)
+        _preflight(plan, calls)
+        return calls
+
+    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any) -> None:
+        hosts = self.shared.hosts
+        meth = self.target._method_name(self.spec.name)
+        collectors = set(plan.shard.collectors if plan.shard is not None else
+                         plan.collectors if plan.collectors is not None else plan.ranks)
+        slots = []
+        for r in plan.ranks:
+            args, kwargs, refs = calls[r]
+            a, kw = _with_refs(args, kwargs, refs)
+            slot = Slot(r, r in collectors)
+            if self.spec.streaming:
+                gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
+                slot.call_refs.append(gen)
+                tg.start_soon(_drain, gen, slot)
+            else:
+                ref = getattr(hosts[r], meth).remote(*a, **kw)
+                slot.call_refs.append(ref)
+                slot.add(ref)
+                slot.finish()
+            slots.append(slot)
+        self._set_slots(slots)
+
+    async def _describe_all(self, plan: Plan) -> dict[int, Any]:
+        """Descriptors of every data argument (awaiting upstream submissions, never their payloads); large
+        controller-made shards are put into the object store off the event loop."""
+        out: dict[int, Any] = {}
+        for a in plan.data_args():
+            if id(a) in out:
+                continue
+            if isinstance(a, Batch):
+                if plan.shard is not None:
+                    out[id(a)] = await anyio.to_thread.run_sync(_describe_batch, a, plan.shard, plan)
+            else:
+                out[id(a)] = await self._describe_data(a, plan)
+        return out
+
+    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
+        """Per DP index: the sources (output refs / part infos) and the layout of the rows it reads."""
+        spec = plan.shard
+        comps = components(a)
+        if spec is None:  # broadcast: every rank reads everything
+            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"))}
+        D = spec.dp_size
+        slot_lists = []
+        for c in comps:
+            if isinstance(c, Batch):  # stored as D balanced parts, so that each rank reads about its share
+                parts = await anyio.to_thread.run_sync(lambda: [_put(p, plan, "argument") for p in c.chunk(D)
+                                                                if len(p)])
+                slot_lists.append([parts])
+            else:
+                slot_lists.append(await c.slot_refs())
+        # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
+        # read by global row range), since its producers may have split their rows differently
+        if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
+            return {d: ([slot_lists[0][d]], Layout("whole")) for d in range(D)}
+        flat = [[o for s in slots for o in s] for slots in slot_lists]
+        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty)) for d in range(D)}
+
+    async def _all_outputs(self, c: Any, plan: Plan) -> list[Any]:
+        if isinstance(c, Batch):
+            return [await anyio.to_thread.run_sync(_put, c, plan, "argument")]
+        return [o for s in await c.slot_refs() for o in s]
+
+    async def slot_refs(self) -> list[list[ray.ObjectRef]]:
+        """The output refs of each collected slot, once every call is sent and every stream finished (values are
+        not awaited: only the refs are needed)."""
+        await self.wait_submitted()
+        for s in self.slots:
+            if s.collected:
+                try:
+                    await asyncio.shield(s.done)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001
+                    raise await self.converted(e, s) from None
+        return [list(s.refs) for s in self.slots if s.collected]
+
+    async def _submit_stream(self, plan: Plan, tg: Any, release: Callable[[], None]) -> None:
+        """``stream()``: one call per arriving upstream part; the part from upstream slot i goes to DP replica
+        i mod D (every rank of it). ``release`` is called once the last part is sent."""
+        streamed = [a for a in plan.data_args() if not isinstance(a, Batch)]
+        if len(streamed) != 1 or any(isinstance(x, Batch) for x in components(streamed[0])):
+            raise DispatchError(f"{plan.where()}: stream() needs exactly one DataFuture argument (or a union of "
+                                f"futures) to map over")
+        if self.spec.streaming:
+            raise DispatchError(f"{plan.where()}: stream() maps a plain endpoint over parts; a generator endpoint "
+                                f"cannot be mapped")
+        src = streamed[0]
+        comps: list[Invocation] = components(src)
+        for c in comps:
+            await c.wait_submitted()
+        n_slots = {len([s for s in c.slots if s.collected]) for c in comps}
+        if len(n_slots) != 1:
+            raise DispatchError(f"{plan.where()}: the futures joined with | stream from different numbers of ranks "
+                                f"{sorted(n_slots)}; stream() pairs their parts one to one")
+        shard = plan.shard
+        D = shard.dp_size
+        if shard.mesh is not None and n_slots.pop() != D:
+            # ranks of a mesh run collectives: every DP replica must get a call per part. With a different number
+            # of upstream ranks that cannot keep rows in order, so the call waits for every part and is sent once.
+            plan = plan.with_(stream=False)
+            self._bind_collect(plan)
+            self._send(plan, self._prepare(plan, await self._describe_all(plan)), tg)
+            release()
+            return
+        members = {d: [r for r in plan.ranks if shard.dp_of_rank[r] == d] for d in range(D)}
+        comp_slots = [[s for s in c.slots if s.collected] for c in comps]
+        out_slots = [Slot(cs.rank, True) for cs in comp_slots[0]]
+        side: list[Slot] = [Slot(r, False) for r in plan.ranks if r not in shard.collectors]
+        self._set_slots([*out_slots, *side])
+        side_of = {s.rank: s for s in side}
+        hosts = self.shared.hosts
+        meth = self.target._method_name(self.spec.name)
+        remaining = [len(out_slots)]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                release()
+                for s in side:
+                    s.finish()
+
+        async def follow(i: int) -> None:
+            k = 0
+            d = i % D
+            try:
+                while True:
+                    if all(len(cs[i].refs) > k for cs in comp_slots):
+                        refs = [cs[i].refs[k] for cs in comp_slots]
+                        darg = DataArg(tuple(Source((j,)) for j in range(len(refs))), Layout("whole"))
+                        calls = {}
+                        for r in members[d]:
+                            args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
+                            args = tuple(darg if x is src else x for x in args)
+                            kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
+                            calls[r] = (args, kwargs, refs)
+                        _preflight(plan, calls)
+                        for r, (args, kwargs, refs_) in calls.items():
+                            a, kw = _with_refs(args, kwargs, refs_)
+                            ref = getattr(hosts[r], meth).remote(*a, **kw)
+                            slot = out_slots[i] if r in shard.collectors else side_of[r]
+                            slot.call_refs.append(ref)
+                            if r in shard.collectors:
+                                slot.add(ref)
+                            else:  # tracked for errors only
+                                slot.add(ref)
+                        k += 1
+                        continue
+                    if all(cs[i].done.done() for cs in comp_slots):
+                        for c, cs in zip(comps, comp_slots):
+                            exc = cs[i].done.exception()
+                            if exc is not None:
+                                raise await c.converted(exc, cs[i])
+                        if any(len(cs[i].refs) != len(comp_slots[0][i].refs) for cs in comp_slots):
+                            raise DispatchError(f"{plan.where()}: the joined futures yielded different numbers of "
+                                                f"parts on slot {i}; stream() pairs their parts one to one")
+                        out_slots[i].finish()
+                        return
+                    waits = [cs[i].watch() for cs in comp_slots]
+                    if any(len(cs[i].refs) > k for cs in comp_slots) or any(cs[i].done.done() for cs in comp_slots):
+                        continue
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - surfaced through the future
+                out_slots[i].finish(e)
+            finally:
+                one_done()
+
+        for i in range(len(out_slots)):
+            tg.start_soon(follow, i)
+        if not out_slots:
+            release()
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - self.loop.time())
+
+    def finished(self) -> bool:
+        return self.error is not None or (self.submitted.done() and all(s.finished() for s in self.slots))
+
+    def rows_if_known(self) -> int | None:
+        """Rows the producers reported (every collected rank done, every output a Batch), else None."""
+        if not self.submitted.done() or self.submitted.exception() is not None or self.error is not None:
+            return None
+        total = 0
+        for s in self.slots:
+            if not s.collected:
+                continue
+            if not s.finished() or s.done.exception() is not None:
+                return None
+            for o in s.outputs:
+                if o.exception() is not None:
+                    return None
+                v = o.result()
+                if not (isinstance(v, Output) and v.is_batch):
+                    return None
+                total += v.rows
+        return total
+
+    def _running_ranks(self) -> list[int]:
+        return sorted({s.rank for s in self.slots if not s.finished()})
+
+    def _slot_of(self, fut: asyncio.Future) -> Slot | None:
+        for s in self.slots:
+            if fut is s.done or fut in s.outputs:
+                return s
+        return None
+
+    def _timeout_error(self, running: list[int]) -> CallTimeoutError:
+        return CallTimeoutError(
+            f"{self.where()}: no result after {self.timeout} s; rank(s) {running} still running. Raise the timeout "
+            f"with .options(timeout=...) or look at those ranks.",
+            group=self.group, endpoint=self.endpoint, pending_ranks=running)
+
+    async def converted(self, e: BaseException, slot: Slot | None) -> BaseException:
+        """orchestra's error for a failure of ``slot``; an upstream failure becomes the upstream's own error."""
+        err = convert_error(e, self.group, self.endpoint, slot.rank if slot else None)
+        if isinstance(err, WorkerError) and err.exc_type == UPSTREAM_FAILED:
+            for u in self.upstreams:
+                try:
+                    await u.wait()
+                except OrchestraError as ue:
+                    return ue
+        return err
+
+    # -- waiting --------------------------------------------------------------------------------------------------
+    async def wait_submitted(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if not self.submitted.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.submitted), self.remaining())
+            except asyncio.TimeoutError:
+                raise self.fail(self._timeout_error([])) from None
+        exc = self.submitted.exception()
+        if exc is not None:
+            raise exc
+
+    async def wait(self) -> None:
+        """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
+        try:
+            await self.wait_submitted()
+            while True:
+                if self.error is not None:
+                    raise self.error
+                for s in self.slots:  # failures that already happened
+                    for f in (s.done, *s.outputs):
+                        if f.done() and not f.cancelled() and f.exception() is not None:
+                            raise self.fail(await self.converted(f.exception(), s))
+                pending = {s.done for s in self.slots if not s.done.done()}
+                pending |= {o for s in self.slots for o in s.outputs if not o.done()}
+                if not pending:
+                    return
+                if len(pending) == 1 and self.deadline is None:  # the common one-rank case
+                    await asyncio.wait(pending)
+                    continue
+                done, _ = await asyncio.wait(pending, timeout=self.remaining(), return_when=asyncio.FIRST_EXCEPTION)
+                if not done:
+                    raise self.fail(self._timeout_error(self._running_ranks()))
+        except asyncio.CancelledError:
+            if not self.finished():
+                self.cancel(CallCancelledError(f"{self.where()}: the task awaiting this call was cancelled"))
+            raise
+
+    async def outputs(self) -> list[list[Output]]:
+        """Per collected slot, its output headers (waiting for every rank to finish)."""
+        await self.wait()
+        return [[_as_output(o.result(), s.rank) for o in s.outputs] for s in self.slots if s.collected]
+
+    async def result(self) -> Any:
+        """The materialized value (private copies: writing into it changes nothing another reader sees)."""
+        if self.result_value is not _UNSET:
+            return self.result_value
+        per_slot = await self.outputs()
+        infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
+        refs = [p.ref for p in infos if isinstance(p.ref, ray.ObjectRef)]
+        fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
+        by_info = {id(p): (next(fetched) if isinstance(p.ref, ray.ObjectRef) else p.ref) for p in infos}
+        _stats.add_materialized(sum(p.nbytes for p in infos))
+
+        def joined(batches: list[Batch]) -> Batch:
+            if not batches:
+                return Batch.from_dict({})
+            return batches[0].clone() if len(batches) == 1 else Batch.concat(batches)
+
+        values: list[Any] = []
+        if self.concat_all and per_slot and all(o.is_batch for outs in per_slot for o in outs):
+            # rows of a sharded call: one concatenation over every part (not per rank, then again over ranks)
+            values.append(joined([by_info[id(p)] for outs in per_slot for o in outs for p in o.parts]))
+            per_slot = []
+        for outs in per_slot:
+            if outs and all(o.is_batch for o in outs):
+                values.append(joined([by_info[id(p)] for o in outs for p in o.parts]))
+            elif len(outs) == 1:
+                values.append(outs[0].value)
+            else:
+                values.append([o.value if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
+                               for o in outs])
+        self.result_value = self.collect(values) if self.collect else values
+        return self.result_value
+
+    # -- cancellation ---------------------------------------------------------------------------------------------
+    def fail(self, error: BaseException) -> BaseException:
+        """Record ``error`` as the call's outcome (the first one wins), end whatever still runs; returns the
+        outcome."""
+        if self.error is None:
+            self.error = error
+            self._end()
+        return self.error
+
+    def cancel(self, error: BaseException | None = None) -> None:
+        """End everything this call owns: its tasks, the Ray work of every rank and part, and its slots. A call
+        that already finished is left as it is."""
+        if self.error is not None or (self.submitted.done() and all(s.finished() for s in self.slots)):
+            return
+        self.error = error or CallCancelledError(f"{self.where()}: the call was cancelled (fut.cancel())")
+        self._end()
+
+    def _end(self) -> None:
+        if self._root is not None and not self._root.done():
+            self._root.cancel()
+        for s in self.slots:
+            if not s.finished():
+                for ref in s.call_refs:
+                    try:
+                        ray.cancel(ref)
+                    except Exception as e:  # the task may have finished or its actor died meanwhile
+                        log.debug("ray.cancel of %s.%s rank %d: %r", self.group, self.endpoint, s.rank, e)
+            s.finish(self.error)
+        self._fail_submit(self.error)
+        self.shared.live.discard(self)
+
+
+def _retrieve_task(t: asyncio.Task) -> None:
+    if not t.cancelled() and t.exception() is not None:  # recorded on the invocation; log what escaped it
+        log.error("orchestra: invocation task %s ended with %r", t.get_name(), t.exception())
+
+
+async def _drain(gen: Any, slot: Slot) -> None:
+    try:
+        async for ref in gen:
+            slot.add(ref)
+        slot.finish()
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - surfaced through the future
+        slot.finish(e)
+
+
+def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:
+    """Upstream header refs ride nested in one keyword argument; the worker fetches them (see Host._call)."""
+    if not refs:
+        return args, kwargs
+    return args, {**kwargs, REFS_KWARG: list(refs)}
+
+
+def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
+    """(args, kwargs, top-level refs) for every executing rank, with data arguments turned into descriptors."""
+    spec = plan.shard
+    out = {}
+    for r in plan.ranks:
+        args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
+        b = _ArgBuilder()
+
+        def convert(a: Any) -> Any:
+            per_dp = described.get(id(a))
+            if per_dp is None:
+                return a
+            sources, layout = per_dp[spec.dp_of_rank[r] if spec is not None else 0]
+            if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
+                    and layout.kind == "whole" and not layout.pad_rows):
+                return sources[0][0].ref  # a controller-made shard: the Batch itself, or its ref for Ray to resolve
+            return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
+                           values_ok=spec is None)
+
+        out[r] = (tuple([convert(a) for a in args]), {k: convert(v) for k, v in kwargs.items()}, b.refs)
+    return out
+
+
+class _ArgBuilder:
+    """Collects the refs a rank's call takes as top-level arguments (Ray resolves them before the call runs)."""
+
+    def __init__(self) -> None:
+        self.refs: list[Any] = []
+        self._index: dict[Any, int] = {}
+
+    def add(self, o: Any) -> Any:
+        if isinstance(o, ray.ObjectRef):
+            i = self._index.get(o)
+            if i is None:
+                i = self._index[o] = len(self.refs)
+                self.refs.append(o)
+            return i
+        return o
+
+
+def _put(b: Batch, plan: Plan, what: str, rank: int | None = None) -> PartInfo:
+    nbytes = b.nbytes
+    if nbytes < INLINE_BYTES:
+        return PartInfo(b, len(b), nbytes)
+    try:
+        ref = ray.put(b)
+    except Exception as e:
+        raise _unserializable(plan, what, rank, b, e) from None
+    _stats.add_put(nbytes)
+    return PartInfo(ref, len(b), nbytes)
+
+
+def _describe_batches(plan: Plan) -> dict[int, Any]:
+    """Descriptors of the data arguments when every one is a concrete, small Batch (the send-now path)."""
+    if plan.shard is None:
+        return {}
+    return {id(a): _describe_batch(a, plan.shard, plan) for a in plan.data_args()}
+
+
+def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
+    """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
+    D = spec.dp_size
+    batch = a.pad_to_multiple(D) if spec.pad and len(a) % D else a
+    shards = batch.split(balanced_sizes(len(batch), D))
+    out, start = {}, 0
+    for d, s in enumerate(shards):
+        pad_rows = min(len(s), max(0, start + len(s) - len(a))) if batch is not a else 0
+        start += len(s)
+        rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
+        out[d] = ([[_put(s, plan, "argument", rank)]], Layout("whole", pad_rows=pad_rows))
+    return out
+
+
+# -- all or nothing: every rank's arguments serialize before any rank is sent anything -------------------------------
+class _DryRun(cloudpickle.CloudPickler):
+    """Pickles to nowhere, skipping what Ray serializes by its own means (refs, tensors, numeric arrays)."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (ray.ObjectRef, torch.Tensor)) or (isinstance(obj, np.ndarray) and obj.dtype != object):
+            return 0
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Batch):  # tensor columns travel as raw buffers: only the other columns can fail
+            return tuple, ((obj.non_tensors, obj.meta),)
+        return super().reducer_override(obj)
+
+
+def _dry_run(value: Any) -> None:
+    _DryRun(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+
+
+_SIMPLE = (int, float, str, bytes, bool, type(None), ray.ObjectRef, torch.Tensor)
+
+
+def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:
+    """Raise DispatchError naming the rank, argument and column of the first value that cannot be serialized."""
+    checked: set[int] = set()
+    for r, (args, kwargs, _refs) in calls.items():
+        for name, v in [*((i, a) for i, a in enumerate(args)), *kwargs.items()]:
+            if isinstance(v, _SIMPLE) or id(v) in checked:
+                continue
+            try:
+                _dry_run(v)
+            except Exception as e:  # noqa: BLE001 - re-raised as DispatchError naming where
+                raise _unserializable(plan, f"argument {name!r}" if isinstance(name, str) else f"argument {name}",
+                                      r, v, e) from None
+            checked.add(id(v))
+
+
+def _unserializable(plan: Plan, what: str, rank: int | None, value: Any, e: BaseException) -> DispatchError:
+    column = ""
+    batch = value if isinstance(value, Batch) else getattr(value, "ref", None) if isinstance(value, PartInfo) else None
+    if isinstance(value, DataArg):
+        batch = next((o.ref for s in value.sources for o in s.outputs
+                      if isinstance(o, PartInfo) and isinstance(o.ref, Batch)), None)
+    if isinstance(batch, Batch):
+        for k, col in batch.non_tensors.items():
+            try:
+                _dry_run(col)
+            except Exception:  # noqa: BLE001
+                column = f", column {k!r}"
+                break
+        else:
+            try:
+                _dry_run(batch.meta)
+            except Exception:  # noqa: BLE001
+                column = ", its meta"
+    where = f"rank {rank}" if rank is not None else "every rank"
+    return DispatchError(f"{plan.where()}: {what} for {where}{column} cannot be serialized ({type(e).__name__}: "
+                         f"{e}); no rank was sent the call. Pass picklable values (or keep such objects on the "
+                         f"worker).")
+
+
+def _as_output(x: Any, rank: int) -> Output:
+    return x if isinstance(x, Output) else Output(rank, value=x)
+
+
+def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None) -> BaseException:
+    """Turn a Ray error into orchestra's: the worker's own WorkerError, or WorkerDiedError for a dead actor."""
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, WorkerError):
+            return _plain(cause)
+        if isinstance(cause, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+            return _died(cause, group, endpoint, rank)
+        if isinstance(cause, ray.exceptions.TaskCancelledError):
+            return _cancelled(group, endpoint)
+        return WorkerError(str(cause or e), group=group, rank=rank, endpoint=endpoint,
+                           remote_traceback=str(e), exc_type=type(cause or e).__name__)
+    if isinstance(e, WorkerError):
+        return _plain(e) if type(e) not in (WorkerError, WorkerDiedError) else e
+    if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
+                      ray.exceptions.WorkerCrashedError)):
+        return _died(e, group, endpoint, rank)
+    if isinstance(e, ray.exceptions.TaskCancelledError):
+        return _cancelled(group, endpoint)
+    return e
+
+
+def _cancelled(group: str, endpoint: str) -> CallCancelledError:
+    return CallCancelledError(f"group {group!r}, endpoint {endpoint!r}: the call was cancelled")
+
+
+def _plain(e: WorkerError) -> WorkerError:
+    """A WorkerError without Ray's dual-class wrapper, so that ``except orc.WorkerError`` reads naturally."""
+    cls = WorkerDiedError if isinstance(e, WorkerDiedError) else WorkerError
+    return cls(e.message, group=e.group, role=e.role, rank=e.rank, endpoint=e.endpoint,
+               remote_traceback=e.remote_traceback, exc_type=e.exc_type)
+
+
+def _died(e: BaseException, group: str, endpoint: str, rank: int | None) -> WorkerDiedError:
+    return WorkerDiedError(
+        f"the worker process died while running this call ({type(e).__name__}); check the worker's log for an OOM "
+        f"kill or crash, then recreate the group", group=group, rank=rank, endpoint=endpoint,
+        exc_type="WorkerDied")
+
+
+def closed_error(group: str, why: str = "the group") -> GroupClosedError:
+    return GroupClosedError(f"group {group!r} was shut down ({why}); create a new WorkerGroup to run more calls")
