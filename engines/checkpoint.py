@@ -20,17 +20,17 @@ code. Checkpoints should still come from a place you trust: a well-formed checkp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import secrets
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engines.checkpoint_io import CheckpointError, read_json, sha256_file, write_json_atomic
 
 __all__ = ["FORMAT", "CheckpointError", "load_sharded", "read_json", "save_sharded", "sha256_file",
            "write_json_atomic"]
@@ -40,49 +40,6 @@ INDEX = "index.json"
 STATE = "engine_state.json"
 
 log = logging.getLogger("orchestra")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, incomplete, corrupt, not ours, or not matching the model."""
-
-
-# ------------------------------------------------------------------------------------------------------------ files
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Parse a JSON file; a missing, unreadable or truncated file raises :class:`CheckpointError` naming it."""
-    p = os.fspath(path)
-    try:
-        with open(p, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{p} is missing; the checkpoint is incomplete or this is not a checkpoint "
-                              f"directory") from None
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p} is not valid JSON ({e}); the file is truncated or corrupt: use another "
-                              f"checkpoint or restore the file") from e
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = None) -> None:
-    """Write JSON to a temporary file beside ``path``, flush it to disk, then rename it over ``path``."""
-    p = os.fspath(path)
-    tmp = f"{p}.tmp-{secrets.token_hex(4)}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
-
-
-def sha256_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """``(size in bytes, sha256 hex digest)`` of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            n += len(block)
-    return n, h.hexdigest()
 
 
 def _shard_file(kind: str, rank: int, world: int) -> str:

@@ -17,7 +17,6 @@ the previous good one is used. Only directories named like ours are ever pruned 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -26,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engines.checkpoint import CheckpointError, read_json, write_json_atomic
+from engines.checkpoint_io import CheckpointError, read_json, sha256_file, write_json_atomic
 
 __all__ = ["LATEST", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
            "prepare_output_dir", "prune", "read_json", "stage", "verify", "write_json_atomic", "write_manifest"]
@@ -42,18 +41,6 @@ log = logging.getLogger("orchestra")
 
 
 # ------------------------------------------------------------------------------------------------------------ manifest
-def _hash(path: Path, sync: bool) -> tuple[int, str]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            n += len(block)
-        if sync:
-            os.fsync(f.fileno())
-    return n, h.hexdigest()
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -75,7 +62,7 @@ def write_manifest(directory: Path) -> dict[str, Any]:
                 continue
             if p.is_symlink() or not p.is_file():
                 raise CheckpointError(f"{p} is not a regular file; a checkpoint holds only the files its writers made")
-            size, digest = _hash(p, sync=True)
+            size, digest = sha256_file(p, sync=True)
             files.append({"path": rel, "bytes": size, "sha256": digest})
         _fsync_dir(Path(root))
     manifest = {"format": MANIFEST_FORMAT, "files": files}
@@ -105,7 +92,7 @@ def verify(directory: Path) -> dict[str, Any]:
             raise CheckpointError(f"{mpath} lists {rel!r}, which leads outside the checkpoint")
         if not p.is_file():
             raise CheckpointError(f"{p} is missing (listed in {mpath}); the checkpoint is incomplete")
-        size, digest = _hash(p, sync=False)
+        size, digest = sha256_file(p)
         if size != entry.get("bytes"):
             raise CheckpointError(f"{p} has {size} bytes, the manifest says {entry.get('bytes')}: the file was "
                                   f"truncated or replaced after the checkpoint was written")

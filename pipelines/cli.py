@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -40,11 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
-    from .checkpoint import CheckpointError
-    from .runner import run
+    from .checkpoint import CheckpointError, prepare_output_dir
 
-    try:
-        history = run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    try:  # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
+        resume_from = prepare_output_dir(Path(cfg.runner.output_dir), resume=args.resume, overwrite=args.overwrite)
+        from .runner import run
+
+        history = run(cfg, resume_from=resume_from, progress=not args.no_progress)
     except CheckpointError as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2

@@ -61,11 +61,14 @@ class _Launched:
 class Runner:
     """Runs a training job described by a Config (see ``orchestra train --help``)."""
 
-    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> None:
+    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
+                 resume_from: Path | None = None) -> None:
         """``resume``: continue from the newest good checkpoint in ``runner.output_dir``; ``overwrite``: start over
-        in an output_dir that holds checkpoints (without it such a run is refused)."""
-        self.cfg, self.resume, self.overwrite, self.progress = cfg, resume, overwrite, progress
-        self._resume_from: Path | None = None
+        in an output_dir that holds checkpoints (without it such a run is refused); ``resume_from``: a checkpoint
+        directory already chosen and verified by ``pipelines.checkpoint.prepare_output_dir`` (implies resume)."""
+        self.cfg, self.overwrite, self.progress = cfg, overwrite, progress
+        self.resume = resume or resume_from is not None
+        self._resume_from: Path | None = resume_from
         self.out = Path(cfg.runner.output_dir)
         self.step_fn = STEPS[cfg.algorithm.name]
         self.task: TaskSpec = get_task(cfg)
@@ -85,7 +88,8 @@ class Runner:
         """Run (or resume) the job to ``runner.total_steps``; returns the metrics of the steps run here."""
         cfg = self.cfg
         # before anything starts: refuse to clobber an earlier run, and check the checkpoint --resume will use
-        self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
+        if self._resume_from is None:
+            self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         _seed_everything(cfg.runner.seed)
@@ -267,6 +271,7 @@ def _progress(total: int, start: int) -> Any:
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
-def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> list[dict[str, Any]]:
-    """Run a job from synchronous code (the CLI): uvloop when available."""
-    return orc.run(Runner(cfg, resume=resume, overwrite=overwrite, progress=progress).run())
+def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
+        resume_from: Path | None = None) -> list[dict[str, Any]]:
+    """Run a job from synchronous code (the CLI): uvloop when available. Arguments as for :class:`Runner`."""
+    return orc.run(Runner(cfg, resume=resume, overwrite=overwrite, progress=progress, resume_from=resume_from).run())

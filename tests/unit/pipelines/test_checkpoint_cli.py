@@ -87,3 +87,15 @@ def test_missing_config_file_is_a_cli_error(tmp_path, capsys):
     assert cli_main(["train", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("orchestra train: ") and "nope.yaml" in err
+
+
+def test_resume_refusal_needs_neither_torch_nor_ray(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipelines.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *_train(tmp_path / "run", "--resume")],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[0] == "2 []"
+    assert done.stderr.startswith("orchestra train: --resume: no checkpoint under")
