@@ -1,8 +1,9 @@
 """``orchestra train CONFIG.yaml key=value ... [--resume | --overwrite]``: run a training job from a typed config.
 
-User errors (a bad config, an output_dir that holds an earlier run, a missing or corrupt checkpoint) are printed
-as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2, before the cluster
-starts; a traceback means a bug or a failure during the run.
+User errors are printed as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2:
+a bad config, an output_dir that holds an earlier run, a missing or corrupt checkpoint (all found before torch or
+Ray is imported), and a checkpoint that does not fit the configured model or worker count (found when the
+workers load it). A traceback means a bug or a failure during the run.
 """
 
 from __future__ import annotations
