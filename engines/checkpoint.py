@@ -152,6 +152,7 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
     world = dist.get_world_size() if dist.is_initialized() else 1
     os.makedirs(directory, exist_ok=True)
     entries, scalars = _flatten(model_sd, optim_sd)
+    groups = [_jsonable_group(g) for g in optim_sd.get("param_groups", [])]  # fails on every rank, before any write
     stored: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
     local: dict[str, dict[str, Any]] = {}
     for key, t in entries.items():
@@ -170,31 +171,30 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
         files[name] = {"bytes": size, "sha256": digest}
     infos = _all_gather_json({"rank": rank, "files": files, "tensors": {k: v["local_shape"] for k, v in local.items()},
                               "rng": _rng_state(device)}, device)
+    index_tensors: dict[str, Any] = {}  # built on every rank: a bad layout fails on all of them together
+    for key, meta in local.items():
+        shape, placement = meta["shape"], meta["placement"]
+        shards = []
+        if placement["kind"] == "shard":
+            d, start = placement["dim"], 0
+            for info in infos:
+                piece = info["tensors"][key]
+                offset = [0] * len(shape)
+                offset[d] = start
+                shards.append({"rank": info["rank"], "file": _shard_file(key.split("/", 1)[0], info["rank"], world),
+                               "offset": offset, "shape": piece})
+                start += piece[d]
+            if start != shape[d]:
+                raise CheckpointError(f"{key}: local shards add up to {start} rows along dim {d}, the tensor has "
+                                      f"{shape[d]}; this sharding is not a contiguous split")
+        else:
+            shards.append({"rank": 0, "file": _shard_file(key.split("/", 1)[0], 0, world),
+                           "offset": [0] * len(shape), "shape": shape})
+        index_tensors[key] = {"shape": shape, "dtype": meta["dtype"], "placement": placement, "shards": shards}
     if rank == 0:
-        index_tensors: dict[str, Any] = {}
-        for key, meta in local.items():
-            shape, placement = meta["shape"], meta["placement"]
-            shards = []
-            if placement["kind"] == "shard":
-                d, start = placement["dim"], 0
-                for info in infos:
-                    piece = info["tensors"][key]
-                    offset = [0] * len(shape)
-                    offset[d] = start
-                    shards.append({"rank": info["rank"], "file": _shard_file(key.split("/", 1)[0], info["rank"], world),
-                                   "offset": offset, "shape": piece})
-                    start += piece[d]
-                if start != shape[d]:
-                    raise CheckpointError(f"{key}: local shards add up to {start} rows along dim {d}, the tensor has "
-                                          f"{shape[d]}; this sharding is not a contiguous split")
-            else:
-                shards.append({"rank": 0, "file": _shard_file(key.split("/", 1)[0], 0, world),
-                               "offset": [0] * len(shape), "shape": shape})
-            index_tensors[key] = {"shape": shape, "dtype": meta["dtype"], "placement": placement, "shards": shards}
         all_files = {name: f for info in infos for name, f in info["files"].items()}
         state = {"format": FORMAT, "world_size": world, **engine_state,
-                 "optimizer": {"param_groups": [_jsonable_group(g) for g in optim_sd.get("param_groups", [])],
-                               "scalars": scalars},
+                 "optimizer": {"param_groups": groups, "scalars": scalars},
                  "rng": [info["rng"] for info in infos]}
         write_json_atomic(os.path.join(directory, STATE), state)
         write_json_atomic(os.path.join(directory, INDEX),
@@ -205,6 +205,18 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
 
 
 # ------------------------------------------------------------------------------------------------------------ load
+def _agree(error: CheckpointError | None, directory: str, device: torch.device) -> None:
+    """Every rank learns whether any rank found the checkpoint unusable, so that all ranks load or none does
+    (and none waits forever in a later collective). Ranks without an error of their own raise one that says so."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if error is None and int(flag.item()) == 0:
+        raise CheckpointError(f"{directory}: another rank found this checkpoint unusable (its error names the "
+                              f"file); nothing was loaded")
+
+
 def _expect(cond: bool, path: str, what: str) -> None:
     if not cond:
         raise CheckpointError(f"{path}: {what}; the file is corrupt or was not written by this version of orchestra")
@@ -346,31 +358,42 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
     """
     directory = os.fspath(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    index = read_json(os.path.join(directory, INDEX))
-    state = read_json(os.path.join(directory, STATE))
     entries, scalars = _flatten(model_sd, optim_sd)
-    _check_index(directory, index, state, entries, scalars, optim_sd)
     locals_: dict[str, torch.Tensor] = {}
     placements: dict[str, dict[str, Any]] = {}
     for key, t in entries.items():
         placements[key], locals_[key] = _placement(t)
+    index = state = None
+    try:
+        index = read_json(os.path.join(directory, INDEX))
+        state = read_json(os.path.join(directory, STATE))
+        _check_index(directory, index, state, entries, scalars, optim_sd)
+    except CheckpointError as e:
+        _agree(e, directory, device)
+        raise
+    _agree(None, directory, device)
     shapes = _all_gather_json({k: list(v.shape) for k, v in locals_.items()}, device)
     shards = _Shards(directory, index["files"], verify)
     plan: list[tuple[torch.Tensor, tuple[slice, ...], str, str, tuple[slice, ...], bool]] = []
-    for key, dst in locals_.items():  # pass 1: open (and verify) every file needed, check headers and coverage
-        placement = placements[key]
-        offset = [0] * dst.dim()
-        if placement["kind"] == "shard":
-            d = placement["dim"]
-            offset[d] = sum(shapes[r][key][d] for r in range(rank))
-        covered = 0
-        for s, src, where, full in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
-            shards.check(s["file"], key, s["shape"], dst.dtype)
-            plan.append((dst, where, s["file"], key, src, full))
-            covered += math.prod(w.stop - w.start for w in where)
-        if covered != dst.numel():
-            raise CheckpointError(f"{os.path.join(directory, INDEX)}: the shards of {key} cover {covered} of the "
-                                  f"{dst.numel()} elements this rank needs; the index is corrupt")
+    try:  # pass 1: open (and verify) every file this rank needs, check headers and coverage
+        for key, dst in locals_.items():
+            placement = placements[key]
+            offset = [0] * dst.dim()
+            if placement["kind"] == "shard":
+                d = placement["dim"]
+                offset[d] = sum(shapes[r][key][d] for r in range(rank))
+            covered = 0
+            for s, src, where, full in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
+                shards.check(s["file"], key, s["shape"], dst.dtype)
+                plan.append((dst, where, s["file"], key, src, full))
+                covered += math.prod(w.stop - w.start for w in where)
+            if covered != dst.numel():
+                raise CheckpointError(f"{os.path.join(directory, INDEX)}: the shards of {key} cover {covered} of "
+                                      f"the {dst.numel()} elements this rank needs; the index is corrupt")
+    except CheckpointError as e:
+        _agree(e, directory, device)
+        raise
+    _agree(None, directory, device)
     with torch.no_grad():  # pass 2: every check passed, copy the overlapping parts into the templates
         for dst, where, name, key, src, full in plan:
             dst[where].copy_(shards.read(name, key, src, full))

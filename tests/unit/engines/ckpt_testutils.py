@@ -66,3 +66,20 @@ class Payload:
 def payload_worker(rank: int, world: int, marker: str) -> Payload:
     """A spawned rank whose result would run code if the parent unpickled it."""
     return Payload(marker)
+
+
+def load_error_worker(rank: int, world: int, cfg: EngineConfig, ckpt_dir: str) -> dict[str, object]:
+    """Load a checkpoint expected to fail; returns this rank's error message and whether its weights changed."""
+    from engines.checkpoint import CheckpointError
+
+    eng = FSDPEngine(model_factory(2), cfg)
+    before = engine_snapshot(eng)["model"]
+    try:
+        eng.load(ckpt_dir)
+    except CheckpointError as e:
+        error = str(e)
+    else:
+        error = None
+    after = engine_snapshot(eng)["model"]
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "step": eng.global_step}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_testutils import Payload, engine_snapshot, payload_worker, save_then_load_worker, save_worker
+from ckpt_testutils import (Payload, engine_snapshot, load_error_worker, payload_worker, save_then_load_worker,
+                            save_worker)
 from engines_testutils import VOCAB, make_batch, model_factory, token_mean_loss
 
 from engines._dist import spawn
@@ -220,3 +221,16 @@ def test_spawn_results_are_read_without_running_code(tmp_path):
     with pytest.raises(Exception, match="exec"):  # weights_only refuses the global instead of calling it
         spawn(payload_worker, 1, str(marker))
     assert not marker.exists()
+
+
+def test_a_shard_only_one_rank_reads_is_corrupt_so_no_rank_loads(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    spawn(save_worker, 2, CFG, str(ckpt))
+    shard = ckpt / "optim-rank00001-of-00002.safetensors"  # read by rank 1 only
+    data = bytearray(shard.read_bytes())
+    data[-4:] = b"\x00\x00\xc0\x7f"  # a NaN where an Adam moment was
+    shard.write_bytes(bytes(data))
+    r0, r1 = spawn(load_error_worker, 2, CFG, str(ckpt))
+    assert "optim-rank00001-of-00002.safetensors" in r1["error"] and "sha256" in r1["error"]
+    assert "another rank found this checkpoint unusable" in r0["error"]
+    assert r0["unchanged"] and r1["unchanged"] and r0["step"] == r1["step"] == 0
