@@ -75,3 +75,9 @@ def test_critic_mini_batches_checked_against_the_step_rows():
 def test_kl_in_reward_needs_ppo():
     with pytest.raises(ConfigError, match=re.escape("algorithm.kl_in: bad value 'reward'; GRPO")):
         load_config(None, ["algorithm.kl_in=reward", "algorithm.kl_coef=0.1"])
+
+
+def test_ppo_example_is_a_ppo_job_with_kl_in_the_reward():
+    cfg = load_config("examples/ppo_digits.yaml")
+    assert (cfg.algorithm.name, cfg.algorithm.kl_in, cfg.algorithm.kl_reward_estimator) == ("ppo", "reward", "k1")
+    assert cfg.data.prompts_per_step * cfg.rollout.n >= 1024  # PPO needs the samples (docs/algorithms.md)
