@@ -24,7 +24,7 @@ import ray
 
 from ._batch import Batch, balanced_sizes
 from ._errors import UPSTREAM_FAILED, WorkerError
-from ._wire import INLINE_BYTES, REFS_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
+from ._wire import CALL_KWARG, INLINE_BYTES, PRIVATE_KWARG, REFS_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 __all__ = ["Host"]
@@ -121,6 +121,35 @@ class _Runtime:
 _RUNTIME = _Runtime()
 
 
+class CallCancelled(Exception):
+    """Raised on the worker for a call the controller cancelled before it started (its id was in cancel_calls)."""
+
+
+class _CancelledCalls:
+    """Ids of calls the controller cancelled. The control lane adds, the compute lane checks at a call's start,
+    between a generator's yields and whenever an endpoint polls ``Worker.cancelled()``. Cooperative: Ray's own
+    task cancellation can leave a gap in an actor's ordered queue (a cancelled task that never reached the actor
+    stalls every later call for 30 s), so it is not used."""
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[int] = set()
+        self._order: collections.deque = collections.deque()
+        self._keep = keep
+
+    def add(self, ids: list[int]) -> None:
+        with self._lock:
+            for i in ids:
+                if i not in self._ids:
+                    self._ids.add(i)
+                    self._order.append(i)
+            while len(self._order) > self._keep:
+                self._ids.discard(self._order.popleft())
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self._ids
+
+
 class _Stats:
     """Per role, per endpoint counters: the compute lane adds, the control lane reads a consistent snapshot."""
 
@@ -174,6 +203,8 @@ class Host:
         self.specs: dict[str, dict[str, EndpointSpec]] = {}
         self.contexts: dict[str, _Context] = {}
         self.stats_ = _Stats()
+        self.cancelled_calls = _CancelledCalls()
+        self.current_call: int | None = None  # id of the call the compute lane runs now
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self.tracing = False
         self.events = _Events()
@@ -202,7 +233,7 @@ class Host:
         """Set the distributed environment, then build each role's Worker (in the compute thread)."""
         os.environ.update(env)
         for role, (cls, args, kwargs) in roles.items():
-            ctx = _Context(self.group, role, self.rank, self.world_size, self.local_rank)
+            ctx = _Context(self.group, role, self.rank, self.world_size, self.local_rank, self.is_cancelled)
             try:
                 obj = cls.__new__(cls)
                 obj._orc = ctx
@@ -237,6 +268,15 @@ class Host:
         return dict(self.contexts[role].meshes)
 
     @ray.method(concurrency_group=CONTROL)
+    def cancel_calls(self, ids: list[int]) -> None:
+        """Mark calls cancelled: one not started yet is skipped, a running one sees ``Worker.cancelled()``."""
+        self.cancelled_calls.add(ids)
+
+    def is_cancelled(self) -> bool:
+        """Whether the call running now on the compute lane was cancelled (by the controller or through Ray)."""
+        return self.current_call in self.cancelled_calls or _RUNTIME.is_canceled()
+
+    @ray.method(concurrency_group=CONTROL)
     def stats(self, role: str | None = None) -> dict[str, dict[str, float]]:
         return self.stats_.snapshot(role)
 
@@ -262,10 +302,11 @@ class Host:
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
         """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
         try:
-            spec, fn, ctx, counters = self._begin(role, name)
+            spec, fn, ctx, counters = self._begin(role, name, kwargs)
+            private = kwargs.pop(PRIVATE_KWARG, False)
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched)
+            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
             t0 = time.perf_counter()
             try:
                 result = self._aloop().run_until_complete(fn(*args, **kwargs)) if spec.is_async else fn(*args, **kwargs)
@@ -283,16 +324,17 @@ class Host:
     def _call_stream(self, role: str, name: str, args: tuple, kwargs: dict) -> Iterator[Output]:
         """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists."""
         try:
-            spec, fn, ctx, counters = self._begin(role, name)
+            spec, fn, ctx, counters = self._begin(role, name, kwargs)
+            private = kwargs.pop(PRIVATE_KWARG, False)
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched)
+            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
             if pad:
                 raise ValueError("a streaming endpoint cannot take padded input; drop pad from its dispatch")
             gen = fn(*args, **kwargs)
             loop = self._aloop() if hasattr(gen, "__anext__") else None
             seq = 0
-            while True:
+            while not self.is_cancelled():
                 if loop is not None:
                     try:
                         item = loop.run_until_complete(gen.__anext__())
@@ -308,14 +350,15 @@ class Host:
                     self._event(role, f"{name}[{seq}]", start, now, fetched, out)
                     start, fetched, seq = now, [], seq + 1
                 yield out
-        except WorkerError:
+        except (WorkerError, GeneratorExit):  # GeneratorExit: Ray closed the stream (its consumer went away)
             raise
         except BaseException as e:
             raise self._error(e, role, name) from None
 
-    def _begin(self, role: str, name: str) -> tuple[EndpointSpec, Any, _Context, dict]:
-        if _RUNTIME.is_canceled():
-            raise asyncio.CancelledError("cancelled before it started")
+    def _begin(self, role: str, name: str, kwargs: dict) -> tuple[EndpointSpec, Any, _Context, dict]:
+        self.current_call = kwargs.pop(CALL_KWARG, None)
+        if self.is_cancelled():
+            raise CallCancelled("cancelled before it started")
         if role not in self.roles:
             raise RuntimeError(f"role {role!r} is not hosted on rank {self.rank} (hosted: {list(self.roles)})")
         spec = self.specs[role].get(name)
@@ -326,7 +369,9 @@ class Host:
         return spec, getattr(self.roles[role], name), self.contexts[role], counters
 
     def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict,
-                 spec: EndpointSpec, trace: list | None = None) -> tuple[tuple[tuple, dict], int]:
+                 spec: EndpointSpec, trace: list | None = None, private: bool = False) -> tuple[tuple[tuple, dict], int]:
+        """The endpoint's arguments with data descriptors replaced by Batches it owns (``private``: the
+        controller-made shards of this call are read by this rank alone, so need no copy)."""
         if not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
             return (args, kwargs), 0
         pads: list[int] = []
@@ -338,7 +383,7 @@ class Host:
             elif isinstance(a, Batch):  # a controller-made shard, passed as is (or resolved by Ray from its ref)
                 # one that came through the object store (>= INLINE_BYTES) is shared memory: other ranks of a mesh
                 # read the same object, so the endpoint gets a private copy unless it promised not to write
-                batch = a if a.nbytes < INLINE_BYTES or spec.zero_copy_inputs else a.clone()
+                batch = a if a.nbytes < INLINE_BYTES or private or spec.zero_copy_inputs else a.clone()
                 counters["parts_in"] += 1
                 counters["rows_in"] += len(a)
                 counters["rows_used"] += len(a)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import logging
 import pickle
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from ._errors import (
     WorkerDiedError,
     WorkerError,
 )
-from ._wire import INLINE_BYTES, REFS_KWARG, DataArg, Layout, Output, PartInfo, Source
+from ._wire import CALL_KWARG, INLINE_BYTES, PRIVATE_KWARG, REFS_KWARG, DataArg, Layout, Output, PartInfo, Source
 from .dispatch import Plan
 
 __all__ = ["Invocation", "Slot", "convert_error", "components"]
@@ -49,8 +50,9 @@ log = logging.getLogger("orchestra")
 class Slot:
     """The outputs of one executing rank, in order; grows while a streaming endpoint yields."""
 
-    def __init__(self, rank: int, collected: bool) -> None:
+    def __init__(self, rank: int, collected: bool, on_change: Callable[[], None] | None = None) -> None:
         self.rank, self.collected = rank, collected
+        self._on_change = on_change
         self.refs: list[ray.ObjectRef] = []
         self.outputs: list[asyncio.Future] = []  # each resolves to an Output (or a plain value)
         self.done = asyncio.get_running_loop().create_future()
@@ -61,6 +63,8 @@ class Slot:
         self.refs.append(ref)
         out = asyncio.wrap_future(ref.future())
         out.add_done_callback(_retrieve)  # a forwarded, never-awaited failure must not log "never retrieved"
+        if self._on_change is not None:
+            out.add_done_callback(lambda _f: self._on_change())
         self.outputs.append(out)
         self._notify()
 
@@ -72,6 +76,8 @@ class Slot:
                 self.done.set_exception(error)
                 self.done.exception()  # retrieved here; errors surface through wait()
         self._notify()
+        if self._on_change is not None:
+            self._on_change()
 
     def finished(self) -> bool:
         return self.done.done() and all(o.done() for o in self.outputs)
@@ -105,6 +111,9 @@ class _Unset:
     pass
 
 
+_CALL_IDS = itertools.count(1)
+
+
 _UNSET = _Unset()
 
 
@@ -129,6 +138,7 @@ class Invocation:
         self.result_value: Any = _UNSET
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
+        self.call_id = next(_CALL_IDS)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -196,6 +206,15 @@ class Invocation:
         self.slots = slots
         if not self.submitted.done():
             self.submitted.set_result(None)
+        self._check_done()
+
+    def _slot(self, rank: int, collected: bool) -> Slot:
+        return Slot(rank, collected, self._check_done)
+
+    def _check_done(self) -> None:
+        """Leave the group's calls in flight once every rank finished (the first moment nothing is left to end)."""
+        if self.submitted.done() and all(s.finished() for s in self.slots):
+            self.shared.live.discard(self)
 
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
@@ -212,8 +231,8 @@ class Invocation:
         slots = []
         for r in plan.ranks:
             args, kwargs, refs = calls[r]
-            a, kw = _with_refs(args, kwargs, refs)
-            slot = Slot(r, r in collectors)
+            a, kw = _with_refs(args, kwargs, refs, self.call_id)
+            slot = self._slot(r, r in collectors)
             if self.spec.streaming:
                 gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
                 slot.call_refs.append(gen)
@@ -311,8 +330,8 @@ class Invocation:
             return
         members = {d: [r for r in plan.ranks if shard.dp_of_rank[r] == d] for d in range(D)}
         comp_slots = [[s for s in c.slots if s.collected] for c in comps]
-        out_slots = [Slot(cs.rank, True) for cs in comp_slots[0]]
-        side: list[Slot] = [Slot(r, False) for r in plan.ranks if r not in shard.collectors]
+        out_slots = [self._slot(cs.rank, True) for cs in comp_slots[0]]
+        side: list[Slot] = [self._slot(r, False) for r in plan.ranks if r not in shard.collectors]
         self._set_slots([*out_slots, *side])
         side_of = {s.rank: s for s in side}
         hosts = self.shared.hosts
@@ -342,7 +361,7 @@ class Invocation:
                             calls[r] = (args, kwargs, refs)
                         _preflight(plan, calls)
                         for r, (args, kwargs, refs_) in calls.items():
-                            a, kw = _with_refs(args, kwargs, refs_)
+                            a, kw = _with_refs(args, kwargs, refs_, self.call_id)
                             ref = getattr(hosts[r], meth).remote(*a, **kw)
                             slot = out_slots[i] if r in shard.collectors else side_of[r]
                             slot.call_refs.append(ref)
@@ -526,15 +545,16 @@ class Invocation:
     def _end(self) -> None:
         if self._root is not None and not self._root.done():
             self._root.cancel()
+        hosts = self.shared.hosts
+        for r in sorted({s.rank for s in self.slots if not s.finished()}):
+            if r < len(hosts):  # cooperative: queued calls are skipped, running ones see Worker.cancelled()
+                ack = asyncio.wrap_future(hosts[r].cancel_calls.remote([self.call_id]).future())
+                ack.add_done_callback(_retrieve)  # a dead rank's refusal needs no one's attention
         for s in self.slots:
-            if not s.finished():
-                for ref in s.call_refs:
-                    try:
-                        ray.cancel(ref)
-                    except Exception as e:  # the task may have finished or its actor died meanwhile
-                        log.debug("ray.cancel of %s.%s rank %d: %r", self.group, self.endpoint, s.rank, e)
             s.finish(self.error)
         self._fail_submit(self.error)
+        if self._ticket is not None:  # a root task cancelled before its first step never reaches its finally
+            self.shared.gate.release(self._ticket)
         self.shared.live.discard(self)
 
 
@@ -554,33 +574,45 @@ async def _drain(gen: Any, slot: Slot) -> None:
         slot.finish(e)
 
 
-def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:
-    """Upstream header refs ride nested in one keyword argument; the worker fetches them (see Host._call)."""
-    if not refs:
-        return args, kwargs
-    return args, {**kwargs, REFS_KWARG: list(refs)}
+def _with_refs(args: tuple, kwargs: dict, refs: list, call_id: int) -> tuple[tuple, dict]:
+    """Upstream header refs ride nested in one keyword argument (the worker fetches them, see Host._call); the
+    call's id rides in another (for cooperative cancellation)."""
+    kw = {**kwargs, CALL_KWARG: call_id}
+    if refs:
+        kw[REFS_KWARG] = list(refs)
+    return args, kw
 
 
 def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
     """(args, kwargs, top-level refs) for every executing rank, with data arguments turned into descriptors."""
     spec = plan.shard
+    readers = {d: sum(1 for r in plan.ranks if spec.dp_of_rank[r] == d) for d in range(spec.dp_size)} if spec else {}
     out = {}
     for r in plan.ranks:
         args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
         b = _ArgBuilder()
+        shared = [False]
 
         def convert(a: Any) -> Any:
             per_dp = described.get(id(a))
             if per_dp is None:
                 return a
-            sources, layout = per_dp[spec.dp_of_rank[r] if spec is not None else 0]
+            d = spec.dp_of_rank[r] if spec is not None else 0
+            sources, layout = per_dp[d]
             if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
                     and layout.kind == "whole" and not layout.pad_rows):
-                return sources[0][0].ref  # a controller-made shard: the Batch itself, or its ref for Ray to resolve
+                # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
+                # rank reads (the TP ranks of a mesh replica) must be copied by each reader before use
+                shared[0] = shared[0] or readers.get(d, 2) > 1
+                return sources[0][0].ref
             return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
                            values_ok=spec is None)
 
-        out[r] = (tuple([convert(a) for a in args]), {k: convert(v) for k, v in kwargs.items()}, b.refs)
+        new_args = tuple([convert(a) for a in args])
+        new_kwargs = {k: convert(v) for k, v in kwargs.items()}
+        if spec is not None and not shared[0]:
+            new_kwargs[PRIVATE_KWARG] = True
+        out[r] = (new_args, new_kwargs, b.refs)
     return out
 
 

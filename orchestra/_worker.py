@@ -87,9 +87,11 @@ def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
 class _Context:
     """Per-process facts a Worker reads: set by the host before the user's __init__ runs."""
 
-    def __init__(self, group: str, role: str, rank: int, world_size: int, local_rank: int) -> None:
+    def __init__(self, group: str, role: str, rank: int, world_size: int, local_rank: int,
+                 is_cancelled: Callable[[], bool] | None = None) -> None:
         self.group, self.role, self.rank, self.world_size, self.local_rank = group, role, rank, world_size, local_rank
         self.meshes: dict[str, MeshInfo] = {}
+        self.is_cancelled = is_cancelled or (lambda: False)
 
 
 class Worker:
@@ -134,9 +136,4 @@ class Worker:
 
     def cancelled(self) -> bool:
         """True once the call running now was cancelled by the controller; long loops should poll it and return."""
-        import ray
-
-        try:
-            return ray.get_runtime_context().is_canceled()
-        except Exception:  # outside a Ray task
-            return False
+        return self._orc.is_cancelled()
