@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from . import _runtime, _stats
 from ._batch import Batch
-from ._errors import DispatchError
+from ._errors import DispatchError, WorkerDiedError
 from ._future import DataFuture
 from ._host import CONCURRENCY_GROUPS, host_class, method_name
 from ._invocation import Invocation, closed_error, convert_error
@@ -82,6 +82,9 @@ class _Shared:
         self.closed: str | None = None  # why the group was shut down
         self.gate = _Gate()
         self.live: weakref.WeakSet = weakref.WeakSet()  # invocations not yet finished
+        self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
+        self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
+        self._watches: list[asyncio.Future] = []
         pool.acquire()
         _runtime.register(self)
 
@@ -129,7 +132,40 @@ class _Shared:
             raise convert_error(e, self.name, "__init__", None) from None
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
+        self._watch()
         self._ready = True
+
+    def _watch(self) -> None:
+        """Supervision: one never-returning call per rank; Ray fails it when the process dies, and the done
+        callback (no task) fails the group's calls in flight and tells whoever registered ``on_death``."""
+        for rank, h in enumerate(self.hosts):
+            w = asyncio.wrap_future(h.watch.remote().future())
+            w.add_done_callback(lambda f, rank=rank: self._rank_exited(rank, f))
+            self._watches.append(w)
+
+    def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
+        if f.cancelled():
+            return
+        e = f.exception()
+        if self.closed is not None or e is None or rank in self.dead:
+            return
+        err = convert_error(e, self.name, "watch", rank)
+        if not isinstance(err, WorkerDiedError):
+            log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
+            return
+        err = WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); check its log for an "
+                              f"OOM kill or crash, then recreate the group", group=self.name, rank=rank,
+                              exc_type="WorkerDied")
+        self.dead[rank] = err
+        log.warning("group %r: rank %d died", self.name, rank)
+        for inv in list(self.live):  # a group with a dead rank cannot finish any call: fail them now
+            inv.fail(WorkerDiedError(err.message, group=inv.group, rank=rank, endpoint=inv.endpoint,
+                                     exc_type="WorkerDied"))
+        for cb in list(self.death_callbacks):
+            try:
+                cb(err)
+            except Exception:  # noqa: BLE001 - a bad callback must not stop the others; it is logged
+                log.exception("group %r: on_death callback %r raised", self.name, cb)
 
     async def ready(self) -> None:
         t = self._start
@@ -149,6 +185,9 @@ class _Shared:
         err = closed_error(self.name, why)
         for inv in list(self.live):
             inv.cancel(err)
+        for w in self._watches:
+            w.cancel()
+        self._watches.clear()
         hosts, self.hosts = self.hosts, []
         return hosts
 
@@ -290,6 +329,24 @@ class WorkerGroup:
         """Per rank, (pid, spans recorded since the last take)."""
         return await self._control("take_events")
 
+    def health(self) -> list[dict[str, Any]]:
+        """Per rank, what supervision knows now (no round trip): ``{"rank", "alive", "error"}``. A death is seen
+        within about a second of the process exiting, whatever the controller is awaiting."""
+        shared = self._shared
+        return [{"rank": r, "alive": shared.closed is None and r not in shared.dead and shared.is_ready(),
+                 "error": str(shared.dead[r]) if r in shared.dead else shared.closed}
+                for r in range(self.world_size)]
+
+    def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
+        """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's
+        calls in flight have already failed with WorkerDiedError then. Returns a function that unregisters it."""
+        self._shared.death_callbacks.append(callback)
+
+        def remove() -> None:
+            if callback in self._shared.death_callbacks:
+                self._shared.death_callbacks.remove(callback)
+        return remove
+
     async def ping(self) -> list[int]:
         """Round trip to every rank's control lane (answers even while an endpoint computes)."""
         return await self._control("ping")
@@ -405,6 +462,10 @@ class _Endpoint:
         shared = g._shared
         if shared.closed is not None:
             raise closed_error(g.name, shared.closed)
+        if shared.dead:
+            rank, err = min(shared.dead.items())
+            raise WorkerDiedError(f"{err.message} (noticed before this call was sent; nothing was sent)",
+                                  group=g.name, rank=rank, endpoint=spec.name, exc_type="WorkerDied")
         if spec.signature is not None:
             try:
                 spec.signature.bind(None, *args, **kwargs)

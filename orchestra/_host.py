@@ -58,7 +58,8 @@ def _counters() -> dict[str, float]:
 
 COMPUTE = "compute"
 CONTROL = "control"
-CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1}
+WATCH = "watch"  # one call per rank that never returns while the process lives: the controller's death notice
+CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1}
 
 
 _DONE = object()
@@ -204,6 +205,7 @@ class Host:
         self.contexts: dict[str, _Context] = {}
         self.stats_ = _Stats()
         self.cancelled_calls = _CancelledCalls()
+        self._watching = threading.Event()
         self.current_call: int | None = None  # id of the call the compute lane runs now
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self.tracing = False
@@ -266,6 +268,17 @@ class Host:
     @ray.method(concurrency_group=CONTROL)
     def meshes(self, role: str) -> dict[str, Any]:
         return dict(self.contexts[role].meshes)
+
+    @ray.method(concurrency_group=WATCH)
+    def watch(self) -> int:
+        """Block until the host is told to stop watching: the controller holds this call's ref, and Ray fails it
+        within milliseconds of the process dying (crash, OOM kill, node loss). Returns the rank."""
+        self._watching.wait()
+        return self.rank
+
+    @ray.method(concurrency_group=CONTROL)
+    def stop_watch(self) -> None:
+        self._watching.set()
 
     @ray.method(concurrency_group=CONTROL)
     def cancel_calls(self, ids: list[int]) -> None:

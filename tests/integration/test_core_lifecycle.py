@@ -174,3 +174,25 @@ def test_await_after_orc_shutdown_fails_at_once_and_cluster_is_loopback_with_aut
     assert "RAISED" in out.stdout and "shut down" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "NODE_IP 127.0.0.1" in out.stdout
     assert "Token authentication is disabled" not in out.stderr
+
+
+async def test_supervision_sees_a_death_while_the_controller_awaits_another_group():
+    async with WorkerGroup(pool(2), Hazard, group_name="watched") as g, \
+            WorkerGroup(pool(1), Hazard, group_name="busy") as other:
+        died = anyio.Event()
+        seen: list[orc.WorkerDiedError] = []
+        g.on_death(lambda e: (seen.append(e), died.set()))
+        inflight = g.sleep(30.0)
+        pid = (await g.describe())[1]["pid"]
+        assert [h["alive"] for h in g.health()] == [True, True]
+        os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(30):
+            await other.sleep(0.2)  # the controller is busy with another group meanwhile
+            await died.wait()
+        assert (seen[0].group, seen[0].rank) == ("watched", 1)
+        assert [h["alive"] for h in g.health()] == [True, False]
+        with pytest.raises(orc.WorkerDiedError) as info:
+            await inflight
+        assert info.value.rank == 1 and info.value.endpoint == "sleep"
+        with pytest.raises(orc.WorkerDiedError, match="nothing was sent"):
+            g.sleep(1.0)
