@@ -337,6 +337,11 @@ class WorkerGroup:
                  "error": str(shared.dead[r]) if r in shared.dead else shared.closed}
                 for r in range(self.world_size)]
 
+    def calls_in_flight(self) -> list[str]:
+        """``"group.endpoint"`` of every call not yet finished or ended on this group's actors (every colocated
+        role's), sorted; empty when nothing is left running. For tests that check no call was left behind."""
+        return sorted(f"{inv.group}.{inv.endpoint}" for inv in list(self._shared.live))
+
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's
         calls in flight have already failed with WorkerDiedError then. Returns a function that unregisters it."""
