@@ -37,6 +37,10 @@ class Echo(Worker):
     def echo(self, batch: Batch) -> Batch:
         return batch
 
+    @endpoint(D.shard(), zero_copy_inputs=True)
+    def echo_zero_copy(self, batch: Batch) -> Batch:
+        return batch
+
     @endpoint(D.broadcast())
     def raw_echo(self, batch: Batch) -> tuple[Batch]:
         # Called directly on the actor handle (not through the group): a non-Batch return value goes through the
@@ -64,6 +68,9 @@ async def measure(g: WorkerGroup, mib: int, iters: int, warmup: int) -> dict:
     async def ours() -> Batch:
         return await g.echo(batch)
 
+    async def ours_zero_copy() -> Batch:
+        return await g.echo_zero_copy(batch)
+
     async def raw_ray(concat: bool):
         shards = batch.chunk(len(actors))
         refs = [ray.put(s) for s in shards]
@@ -76,7 +83,8 @@ async def measure(g: WorkerGroup, mib: int, iters: int, warmup: int) -> dict:
     assert torch.equal(out["idx"], batch["idx"]) and torch.equal(out["x"], batch["x"])
     del out
 
-    cases = {"orchestra": ours, "raw_ray": lambda: raw_ray(False), "raw_ray_concat": lambda: raw_ray(True)}
+    cases = {"orchestra": ours, **({"orchestra_zero_copy": ours_zero_copy} if hasattr(Echo, "echo_zero_copy") else {}),
+             "raw_ray": lambda: raw_ray(False), "raw_ray_concat": lambda: raw_ray(True)}
     samples: dict[str, list[float]] = {k: [] for k in cases}
     for k, fn in cases.items():
         for _ in range(warmup):

@@ -484,9 +484,8 @@ class Host:
         for i, lo, hi in plan:
             b = fetched.get(i, parts[i].ref)
             pieces.append(b if (lo, hi) == (0, len(b)) else b.slice(lo, hi))
-        if len(pieces) == 1:
-            i = plan[0][0]
-            return pieces[0] if zero_copy or not isinstance(parts[i].ref, ray.ObjectRef) else pieces[0].clone()
+        if len(pieces) == 1:  # a view of one stored part (or of a reply other calls here may read too): copy it
+            return pieces[0] if zero_copy else pieces[0].clone()
         if pieces:
             return Batch.concat(pieces)
         if not parts:
@@ -508,14 +507,16 @@ class Host:
         parts = []
         for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
             size = piece.nbytes
-            parts.append(PartInfo(ray.put(piece), len(piece), size))
+            # a small result rides inside the call's reply (no object of its own, no second fetch by readers)
+            parts.append(PartInfo(piece if nbytes < INLINE_BYTES else ray.put(piece), len(piece), size))
             counters["parts_out"] += 1
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size
         return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
 
     def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
-        produced = [(p.ref.hex(), p.nbytes, p.rows) for p in out.parts] if isinstance(out, Output) and out.parts else []
+        produced = ([(p.ref.hex(), p.nbytes, p.rows) for p in out.parts if isinstance(p.ref, ray.ObjectRef)]
+                    if isinstance(out, Output) and out.parts else [])
         self.events.add({"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched,
                             "produced": produced})
 
