@@ -1,0 +1,44 @@
+"""orchestra.testing: a pytest plugin and helpers for testing your own Workers, dispatch transforms and pipeline
+steps (see docs/testing.md).
+
+Installed with the package (entry point ``pytest11: orchestra``), so no conftest is needed. Fixtures:
+``orc_cluster`` (session: a private local cluster, or the one already started), ``make_group`` (function, async:
+``await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``; every group it made is closed at the end of the
+test, and the test fails if calls, tasks or actors were left behind) and ``orc_sequencer``. Options:
+``--orc-backend=ray|local`` (``local`` is not built yet) and ``--orc-num-cpus``.
+
+Helpers: ``Sequencer`` (order events across ranks without sleeps), ``FailOnCue`` + ``fail_rank`` (one rank's next
+call of an endpoint raises), ``kill_rank`` (SIGKILL one rank and wait until the group reports it).
+
+This module does not import pytest (the fixtures live in ``orchestra.testing._plugin``, registered when pytest
+configures): worker processes import it to unpickle a Sequencer or a Worker mixing in ``FailOnCue``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._helpers import FailOnCue, InjectedFailure, Sequencer, SequencerError, fail_rank, kill_rank
+
+__all__ = ["FailOnCue", "InjectedFailure", "Sequencer", "SequencerError", "fail_rank", "kill_rank"]
+
+
+def pytest_addoption(parser: Any) -> None:
+    """``--orc-backend`` and ``--orc-num-cpus`` (also settable as ini options ``orc_backend``/``orc_num_cpus``)."""
+    group = parser.getgroup("orchestra", "orchestra test cluster")
+    group.addoption("--orc-backend", choices=("ray", "local"), default=None,
+                    help="where make_group's ranks run: 'ray' (a local Ray cluster; default) or 'local' (the "
+                         "in-process backend: not built yet)")
+    group.addoption("--orc-num-cpus", type=float, default=None,
+                    help="logical CPUs of the private local cluster orc_cluster starts (default 4)")
+    parser.addini("orc_backend", "default of --orc-backend", default="ray")
+    parser.addini("orc_num_cpus", "default of --orc-num-cpus", default="4")
+
+
+def pytest_configure(config: Any) -> None:
+    """Register the fixtures (importing pytest only now) and reject a backend that does not exist yet."""
+    from . import _plugin
+
+    _plugin.check_options(config)
+    if not config.pluginmanager.is_registered(_plugin):
+        config.pluginmanager.register(_plugin, "orchestra.testing.fixtures")

@@ -1,0 +1,234 @@
+"""Helpers for tests of Workers, dispatch transforms and pipeline steps: order events across ranks (``Sequencer``),
+make a rank fail (``FailOnCue`` + ``fail_rank``) or die (``kill_rank``) on cue.
+
+Nothing here imports pytest: worker processes unpickle a ``Sequencer`` and import a Worker that mixes in
+``FailOnCue``, and need not have pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import ray
+
+from .._errors import WorkerDiedError
+from .._group import WorkerGroup
+from .._worker import Worker, endpoint, endpoints_of
+from ..dispatch import broadcast
+
+__all__ = ["FailOnCue", "InjectedFailure", "Sequencer", "SequencerError", "fail_rank", "kill_rank"]
+
+log = logging.getLogger("orchestra")
+
+
+# ------------------------------------------------------------------------------------------------------ Sequencer
+class SequencerError(RuntimeError):
+    """A sequencer position could not be entered: it timed out, was entered twice, or an earlier position failed."""
+
+
+class _SequencerState:
+    """The Ray actor behind a Sequencer: the next position to run, and why the sequence broke (if it did)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.entered: set[int] = set()
+        self.broken: str | None = None
+        self.cond: asyncio.Condition | None = None
+
+    def _cond(self) -> asyncio.Condition:
+        if self.cond is None:  # made on the actor's event loop, on first use
+            self.cond = asyncio.Condition()
+        return self.cond
+
+    async def enter(self, pos: int, timeout: float) -> tuple[str, str]:
+        """Wait until every position before ``pos`` has exited; ("ok", "") or ("error", why)."""
+        cond = self._cond()
+        async with cond:
+            if pos in self.entered:
+                return "error", f"position {pos} was entered twice; each position is used once"
+            self.entered.add(pos)
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self.broken is not None or self.next == pos), timeout)
+            except asyncio.TimeoutError:
+                return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
+                                 f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} "
+                                 f"never run or never exit?")
+            if self.broken is not None:
+                return "error", f"the sequence is broken: {self.broken}"
+            return "ok", ""
+
+    async def exit(self, pos: int, error: str | None) -> tuple[str, str]:
+        """Leave ``pos`` (the current position): the next one may enter, or, on ``error``, every waiter fails."""
+        cond = self._cond()
+        async with cond:
+            if self.broken is not None:
+                return "error", f"the sequence is broken: {self.broken}"
+            if pos != self.next:
+                return "error", f"position {pos} exited while the sequence is at position {self.next}"
+            if error is not None:
+                self.broken = f"position {pos} raised {error}"
+            else:
+                self.next += 1
+            cond.notify_all()
+            return "ok", ""
+
+    def position(self) -> int:
+        return self.next
+
+
+class Sequencer:
+    """Runs blocks of code in a fixed global order across processes: ``with seq(i): ...`` (in a Worker) or
+    ``async with seq(i): ...`` (in the test or an async endpoint) enters only after every position below ``i``
+    has exited. Positions count from 0; each is used once.
+
+    Backed by a small Ray actor, so a Sequencer can be passed to endpoints as an argument and used by every rank.
+    A block that raises breaks the sequence: every waiting and later position fails with ``SequencerError``
+    instead of waiting forever; so does a position still waiting after ``timeout`` seconds (a bound on a broken
+    test, never what decides a passing one). Make one with ``Sequencer()`` after Ray is up (or use the
+    ``orc_sequencer`` fixture); ``close()`` ends its actor.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("Sequencer() needs a running cluster: call orc.init() first (or use the orc_cluster "
+                               "fixture)")
+        self.timeout = float(timeout)
+        self._actor = ray.remote(num_cpus=0)(_SequencerState).remote()
+
+    def __call__(self, position: int) -> _Turn:
+        """The block at ``position``: use it as ``with`` (blocking, e.g. in a sync endpoint) or ``async with``."""
+        if not isinstance(position, int) or position < 0:
+            raise ValueError(f"a sequencer position is an int >= 0, got {position!r}")
+        return _Turn(self, position)
+
+    def position(self) -> int:
+        """The position that may run now (blocking round trip)."""
+        return ray.get(self._actor.position.remote())
+
+    def close(self) -> None:
+        """End the sequencer's actor."""
+        ray.kill(self._actor)
+
+    def __repr__(self) -> str:
+        return f"<Sequencer timeout={self.timeout:g}>"
+
+
+class _Turn:
+    def __init__(self, seq: Sequencer, pos: int) -> None:
+        self.seq, self.pos = seq, pos
+
+    @staticmethod
+    def _check(status: tuple[str, str]) -> None:
+        if status[0] != "ok":
+            raise SequencerError(status[1])
+
+    def __enter__(self) -> None:
+        self._check(ray.get(self.seq._actor.enter.remote(self.pos, self.seq.timeout)))
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
+        self._check(ray.get(self.seq._actor.exit.remote(self.pos, err)))
+
+    async def __aenter__(self) -> None:
+        self._check(await self.seq._actor.enter.remote(self.pos, self.seq.timeout))
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
+        self._check(await self.seq._actor.exit.remote(self.pos, err))
+
+
+# ------------------------------------------------------------------------------------------------- fail on cue
+class InjectedFailure(RuntimeError):
+    """What an endpoint armed by ``fail_rank`` raises (a ``WorkerError`` with ``exc_type == "InjectedFailure"`` in
+    the controller)."""
+
+
+class FailOnCue(Worker):
+    """Mix into a Worker (``class TestScorer(FailOnCue, Scorer)``) to let ``fail_rank`` make the next call of one
+    of its endpoints raise ``InjectedFailure`` on one rank. Adds one broadcast endpoint, ``orc_fail_next``; the
+    Worker's own code is unchanged."""
+
+    @endpoint(broadcast())
+    def orc_fail_next(self, name: str, rank: int, message: str) -> bool:
+        """On ``rank``: the next call of endpoint ``name`` raises ``InjectedFailure(message)`` instead of running.
+        Returns whether this rank was armed."""
+        if name not in endpoints_of(type(self)):
+            raise ValueError(f"{type(self).__name__} has no endpoint {name!r}")
+        if self.rank != rank:
+            return False
+
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            del self.__dict__[name]  # once: later calls run the real endpoint
+            raise InjectedFailure(message)
+
+        self.__dict__[name] = fail  # shadows the method for the host's lookup of the next call
+        return True
+
+
+async def fail_rank(group: WorkerGroup, rank: int, endpoint: str,
+                    message: str = "failure injected by orchestra.testing.fail_rank") -> None:
+    """Make the next call of ``endpoint`` on ``rank`` of ``group`` raise (``WorkerError`` with
+    ``exc_type == "InjectedFailure"``); the other ranks run it normally. Calls made after this returns (calls are
+    sent in order) are affected. The group's Worker must mix in ``FailOnCue``."""
+    if not 0 <= rank < group.world_size:
+        raise ValueError(f"fail_rank: rank {rank} is outside 0..{group.world_size - 1} of {group!r}")
+    getattr(group, endpoint)  # AttributeError naming the group's endpoints if there is no such endpoint
+    try:
+        arm = group.orc_fail_next
+    except AttributeError:
+        raise TypeError(f"fail_rank: {group!r} cannot fail on cue; mix orchestra.testing.FailOnCue into its Worker "
+                        f"class (class TestW(FailOnCue, W): pass) and make the group from that") from None
+    armed = await arm(endpoint, rank, message)
+    if armed.count(True) != 1:
+        raise RuntimeError(f"fail_rank: expected rank {rank} alone to be armed, got {armed}")
+
+
+# ------------------------------------------------------------------------------------------------- kill on cue
+def _kill_pid(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+async def kill_rank(group: WorkerGroup, rank: int, timeout: float = 60.0) -> WorkerDiedError:
+    """SIGKILL the process of ``rank`` and wait (at most ``timeout`` seconds) until the group reports the death:
+    returns the ``WorkerDiedError`` that ``await group.ping()`` then raises. The group's calls in flight fail
+    with ``WorkerDiedError``; new calls are refused."""
+    if not 0 <= rank < group.world_size:
+        raise ValueError(f"kill_rank: rank {rank} is outside 0..{group.world_size - 1} of {group!r}")
+    info = (await group.describe())[rank]
+    died = asyncio.get_running_loop().create_future()
+
+    def on_death(err: WorkerDiedError) -> None:
+        if err.rank == rank and not died.done():
+            died.set_result(err)
+
+    remove = group.on_death(on_death)
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        if info.get("node_id") in (None, here):
+            _kill_pid(int(info["pid"]))
+        else:  # the rank runs on another node: send the signal from there
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            killer = ray.remote(num_cpus=0)(_kill_pid).options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
+            await killer.remote(int(info["pid"]))
+        log.info("kill_rank: sent SIGKILL to rank %d of %r (pid %s)", rank, group.name, info["pid"])
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(died, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"kill_rank: rank {rank} of {group!r} (pid {info['pid']}) was sent SIGKILL but the "
+                               f"group did not report its death within {timeout:g} s") from None
+    finally:
+        remove()
+    try:
+        await group.ping()
+    except WorkerDiedError as e:
+        log.info("kill_rank: rank %d of %r reported dead after %.2f s", rank, group.name, time.monotonic() - t0)
+        return e
+    raise AssertionError(f"kill_rank: rank {rank} of {group!r} was reported dead, yet group.ping() answered")

@@ -1,0 +1,207 @@
+"""The fixtures of the orchestra pytest plugin (registered by ``orchestra.testing.pytest_configure``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+try:
+    import pytest_asyncio
+except ImportError:  # pragma: no cover - make_group then says what to install
+    pytest_asyncio = None
+
+log = logging.getLogger("orchestra")
+
+# Bounds on waits that only a leak exceeds: a passing test never waits for them.
+LEAK_WAIT_S = 30.0
+LOCAL_BACKEND_MISSING = "--orc-backend=local: the in-process backend is not built yet (issue 10 item 3)"
+
+
+def check_options(config: pytest.Config) -> None:
+    """Reject ``--orc-backend=local`` (not built) and a bad ``--orc-num-cpus`` at start-up, before any test runs."""
+    if backend(config) == "local":
+        raise pytest.UsageError(LOCAL_BACKEND_MISSING)
+    num_cpus(config)
+
+
+def backend(config: pytest.Config) -> str:
+    """``--orc-backend``, else the ``orc_backend`` ini option (default ``ray``)."""
+    value = config.getoption("orc_backend", None) or config.getini("orc_backend") or "ray"
+    if value not in ("ray", "local"):
+        raise pytest.UsageError(f"orc_backend = {value!r}: choose 'ray' or 'local'")
+    return value
+
+
+def num_cpus(config: pytest.Config) -> float:
+    """``--orc-num-cpus``, else the ``orc_num_cpus`` ini option (default 4): logical CPUs of the private cluster."""
+    value = config.getoption("orc_num_cpus", None)
+    if value is None:
+        raw = config.getini("orc_num_cpus") or "4"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise pytest.UsageError(f"orc_num_cpus = {raw!r} is not a number") from None
+    if not value > 0:
+        raise pytest.UsageError(f"--orc-num-cpus must be > 0, got {value}")
+    return value
+
+
+@pytest.fixture(scope="session")
+def orc_cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, float]]:
+    """The session's cluster: a private local Ray cluster (loopback, token auth) with ``--orc-num-cpus`` CPUs, shut
+    down at the end; or, when Ray is already initialized (the user started one), that cluster, left running.
+    Yields its resources (``{"CPU": 4.0, ...}``)."""
+    import ray
+
+    import orchestra as orc
+
+    if ray.is_initialized():
+        log.info("orc_cluster: reusing the Ray cluster already started; it is not shut down at the end")
+        yield dict(ray.cluster_resources())
+        return
+    n = num_cpus(pytestconfig)
+    session = orc.init(num_cpus=int(n) if float(n).is_integer() else n)
+    try:
+        yield dict(session.resources)
+    finally:
+        orc.shutdown()
+
+
+@pytest.fixture
+def orc_sequencer(orc_cluster: dict[str, float]) -> Iterator[Any]:
+    """A fresh ``orchestra.testing.Sequencer`` for this test (its actor ended afterwards)."""
+    from ._helpers import Sequencer
+
+    seq = Sequencer()
+    try:
+        yield seq
+    finally:
+        seq.close()
+
+
+@dataclass
+class _Made:
+    group: Any
+    actors: list[Any] = field(default_factory=list)
+
+
+class GroupFactory:
+    """What the ``make_group`` fixture gives a test: ``await make_group(WorkerCls, *init_args, ranks=2,
+    init_kwargs=None, group_name=None, **pool_kwargs)`` returns a ready ``WorkerGroup``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.made: list[_Made] = []
+
+    @property
+    def groups(self) -> list[Any]:
+        """Every group made in this test, in order."""
+        return [m.group for m in self.made]
+
+    async def __call__(self, cls: type, *init_args: Any, ranks: int = 2, init_kwargs: dict[str, Any] | None = None,
+                       group_name: str | None = None, **pool_kwargs: Any) -> Any:
+        """A ready group of ``ranks`` ranks of ``cls(*init_args, **init_kwargs)`` on a fresh
+        ``ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.1, **pool_kwargs)``."""
+        from orchestra import ResourcePool, WorkerGroup
+
+        if asyncio.get_running_loop() is not self.loop:
+            raise RuntimeError("make_group was set up on another event loop than the one this test runs on: give "
+                               "async fixtures and tests the same loop scope (pytest ini options "
+                               "asyncio_default_fixture_loop_scope and asyncio_default_test_loop_scope, or "
+                               "@pytest.mark.asyncio(loop_scope=...))")
+        pool_kwargs.setdefault("cpus_per_worker", 0.1)
+        pool = ResourcePool(process_on_nodes=[ranks], **pool_kwargs)
+        group = WorkerGroup(pool, cls, *init_args, group_name=group_name, **(init_kwargs or {}))
+        made = _Made(group)
+        self.made.append(made)  # before ready(): a group whose start-up fails is still closed and checked
+        await group.ready()
+        made.actors = group.actors
+        return group
+
+
+def in_flight(factory: GroupFactory) -> list[str]:
+    """The calls still in flight on the groups ``factory`` made and the test did not close."""
+    return [c for g in factory.groups if not g.closed for c in g.calls_in_flight()]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
+    """After a test body that passed: fail the test when calls of groups made by ``make_group`` are still in flight
+    (a call never awaited, or a stream never drained). A body that raised is reported as is."""
+    result = yield
+    factory = getattr(pyfuncitem, "funcargs", {}).get("make_group")
+    if isinstance(factory, GroupFactory):
+        left = in_flight(factory)
+        if left:
+            pytest.fail(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
+                        f"before the test returns", pytrace=False)
+    return result
+
+
+async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], bound: float = LEAK_WAIT_S) -> list[str]:
+    """Close every group ``factory`` made; return what was left behind: pools still held, orchestra tasks still
+    running (waited for up to ``bound`` s), actors still alive after close (each given ``bound`` s to die).
+    A failing ``aclose()`` raises (after the other groups were closed)."""
+    import ray
+
+    errors: list[BaseException] = []
+    for m in factory.made:
+        try:
+            await m.group.aclose()
+        except Exception as e:  # noqa: BLE001 - every group is closed first; the errors are raised below
+            log.error("make_group: closing %r failed: %r", m.group, e)
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ExceptionGroup("make_group: closing groups failed", errors)
+
+    problems = [f"{m.group!r}: its resource pool is still held after close" for m in factory.made
+                if m.group.pool.holds_refs()]
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and t not in before and t.get_name().startswith("orchestra:")]
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=bound)
+        if pending:
+            problems.append(f"orchestra tasks still running {bound:g} s after the groups closed: "
+                            f"{sorted(t.get_name() for t in pending)}")
+
+    async def dies(group: Any, rank: int, actor: Any) -> str | None:
+        # the host's watch call never returns while the process lives, and fails once it is dead
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(actor.watch.remote().future()), bound)
+        except ray.exceptions.ActorDiedError:
+            return None
+        except asyncio.TimeoutError:
+            return f"{group!r} rank {rank}: its actor is still alive {bound:g} s after the group closed"
+        return f"{group!r} rank {rank}: its actor answered after the group closed"
+
+    found = await asyncio.gather(*[dies(m.group, r, a) for m in factory.made for r, a in enumerate(m.actors)])
+    problems += [p for p in found if p]
+    return problems
+
+
+if pytest_asyncio is not None:
+    @pytest_asyncio.fixture
+    async def make_group(orc_cluster: dict[str, float]) -> AsyncIterator[GroupFactory]:
+        """``group = await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``: a ready WorkerGroup (pool
+        ``ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.1, **pool_kwargs)``; ``init_kwargs=`` and
+        ``group_name=`` pass through). After the test every group it made is closed; the test fails if calls were
+        left in flight, and its teardown fails if orchestra tasks, actors or pools outlive the close."""
+        loop = asyncio.get_running_loop()
+        before = {t for t in asyncio.all_tasks(loop) if t.get_name().startswith("orchestra:")}
+        factory = GroupFactory(loop)
+        yield factory
+        problems = await close_and_check(factory, before)
+        if problems:
+            pytest.fail("make_group: left behind after the test:\n  - " + "\n  - ".join(problems), pytrace=False)
+else:  # pragma: no cover
+    @pytest.fixture
+    def make_group() -> None:
+        """Needs pytest-asyncio."""
+        raise pytest.UsageError("the make_group fixture needs pytest-asyncio: pip install pytest-asyncio")
