@@ -52,6 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from orchestra import WorkerDiedError
+
+        if not isinstance(e, WorkerDiedError):
+            raise
+        # a worker or node died and runner.max_restarts was used up (or is 0): not a bug, not a user error
+        print(f"orchestra train: {e}\n(runner.max_restarts={cfg.runner.max_restarts}; continue with --resume)",
+              file=sys.stderr)
+        return 1
     if history:
         last = history[-1]
         print(f"done: {len(history)} steps, last reward/mean {last['reward/mean']:.3f}; metrics in "

@@ -7,6 +7,7 @@ helpers) on a CPU pool. split: the rollout engine gets a pool of its own and rec
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,10 @@ from .config import ActorConfig, Config, CriticConfig
 from .taskspec import TaskSpec
 from .advantage_worker import AdvantageWorker
 
-__all__ = ["Cluster", "build_cluster", "model_overrides", "engine_config", "optimizer_steps"]
+__all__ = ["Cluster", "build_cluster", "capacity_problems", "engine_config", "model_overrides", "optimizer_steps",
+           "wait_for_capacity"]
+
+log = logging.getLogger("orchestra")
 
 
 def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
@@ -76,6 +80,63 @@ class Cluster:
             if id(g._shared) not in seen:
                 seen.add(id(g._shared))
                 g.shutdown()
+
+    async def aclose(self) -> None:
+        """Close every group (calls in flight fail with ``GroupClosedError``; actors killed, pools released).
+        Safe after a rank died and safe to call twice: that is how a restart tears the job down."""
+        for g in self.groups():
+            await g.aclose()
+
+    def dead_ranks(self) -> list[tuple[str, int]]:
+        """``(group, rank)`` of every rank that supervision has seen die (no round trip)."""
+        return [(g.name, h["rank"]) for g in self.groups() for h in g.health()
+                if not h["alive"] and h["error"] is not None and not g.closed]
+
+
+def capacity_problems(pools: list[ResourcePool]) -> list[str]:
+    """Why ``pools`` (all of them at once) cannot fit the live nodes of the Ray cluster now; empty when they fit.
+    Counts node totals, not what is free: a restart asks this right after closing the old groups, whose
+    resources Ray frees asynchronously (placement then waits for them)."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    total: dict[str, float] = {}
+    for t in nodes:
+        for k, v in t.items():
+            total[k] = total.get(k, 0.0) + v
+    need: dict[str, float] = {}
+    problems = []
+    for pool in pools:
+        bundle = pool.bundle()
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v * pool.world_size
+        for i, count in enumerate(pool.process_on_nodes):
+            entry = {k: v * count for k, v in bundle.items()}
+            if not any(all(t.get(k, 0.0) + 1e-9 >= v for k, v in entry.items()) for t in nodes):
+                problems.append(f"pool {pool.name!r} entry {i} needs {entry} on one node; no live node has it")
+    problems += [f"{k}: the pools need {v:g}, the live nodes have {total.get(k, 0.0):g}"
+                 for k, v in need.items() if total.get(k, 0.0) + 1e-9 < v]
+    return problems
+
+
+async def wait_for_capacity(pools: list[ResourcePool], timeout_s: float, poll_s: float = 0.5) -> None:
+    """Wait until ``pools`` fit the live nodes again (a lost node's capacity came back), at most ``timeout_s``;
+    then :class:`orchestra.PlacementError` saying what is missing."""
+    import anyio
+
+    from orchestra import PlacementError
+
+    problems = await anyio.to_thread.run_sync(capacity_problems, pools)
+    if not problems:
+        return
+    log.warning("waiting up to %g s for the cluster to fit the job again: %s", timeout_s, "; ".join(problems))
+    with anyio.move_on_after(timeout_s):
+        while problems:
+            await anyio.sleep(poll_s)
+            problems = await anyio.to_thread.run_sync(capacity_problems, pools)
+        return
+    raise PlacementError(f"the cluster did not fit the job's pools again within runner.restart_timeout_s="
+                         f"{timeout_s:g} s:\n  - " + "\n  - ".join(problems))
 
 
 def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:

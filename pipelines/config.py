@@ -278,6 +278,8 @@ class RunnerConfig(_Section):
     micro_batches_per_step: int = _knob(1, ge=1)  # stream each step through the stages in parts
     checkpoint_every: int = _knob(0, ge=0)  # in steps; 0: no checkpoints
     keep_checkpoints: int = _knob(3, ge=0)  # newest checkpoints kept in output_dir/checkpoints; 0: all
+    max_restarts: int = _knob(2, ge=0)  # a dead worker/node: restart from the last good checkpoint; 0: stop
+    restart_timeout_s: float = _knob(300.0, gt=0)  # how long a restart waits for the cluster to fit the pools again
     output_dir: str = "outputs/run"
     metrics: bool = True  # metrics.jsonl in output_dir
     tensorboard: bool = False

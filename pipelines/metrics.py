@@ -38,8 +38,8 @@ def _parse_lines(path: Path, *, torn_tail_ok: bool) -> list[tuple[str, dict[str,
 class MetricsSink:
     """Appends one JSON object per step to ``metrics.jsonl``; mirrors numbers to TensorBoard if enabled.
 
-    On resume, lines after the checkpointed step (``truncate_after``) are dropped so that the file reads as one
-    uninterrupted run.
+    On resume, step lines after the checkpointed step (``truncate_after``) are dropped so that the file reads as one
+    uninterrupted run; event lines (``"event"`` key: a restart) are kept.
     """
 
     def __init__(self, out: Path, *, tensorboard: bool = False, truncate_after: int | None = None,
@@ -49,10 +49,8 @@ class MetricsSink:
         if enabled:
             if truncate_after is None:
                 self.path.write_text("")
-            elif self.path.exists():
-                keep = [line for line, rec in _parse_lines(self.path, torn_tail_ok=True)
-                        if rec["step"] <= truncate_after]
-                self.path.write_text("".join(line + "\n" for line in keep))
+            else:
+                self.truncate(truncate_after)
         self._tb = None
         if tensorboard:
             try:
@@ -70,6 +68,23 @@ class MetricsSink:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, rec["step"])
+
+    def truncate(self, after: int) -> None:
+        """Drop the step lines after step ``after`` (a resume or a restart redoes those steps); event lines (a
+        restart) stay on record."""
+        if self.enabled and self.path.exists():
+            keep = [line for line, rec in _parse_lines(self.path, torn_tail_ok=True)
+                    if rec["step"] <= after or "event" in rec]
+            self.path.write_text("".join(line + "\n" for line in keep))
+
+    def event(self, rec: dict[str, Any]) -> None:
+        """Append an event line (``{"event": "restart", "step": k, ...}``): kept when a resume truncates the step
+        lines after it, not mirrored to TensorBoard. Readers tell events from steps by the ``event`` key."""
+        if "event" not in rec or "step" not in rec:
+            raise ValueError(f"an event line needs 'event' and 'step' keys, got {sorted(rec)}")
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
         if self._tb is not None:

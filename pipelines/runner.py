@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import torch
 
@@ -28,7 +29,7 @@ from orchestra import Batch, DataFuture
 
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
-from .cluster import Cluster, build_cluster
+from .cluster import Cluster, build_cluster, wait_for_capacity
 from .config import Config, config_to_dict
 from .data import PromptSampler
 from .grpo import grpo_step
@@ -82,6 +83,10 @@ class Runner:
         self.start_step = 0
         self.history: list[dict[str, Any]] = []
         self.guard = NonFiniteGuard(cfg.runner.max_bad_steps)  # raises TrainingDivergedError on NaN/inf runs
+        self.restarts: list[dict[str, Any]] = []  # the restart events of this run (also in metrics.jsonl)
+        self._step = 0  # the step running now (a restart event names it)
+        self._noticed = 0.0  # when the last death was seen (unix time)
+        self._state_time: dict[int, float] = {}  # step -> when the state after it was current (lost_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
@@ -109,7 +114,7 @@ class Runner:
             sink = MetricsSink(self.out, tensorboard=cfg.runner.tensorboard, truncate_after=self.start_step - 1
                                if self.resume else None, enabled=cfg.runner.metrics)
             try:
-                await self._loop(sink)
+                await self._train(sink)
             finally:
                 sink.close()
             if cfg.runner.plot:
@@ -136,12 +141,132 @@ class Runner:
         finally:
             self.cluster.shutdown()
 
-    async def _loop(self, sink: MetricsSink) -> None:
+    # -- elastic recovery -----------------------------------------------------------------------------------------
+    async def _train(self, sink: MetricsSink) -> None:
+        """The step loop, restarted after a dead worker or node (at most ``runner.max_restarts`` times): the job is
+        torn down, rebuilt once the cluster fits it again, restored from the latest good checkpoint (or step 0
+        state without one) and continued. Out of restarts: the death (naming group and rank) is raised."""
+        max_restarts = self.cfg.runner.max_restarts
+        bar = _progress(self.cfg.runner.total_steps, self.start_step) if self.progress else None
+        try:
+            died = await self._supervised(self._loop(sink, bar))
+            while died is not None:
+                if len(self.restarts) >= max_restarts:
+                    if max_restarts == 0:
+                        raise died
+                    raise orc.WorkerDiedError(
+                        f"{died.message}; giving up after {len(self.restarts)} restart(s) "
+                        f"(runner.max_restarts={max_restarts})", group=died.group, rank=died.rank,
+                        endpoint=died.endpoint, exc_type="WorkerDied") from died
+                died = await self._supervised(self._restart(died, sink, bar))
+                if died is None:
+                    died = await self._supervised(self._loop(sink, bar))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    async def _supervised(self, work: Awaitable[None]) -> orc.WorkerDiedError | None:
+        """Await ``work``; a rank dying anywhere in the job cancels it at once, even when ``work`` is awaiting
+        another group (supervision's ``on_death``). Returns the death (None when ``work`` finished)."""
+        seen: list[orc.WorkerDiedError] = []
+        noticed: list[float] = []
+        with anyio.CancelScope() as scope:
+
+            def on_death(err: orc.WorkerDiedError) -> None:
+                if not seen:
+                    noticed.append(time.time())
+                seen.append(err)
+                scope.cancel()
+
+            removers = [g.on_death(on_death) for g in self.cluster.groups()]
+            try:
+                await work
+            except orc.WorkerDiedError as e:
+                noticed.append(time.time())
+                seen.insert(0, e)  # the awaited call's error also names the endpoint
+            except orc.OrchestraError as e:
+                if not seen:
+                    raise
+                # a consequence of the death (a sibling's call cancelled, an upstream gone): the death is the cause
+                log.warning("after %s: %s", seen[0], e)
+            finally:
+                for remove in removers:
+                    remove()
+        if not seen:
+            return None
+        died = seen[0]
+        self._noticed = min(noticed)
+        return died
+
+    async def _restart(self, died: orc.WorkerDiedError, sink: MetricsSink, bar: Any) -> None:
+        """Tear the job down, wait until its pools fit again, rebuild the roles, restore the latest good
+        checkpoint (step 0 state without one) and record the restart (metrics.jsonl event, log, progress bar)."""
+        cfg = self.cfg
+        n = len(self.restarts) + 1
+        step = self._step
+        reason = f"group {died.group!r} rank {died.rank} died: {died.message}"
+        log.warning("restart %d of %d (runner.max_restarts): %s", n, cfg.runner.max_restarts, reason)
+        if bar is not None:
+            bar.write(f"restart {n}/{cfg.runner.max_restarts} at step {step}: group {died.group!r} rank "
+                      f"{died.rank} died; restoring the latest checkpoint")
+        t0 = time.time()
+        old = self.cluster
+        self.restarts.append({"event": "restart", "step": step, "reason": reason})  # counted even if this fails
+        if self.tracer is not None:  # the spans seen so far; the rebuilt groups get a tracer of their own
+            self.tracer.save(self.out / f"trace.before-restart-{n}.json")
+            self.tracer = None
+        await old.aclose()
+        t_teardown = time.time()
+        await wait_for_capacity(old.pools, cfg.runner.restart_timeout_s)
+        self.cluster = build_cluster(cfg, self.task)
+        with anyio.fail_after(cfg.runner.restart_timeout_s):
+            await self.cluster.ready()
+        t_placed = time.time()
+        if cfg.runner.trace:
+            self.tracer = orc.Tracer(*self.cluster.groups())
+            await self.tracer.start()
+        root = self.out / "checkpoints"
+        self._resume_from = (await asyncio.to_thread(ckpt.latest_good, root)) if ckpt.committed(root) else None
+        if self._resume_from is not None:
+            await self._restore()
+        else:  # no checkpoint yet: step 0 state, the same seeds as the run's start
+            _seed_everything(cfg.runner.seed)
+            self.sampler = PromptSampler(self.task.records, cfg.data.prompts_per_step, seed=cfg.data.seed,
+                                         shuffle=cfg.data.shuffle)
+            self.actor_version = self.rollout_version = self.start_step = 0
+            if self.task.warm_start_steps:
+                await self._warm_start()
+        await self._sync_rollout()
+        t_restored = time.time()
+        restored_step = self.start_step - 1
+        self.guard = NonFiniteGuard(cfg.runner.max_bad_steps)
+        self.history = [h for h in self.history if h["step"] < self.start_step]
+        event = {"event": "restart", "step": step, "reason": reason, "restart": n,
+                 "checkpoint": self._resume_from.name if self._resume_from is not None else None,
+                 "resume_step": self.start_step,
+                 "lost_s": t_restored - self._state_time.get(restored_step, t0),
+                 "noticed_at": self._noticed, "teardown_s": t_teardown - t0,
+                 "placement_s": t_placed - t_teardown, "restore_s": t_restored - t_placed, "time": t_restored}
+        if self._resume_from is None:
+            event["note"] = "no checkpoint yet: restarted from step 0 (fresh init, same seed)"
+        self.restarts[-1] = event
+        self._state_time[restored_step] = t_restored
+        sink.truncate(restored_step)
+        sink.event(event)
+        log.warning("restarted (%d of %d): continuing at step %d from %s; %.1f s lost", n,
+                    cfg.runner.max_restarts, self.start_step, event["checkpoint"] or "step 0 state", event["lost_s"])
+        if bar is not None:
+            bar.n = self.start_step
+            bar.set_description(f"train (restarted {n}x)")
+            bar.refresh()
+
+    async def _loop(self, sink: MetricsSink, bar: Any) -> None:
         cfg = self.cfg
         total = cfg.runner.total_steps
-        bar = _progress(total, self.start_step) if self.progress else None
         pending: _Launched | None = None
+        self._state_time.setdefault(self.start_step - 1, time.time())
         for step in range(self.start_step, total):
+            self._step = step
             cur = pending if pending is not None and pending.step == step else self._launch(step)
             if self.actor_version - cur.version > cfg.runner.max_staleness:  # beyond the bound: never used
                 cur.rollouts.cancel()
@@ -166,8 +291,6 @@ class Runner:
                 await self.save(step)
             if self.tracer is not None:
                 await self.tracer.collect()
-        if bar is not None:
-            bar.close()
 
     def _launch(self, step: int) -> _Launched:
         """Sample this step's prompts and start generating (returns at once)."""
@@ -218,7 +341,9 @@ class Runner:
         except BaseException:
             ckpt.abort(d)
             raise
-        return await asyncio.to_thread(ckpt.commit, d, keep=self.cfg.runner.keep_checkpoints)
+        final = await asyncio.to_thread(ckpt.commit, d, keep=self.cfg.runner.keep_checkpoints)
+        self._state_time[step] = time.time()
+        return final
 
     async def _restore(self) -> None:
         """Load the checkpoint ``prepare_output_dir`` chose and verified before the cluster started."""
