@@ -1,0 +1,138 @@
+"""orchestra.testing on a real cluster: the Sequencer orders ranks and the test body, fail_rank and kill_rank
+act on one rank, make_group sees calls in flight; and a user's test file run by pytest in a subprocess passes,
+while a wrong assertion or a call left running in it fails (the plugin swallows nothing)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from testing_workers import Recorder
+
+import orchestra as orc
+from orchestra import Batch
+from orchestra.testing import Sequencer, SequencerError, fail_rank, kill_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_sequencer_orders_ranks_and_the_test_body(make_group, orc_sequencer, tmp_path):
+    group = await make_group(Recorder)
+    log = tmp_path / "log"
+    fut = group.append_in_turn(orc_sequencer, [2, 0], str(log))  # rank 1, then the test, then rank 0
+    async with orc_sequencer(1):
+        with open(log, "a") as f:
+            f.write("test\n")
+    assert await fut == [0, 1]
+    assert log.read_text().splitlines() == ["rank1", "test", "rank0"]
+
+
+async def test_a_position_that_raised_breaks_the_sequence_for_the_later_ones(orc_sequencer):
+    with pytest.raises(ValueError, match="boom"):
+        async with orc_sequencer(0):
+            raise ValueError("boom")
+    with pytest.raises(SequencerError, match="position 0 raised ValueError: boom"):
+        async with orc_sequencer(1):
+            pass
+
+
+async def test_a_position_used_twice_is_an_error(orc_sequencer):
+    async with orc_sequencer(0):
+        pass
+    with pytest.raises(SequencerError, match="entered twice"):
+        async with orc_sequencer(0):
+            pass
+
+
+async def test_a_position_never_reached_fails_instead_of_hanging(orc_cluster):
+    seq = Sequencer(timeout=0.5)
+    try:
+        with pytest.raises(SequencerError, match="position 3 still waiting .* at position 0"):
+            async with seq(3):
+                pass
+    finally:
+        seq.close()
+
+
+async def test_calls_in_flight_names_a_running_call_until_it_finishes(make_group, orc_sequencer):
+    group = await make_group(Recorder, ranks=1)
+    fut = group.hold(orc_sequencer)
+    async with orc_sequencer(1):  # the endpoint has passed position 0: it is running
+        assert group.calls_in_flight() == ["Recorder.hold"]
+    assert await fut == [True]
+    assert group.calls_in_flight() == []
+
+
+async def test_fail_rank_fails_the_next_call_on_that_rank_only(make_group):
+    group = await make_group(Recorder)
+    batch = Batch.from_dict({"x": torch.arange(4)})
+    await fail_rank(group, 1, "double", "rank 1 fails here")
+    with pytest.raises(orc.WorkerError, match="rank 1 fails here") as e:
+        await group.double(batch)
+    assert (e.value.rank, e.value.endpoint, e.value.exc_type) == (1, "double", "InjectedFailure")
+    out = await group.double(batch)  # armed once: the next call runs everywhere
+    assert out["y"].tolist() == [0, 2, 4, 6] and out["rank"].tolist() == [0, 0, 1, 1]
+
+
+async def test_kill_rank_waits_until_the_group_reports_the_death(make_group):
+    group = await make_group(Recorder)
+    err = await kill_rank(group, 1)
+    assert isinstance(err, orc.WorkerDiedError) and err.rank == 1
+    assert [h["alive"] for h in group.health()] == [True, False]
+    with pytest.raises(orc.WorkerDiedError):  # refused before anything is sent
+        group.double(Batch.from_dict({"x": torch.arange(4)}))
+
+
+LEAKY = '''
+import pytest
+from orchestra import Worker, endpoint
+from orchestra.testing import Sequencer
+
+
+class Waiter(Worker):
+    @endpoint
+    def wait(self, seq):
+        with seq(1):  # position 0 never runs: this call cannot finish
+            pass
+
+
+@pytest.mark.asyncio
+async def test_leaves_a_call_running(make_group):
+    group = await make_group(Waiter, ranks=1)
+    group.wait(Sequencer())
+'''
+
+
+@pytest.mark.slow
+def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running(tmp_path):
+    """A fresh pytest (its own cluster, strict asyncio mode: no project config) over a copy of tests/plugin_user
+    with one assertion made wrong, plus a test that leaves a call running: the untouched test passes, both others
+    fail, with the assertion's own message and the call's name."""
+    src = ROOT / "tests" / "plugin_user"
+    shutil.copy(src / "user_workers.py", tmp_path / "user_workers.py")
+    text = (src / "test_user_worker.py").read_text()
+    wrong = text.replace("[0, 2, 4, 6, 8]", "[0, 2, 4, 6, 9]")
+    assert wrong != text
+    (tmp_path / "test_user_worker.py").write_text(wrong)
+    (tmp_path / "test_leak.py").write_text(LEAKY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-num-cpus=2",
+                           "-o", "timeout=240", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "2 failed, 1 passed" in out, out
+    assert "assert [0, 2, 4, 6, 8] == [0, 2, 4, 6, 9]" in out, out
+    assert "calls still in flight when the test ended: ['Waiter.wait']" in out, out
+
+
+def test_the_local_backend_is_refused_until_it_exists(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-backend=local",
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    assert "the in-process backend is not built yet (issue 10 item 3)" in proc.stderr
