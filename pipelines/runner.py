@@ -220,6 +220,8 @@ class Runner:
         await wait_for_capacity(old.pools, cfg.runner.restart_timeout_s)
         self.cluster = build_cluster(cfg, self.task)
         with anyio.fail_after(cfg.runner.restart_timeout_s):
+            await asyncio.gather(*[p.slots() for p in self.cluster.pools])
+            t_slots = time.time()
             await self.cluster.ready()
         t_placed = time.time()
         if cfg.runner.trace:
@@ -246,7 +248,8 @@ class Runner:
                  "resume_step": self.start_step,
                  "lost_s": t_restored - self._state_time.get(restored_step, t0),
                  "noticed_at": self._noticed, "teardown_s": t_teardown - t0,
-                 "placement_s": t_placed - t_teardown, "restore_s": t_restored - t_placed, "time": t_restored}
+                 "placement_s": t_slots - t_teardown, "startup_s": t_placed - t_slots,
+                 "restore_s": t_restored - t_placed, "time": t_restored}
         if self._resume_from is None:
             event["note"] = "no checkpoint yet: restarted from step 0 (fresh init, same seed)"
         self.restarts[-1] = event
