@@ -24,7 +24,7 @@ import ray
 
 from ._batch import Batch, balanced_sizes
 from ._errors import UPSTREAM_FAILED, WorkerError
-from ._wire import CALL_KWARG, INLINE_BYTES, PRIVATE_KWARG, REFS_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
+from ._wire import INLINE_BYTES, REFS_KWARG, SHARED_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 __all__ = ["Host"]
@@ -127,7 +127,7 @@ class CallCancelled(Exception):
 
 
 class _CancelledCalls:
-    """Ids of calls the controller cancelled. The control lane adds, the compute lane checks at a call's start,
+    """Ray task ids (hex) of calls the controller cancelled. The control lane adds, the compute lane checks at a call's start,
     between a generator's yields and whenever an endpoint polls ``Worker.cancelled()``. Cooperative: Ray's own
     task cancellation can leave a gap in an actor's ordered queue (a cancelled task that never reached the actor
     stalls every later call for 30 s), so it is not used."""
@@ -138,7 +138,10 @@ class _CancelledCalls:
         self._order: collections.deque = collections.deque()
         self._keep = keep
 
-    def add(self, ids: list[int]) -> None:
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def add(self, ids: list[str]) -> None:
         with self._lock:
             for i in ids:
                 if i not in self._ids:
@@ -206,7 +209,7 @@ class Host:
         self.stats_ = _Stats()
         self.cancelled_calls = _CancelledCalls()
         self._watching = threading.Event()
-        self.current_call: int | None = None  # id of the call the compute lane runs now
+        self._ctx = None
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self.tracing = False
         self.events = _Events()
@@ -281,13 +284,19 @@ class Host:
         self._watching.set()
 
     @ray.method(concurrency_group=CONTROL)
-    def cancel_calls(self, ids: list[int]) -> None:
+    def cancel_calls(self, ids: list[str]) -> None:
         """Mark calls cancelled: one not started yet is skipped, a running one sees ``Worker.cancelled()``."""
         self.cancelled_calls.add(ids)
 
     def is_cancelled(self) -> bool:
-        """Whether the call running now on the compute lane was cancelled (by the controller or through Ray)."""
-        return self.current_call in self.cancelled_calls or _RUNTIME.is_canceled()
+        """Whether the call running now on the compute lane was cancelled (by the controller, by its Ray task id,
+        or through Ray). Free while nothing was ever cancelled on this rank."""
+        if self.cancelled_calls:
+            if self._ctx is None:
+                self._ctx = ray.get_runtime_context()
+            if self._ctx.get_task_id() in self.cancelled_calls:
+                return True
+        return _RUNTIME.is_canceled()
 
     @ray.method(concurrency_group=CONTROL)
     def stats(self, role: str | None = None) -> dict[str, dict[str, float]]:
@@ -315,8 +324,8 @@ class Host:
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
         """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
         try:
-            spec, fn, ctx, counters = self._begin(role, name, kwargs)
-            private = kwargs.pop(PRIVATE_KWARG, False)
+            spec, fn, ctx, counters = self._begin(role, name)
+            private = not kwargs.pop(SHARED_KWARG, False)
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
@@ -337,8 +346,8 @@ class Host:
     def _call_stream(self, role: str, name: str, args: tuple, kwargs: dict) -> Iterator[Output]:
         """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists."""
         try:
-            spec, fn, ctx, counters = self._begin(role, name, kwargs)
-            private = kwargs.pop(PRIVATE_KWARG, False)
+            spec, fn, ctx, counters = self._begin(role, name)
+            private = not kwargs.pop(SHARED_KWARG, False)
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
@@ -368,8 +377,7 @@ class Host:
         except BaseException as e:
             raise self._error(e, role, name) from None
 
-    def _begin(self, role: str, name: str, kwargs: dict) -> tuple[EndpointSpec, Any, _Context, dict]:
-        self.current_call = kwargs.pop(CALL_KWARG, None)
+    def _begin(self, role: str, name: str) -> tuple[EndpointSpec, Any, _Context, dict]:
         if self.is_cancelled():
             raise CallCancelled("cancelled before it started")
         if role not in self.roles:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import logging
 import pickle
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from ._errors import (
     WorkerDiedError,
     WorkerError,
 )
-from ._wire import CALL_KWARG, INLINE_BYTES, PRIVATE_KWARG, REFS_KWARG, DataArg, Layout, Output, PartInfo, Source
+from ._wire import INLINE_BYTES, REFS_KWARG, SHARED_KWARG, DataArg, Layout, Output, PartInfo, Source
 from .dispatch import Plan
 
 __all__ = ["Invocation", "Slot", "convert_error", "components"]
@@ -111,9 +110,6 @@ class _Unset:
     pass
 
 
-_CALL_IDS = itertools.count(1)
-
-
 _UNSET = _Unset()
 
 
@@ -138,7 +134,6 @@ class Invocation:
         self.result_value: Any = _UNSET
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
-        self.call_id = next(_CALL_IDS)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,7 +226,7 @@ class Invocation:
         slots = []
         for r in plan.ranks:
             args, kwargs, refs = calls[r]
-            a, kw = _with_refs(args, kwargs, refs, self.call_id)
+            a, kw = _with_refs(args, kwargs, refs)
             slot = self._slot(r, r in collectors)
             if self.spec.streaming:
                 gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
@@ -361,7 +356,7 @@ class Invocation:
                             calls[r] = (args, kwargs, refs)
                         _preflight(plan, calls)
                         for r, (args, kwargs, refs_) in calls.items():
-                            a, kw = _with_refs(args, kwargs, refs_, self.call_id)
+                            a, kw = _with_refs(args, kwargs, refs_)
                             ref = getattr(hosts[r], meth).remote(*a, **kw)
                             slot = out_slots[i] if r in shard.collectors else side_of[r]
                             slot.call_refs.append(ref)
@@ -546,9 +541,13 @@ class Invocation:
         if self._root is not None and not self._root.done():
             self._root.cancel()
         hosts = self.shared.hosts
-        for r in sorted({s.rank for s in self.slots if not s.finished()}):
-            if r < len(hosts):  # cooperative: queued calls are skipped, running ones see Worker.cancelled()
-                ack = asyncio.wrap_future(hosts[r].cancel_calls.remote([self.call_id]).future())
+        by_rank: dict[int, list[str]] = {}
+        for s in self.slots:
+            if not s.finished():
+                by_rank.setdefault(s.rank, []).extend(_task_id(ref) for ref in s.call_refs)
+        for r, ids in by_rank.items():
+            if r < len(hosts) and ids:  # cooperative: queued calls are skipped, running ones see Worker.cancelled()
+                ack = asyncio.wrap_future(hosts[r].cancel_calls.remote(ids).future())
                 ack.add_done_callback(_retrieve)  # a dead rank's refusal needs no one's attention
         for s in self.slots:
             s.finish(self.error)
@@ -556,6 +555,13 @@ class Invocation:
         if self._ticket is not None:  # a root task cancelled before its first step never reaches its finally
             self.shared.gate.release(self._ticket)
         self.shared.live.discard(self)
+
+
+def _task_id(ref: Any) -> str:
+    """The Ray task id behind a call ref (a generator's is that of its completion ref)."""
+    if isinstance(ref, ray.ObjectRefGenerator):
+        ref = ref.completed()
+    return ref.task_id().hex()
 
 
 def _retrieve_task(t: asyncio.Task) -> None:
@@ -574,13 +580,11 @@ async def _drain(gen: Any, slot: Slot) -> None:
         slot.finish(e)
 
 
-def _with_refs(args: tuple, kwargs: dict, refs: list, call_id: int) -> tuple[tuple, dict]:
-    """Upstream header refs ride nested in one keyword argument (the worker fetches them, see Host._call); the
-    call's id rides in another (for cooperative cancellation)."""
-    kw = {**kwargs, CALL_KWARG: call_id}
-    if refs:
-        kw[REFS_KWARG] = list(refs)
-    return args, kw
+def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:
+    """Upstream header refs ride nested in one keyword argument; the worker fetches them (see Host._call)."""
+    if not refs:
+        return args, kwargs
+    return args, {**kwargs, REFS_KWARG: list(refs)}
 
 
 def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
@@ -610,8 +614,8 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tu
 
         new_args = tuple([convert(a) for a in args])
         new_kwargs = {k: convert(v) for k, v in kwargs.items()}
-        if spec is not None and not shared[0]:
-            new_kwargs[PRIVATE_KWARG] = True
+        if shared[0]:
+            new_kwargs[SHARED_KWARG] = True
         out[r] = (new_args, new_kwargs, b.refs)
     return out
 

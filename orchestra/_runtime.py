@@ -73,7 +73,9 @@ def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus:
     one. Idempotent. Use as ``with orc.init(): ...`` to shut down at exit.
 
     Workers of a local cluster inherit this process's import path, so Worker classes defined in your scripts and
-    tests import there. Returns the session (``session["CPU"]`` etc. are the cluster's resources).
+    tests import there. With an ``address``, Ray's ``runtime_env`` ships the code instead: the current directory
+    as ``working_dir`` and the ``orchestra`` / ``engines`` / ``pipelines`` packages as ``py_modules`` (pass your
+    own ``runtime_env`` keys to change either). Returns the session (``session["CPU"]`` etc. are the cluster's resources).
     """
     if ray.is_initialized():
         return _Session(ray.cluster_resources())
@@ -89,11 +91,25 @@ def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus:
                         "interface, so anyone who can reach this machine can run code in the cluster",
                         os.environ["RAY_AUTH_MODE"])
         _loopback_only(True)
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
     cwd = os.getcwd()
-    if cwd not in paths:
-        paths.insert(0, cwd)
-    env_vars["PYTHONPATH"] = os.pathsep.join(paths)
+    if address is None:  # a local cluster: workers share this machine's files and import what the driver imports
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        if cwd not in paths:
+            paths.insert(0, cwd)
+        env_vars["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        # another machine's paths mean nothing there: Ray uploads the code instead. The working directory (the
+        # user's scripts and Worker classes; .gitignore'd files skipped) and the project's packages.
+        runtime_env.setdefault("working_dir", cwd)
+        runtime_env.setdefault("excludes", [".git", "__pycache__", "*.pyc"])
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        work = os.path.abspath(runtime_env["working_dir"]) if isinstance(runtime_env["working_dir"], str) else None
+        mods = [os.path.join(here, m) for m in ("orchestra", "engines", "pipelines")
+                if os.path.isfile(os.path.join(here, m, "__init__.py"))]
+        mods = [m for m in mods if work is None or os.path.commonpath([m, work]) != work]  # not shipped twice
+        runtime_env["py_modules"] = [*runtime_env.get("py_modules", []), *mods]
+        if not runtime_env["py_modules"]:
+            del runtime_env["py_modules"]
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
     kwargs["runtime_env"] = runtime_env
     kwargs.update(ray_kwargs)

@@ -13,11 +13,10 @@ from typing import Any
 from ._batch import balanced_sizes
 
 __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "row_range", "overlapping", "REFS_KWARG",
-           "CALL_KWARG", "PRIVATE_KWARG", "INLINE_BYTES"]
+           "SHARED_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
-CALL_KWARG = "_orc_call"  # the call's id on this controller, for cooperative cancellation (Host.cancel_calls)
-PRIVATE_KWARG = "_orc_private"  # set when the controller-made shards of a call are read by this rank alone
+SHARED_KWARG = "_orc_shared"  # set when a controller-made shard of the call is read by other ranks too (a mesh)
 INLINE_BYTES = 64 << 10  # controller-made shards below this travel inside the call instead of via ray.put
 
 
