@@ -134,6 +134,7 @@ class Invocation:
         self.result_value: Any = _UNSET
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
+        self._scan = 0  # slots before this index are finished (see _check_done)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -207,8 +208,15 @@ class Invocation:
         return Slot(rank, collected, self._check_done)
 
     def _check_done(self) -> None:
-        """Leave the group's calls in flight once every rank finished (the first moment nothing is left to end)."""
-        if self.submitted.done() and all(s.finished() for s in self.slots):
+        """Leave the group's calls in flight once every rank finished (the first moment nothing is left to end).
+        Scans from the first slot not yet seen finished, so a call's completions cost O(ranks) in all."""
+        if not self.submitted.done():
+            return
+        slots, i = self.slots, self._scan
+        while i < len(slots) and slots[i].finished():
+            i += 1
+        self._scan = i
+        if i == len(slots):
             self.shared.live.discard(self)
 
     # -- sending --------------------------------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""Control-plane scaling: a broadcast no-op and a small shard call at 4, 8, 16, 32 ranks vs raw Ray, same actors.
+
+    python -m bench.scaling [--ranks 4,8,16,32] [--iters 60]
+
+Raw baseline (what verl's blocking controller does, ~1.05x of it here): a synchronous ``ray.get`` of N bare actor
+calls (``Host.noop``, the same actors), with the same per-rank payload for the shard case (each rank's 4-row
+shard passed by value). Orchestra: ``await g.noop()`` (broadcast) and ``await g.noop_shard(batch)`` with 4 rows per
+rank (shard; the result is collected into one list). Workers reserve ``cpus_per_worker=0.01`` on
+``orc.init(num_cpus=64)``.
+
+Prints JSON: per size, medians and ratios; and the per-rank marginal cost of each (least-squares slope of median
+vs ranks) with its ratio to raw. Target (issue "core speed"): every ratio <= 1.15 and the shard call's marginal
+cost <= 1.2x raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import ray
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra import dispatch as D
+
+from ._common import emit
+
+
+class Scaled(Worker):
+    @endpoint(D.broadcast())
+    def noop(self) -> None:
+        return None
+
+    @endpoint(D.shard())
+    def noop_shard(self, batch: Batch) -> int:
+        return len(batch)
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+async def _median_ms(fn, iters: int, is_async: bool) -> float:
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        if is_async:
+            await fn()
+        else:
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+async def measure(n: int, iters: int) -> dict:
+    async with WorkerGroup(ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01), Scaled,
+                           group_name=f"scale{n}") as g:
+        actors = g.actors
+        batch = Batch.from_dict({"x": torch.arange(4 * n)})
+        shards = batch.chunk(n)
+
+        def raw_noop() -> None:
+            ray.get([a.noop.remote() for a in actors])
+
+        def raw_shard() -> None:
+            ray.get([a.noop.remote(s) for a, s in zip(actors, shards)])
+
+        async def ours_noop() -> None:
+            await g.noop()
+
+        async def ours_shard() -> None:
+            await g.noop_shard(batch)
+
+        assert await g.noop_shard(batch) == [4] * n
+        for fn, is_async in ((raw_noop, False), (ours_noop, True), (raw_shard, False), (ours_shard, True)):
+            await _median_ms(fn, 5, is_async)  # warm up
+        res: dict[str, list[float]] = {"raw_noop": [], "noop": [], "raw_shard": [], "shard": []}
+        for _ in range(2):  # interleaved halves: drift on shared cores hits both sides alike
+            res["raw_noop"].append(await _median_ms(raw_noop, iters // 2, False))
+            res["noop"].append(await _median_ms(ours_noop, iters // 2, True))
+            res["raw_shard"].append(await _median_ms(raw_shard, iters // 2, False))
+            res["shard"].append(await _median_ms(ours_shard, iters // 2, True))
+        med = {k: round(statistics.fmean(v), 3) for k, v in res.items()}
+        return {**{f"{k}_ms": v for k, v in med.items()},
+                "noop_ratio": round(med["noop"] / med["raw_noop"], 3),
+                "shard_ratio": round(med["shard"] / med["raw_shard"], 3)}
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="4,8,16,32")
+    p.add_argument("--iters", type=int, default=60)
+    a = p.parse_args()
+    sizes = [int(x) for x in a.ranks.split(",")]
+    orc.init(num_cpus=64)
+    try:
+        results = {n: await measure(n, a.iters) for n in sizes}
+    finally:
+        orc.shutdown()
+    marginal = {}
+    for k in ("noop", "shard"):
+        ours = _slope(sizes, [results[n][f"{k}_ms"] for n in sizes]) if len(sizes) > 1 else None
+        raw = _slope(sizes, [results[n][f"raw_{k}_ms"] for n in sizes]) if len(sizes) > 1 else None
+        marginal[k] = {"orchestra_ms_per_rank": None if ours is None else round(ours, 4),
+                       "raw_ms_per_rank": None if raw is None else round(raw, 4),
+                       "ratio": None if not raw else round(ours / raw, 3)}
+    ratios = [r[f"{k}_ratio"] for r in results.values() for k in ("noop", "shard")]
+    emit({"bench": "scaling", "baseline": "sync ray.get of N bare actor calls (Host.noop) on the same actors",
+          "results": {str(n): r for n, r in results.items()}, "marginal_cost": marginal,
+          "target": "every ratio <= 1.15; shard marginal cost <= 1.2x raw",
+          "meets_target": all(x <= 1.15 for x in ratios) and (marginal["shard"]["ratio"] or 0) <= 1.2})
+
+
+if __name__ == "__main__":
+    orc.run(main())
