@@ -127,9 +127,22 @@ class ResourcePool:
         bundle = self.bundle()
 
         def create() -> list[Any]:
+            # entries spread over distinct nodes (STRICT_SPREAD across entries, STRICT_PACK within one): each
+            # entry gets a node of its own that can hold it as a soft target, biggest entries first
+            targets: dict[int, str] = {}
+            if len(self.process_on_nodes) > 1:
+                nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
+                               key=lambda n: -n.get("Resources", {}).get("CPU", 0.0))
+                for i in sorted(range(len(self.process_on_nodes)), key=lambda i: -self.process_on_nodes[i]):
+                    need = {k: v * self.process_on_nodes[i] for k, v in bundle.items()}
+                    node = next((n["NodeID"] for n in nodes if n["NodeID"] not in targets.values() and
+                                 all(n.get("Resources", {}).get(k, 0.0) + 1e-9 >= v for k, v in need.items())), None)
+                    if node is not None:
+                        targets[i] = node
             for i, n in enumerate(self.process_on_nodes):  # recorded as made, so a cancel still releases them
                 self._pgs.append(placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
-                                                 name=f"{self.name}-{i}-{uuid.uuid4().hex[:8]}"))
+                                                 name=f"{self.name}-{i}-{uuid.uuid4().hex[:8]}",
+                                                 _soft_target_node_id=targets.get(i)))
             return list(self._pgs)
 
         try:
@@ -153,6 +166,14 @@ class ResourcePool:
                     for node in [placement_group_table(pg)["bundles_to_node_id"][0]]]
 
         placed = await anyio.to_thread.run_sync(where)
+        shared = {}
+        for i, (ip, node, _, _) in enumerate(placed):
+            shared.setdefault(node, []).append(i)
+        shared = {node: entries for node, entries in shared.items() if len(entries) > 1}
+        if shared:
+            log.warning("resource pool %r: node entries share a node (%s): the cluster has no free node for each "
+                        "entry (process_on_nodes=%s); ranks of different entries then compete for that node", self.name,
+                        "; ".join(f"entries {e} on {node[:12]}" for node, e in shared.items()), self.process_on_nodes)
         placed.sort(key=lambda t: tuple(int(x) if x.isdigit() else 0 for x in t[0].split(".")))
         slots, rank, per_node = [], 0, {}
         for ip, node, pg, count in placed:

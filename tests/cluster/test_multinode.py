@@ -1,0 +1,63 @@
+"""Placement across real (process) nodes and elastic recovery when a node is lost and its capacity returns."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import anyio
+
+import orchestra as orc
+from orchestra import ResourcePool, WorkerGroup
+from pipelines.config import load_config
+from pipelines.runner import Runner
+from cluster_workers import Where
+
+
+async def test_node_entries_of_a_pool_land_on_distinct_nodes(cluster, caplog):
+    pool = ResourcePool(process_on_nodes=[2, 2], name="spread")
+    with caplog.at_level(logging.WARNING, logger="orchestra"):
+        async with WorkerGroup(pool, Where) as g:
+            where = await g.describe()
+            assert await g.rank_of() == [0, 1, 2, 3]  # the Worker class came to the nodes with the runtime_env
+    nodes = [d["node_id"] for d in where]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # an entry packs on one node
+    assert nodes[0] != nodes[2]  # entries on distinct nodes
+    assert not [r for r in caplog.records if "share a node" in r.getMessage()]
+
+
+async def test_node_entries_share_a_node_with_a_warning_when_there_is_no_other(cluster, caplog):
+    pool = ResourcePool(process_on_nodes=[1, 1, 1], name="crowded")  # three entries, two nodes
+    with caplog.at_level(logging.WARNING, logger="orchestra"):
+        async with WorkerGroup(pool, Where) as g:
+            nodes = {d["node_id"] for d in await g.describe()}
+    assert len(nodes) == 2
+    assert any("crowded" in r.getMessage() and "share a node" in r.getMessage() for r in caplog.records)
+
+
+TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "actor.warmup_steps=0",
+        "runner.micro_batches_per_step=1", "resources.actor_workers=2", "task.params={format_bonus: 0.5}",
+        "runner.checkpoint_every=1", "runner.restart_timeout_s=120"]
+
+
+async def test_a_lost_node_restarts_the_run_once_capacity_returns(cluster, tmp_path):
+    out = tmp_path / "run"
+    runner = Runner(load_config(None, [*TINY, "runner.total_steps=3", f"runner.output_dir={out}"]), progress=False)
+
+    async def lose_the_actors_node() -> None:
+        with anyio.fail_after(300):
+            while runner.cluster is None or len(runner.history) < 1:
+                await anyio.sleep(0.05)
+            node = (await runner.cluster.actor.describe())[0]["node_id"]
+        victim = next(n for n in cluster.worker_nodes if n.node_id == node)
+        cluster.remove_node(victim, allow_graceful=False)
+        cluster.add_node(num_cpus=1)  # the capacity comes back (a replacement node)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lose_the_actors_node)
+        hist = await runner.run()
+    assert [h["step"] for h in hist] == [0, 1, 2]
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+    assert len(events) == 1 and events[0]["event"] == "restart" and "died" in events[0]["reason"]
+    assert events[0]["checkpoint"] is not None
