@@ -37,7 +37,8 @@ async def test_node_entries_share_a_node_with_a_warning_when_there_is_no_other(c
 
 
 TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "actor.warmup_steps=0",
-        "runner.micro_batches_per_step=1", "resources.actor_workers=2", "task.params={format_bonus: 0.5}",
+        "runner.micro_batches_per_step=1", "resources.actor_workers=2", "resources.rollout_workers=2",
+        "task.params={format_bonus: 0.5}",
         "runner.checkpoint_every=1", "runner.restart_timeout_s=120"]
 
 
