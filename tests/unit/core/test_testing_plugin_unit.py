@@ -1,0 +1,46 @@
+"""orchestra.testing without a cluster: importing orchestra (or the helpers workers unpickle) never imports pytest,
+the plugin is installed through the pytest11 entry point, and fail_rank refuses a Worker that did not opt in."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from orchestra import ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra.testing import fail_rank
+
+
+def test_importing_orchestra_and_its_test_helpers_does_not_import_pytest():
+    code = ("import sys, orchestra, orchestra.testing; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pytest', '_pytest', 'pytest_asyncio')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_plugin_is_registered_through_the_pytest11_entry_point(pytestconfig):
+    assert [ep.value for ep in entry_points(group="pytest11") if ep.name == "orchestra"] == ["orchestra.testing"]
+    assert pytestconfig.pluginmanager.has_plugin("orchestra.testing.fixtures")
+
+
+class Plain(Worker):
+    @endpoint
+    def work(self) -> int:
+        return self.rank
+
+
+def test_fail_rank_asks_for_the_fail_on_cue_mixin():
+    group = WorkerGroup(ResourcePool(process_on_nodes=[2]), Plain)  # no event loop: nothing starts
+    try:
+        with pytest.raises(TypeError, match="mix orchestra.testing.FailOnCue into its Worker"):
+            asyncio.run(fail_rank(group, 0, "work"))
+        with pytest.raises(AttributeError, match="has no endpoint 'nope'"):
+            asyncio.run(fail_rank(group, 0, "nope"))
+        with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
+            asyncio.run(fail_rank(group, 2, "work"))
+    finally:
+        group.shutdown()
