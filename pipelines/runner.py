@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -98,7 +99,7 @@ class Runner:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         _seed_everything(cfg.runner.seed)
-        orc.init()
+        orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
         self.cluster = build_cluster(cfg, self.task)
         failed = False
         try:
