@@ -7,13 +7,14 @@ import torch
 from orchestra import Batch, Worker, endpoint
 from orchestra import dispatch as D
 
-from .algorithms import apply_kl_penalty, gae_advantages, kl_penalty
+from .algorithms import apply_kl_penalty, discounted_returns, gae_advantages, kl_penalty
 
 __all__ = ["AdvantageWorker"]
 
 
 class AdvantageWorker(Worker):
-    """GAE and batch moments, computed on the workers that already hold the rows (no controller round trip)."""
+    """GAE, REINFORCE++ returns and batch moments, computed on the workers that already hold the rows (no
+    controller round trip)."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
@@ -30,9 +31,24 @@ class AdvantageWorker(Worker):
         adv, ret = gae_advantages(rewards, batch["values"].float(), mask, gamma=gamma, lam=lam)
         return Batch.from_dict({"advantages": adv, "returns": ret})
 
+    @endpoint(D.shard(), requires=["token_level_scores", "response_mask"])
+    def reinforce_pp(self, batch: Batch, gamma: float = 1.0, kl_coef: float = 0.0,
+                     kl_estimator: str = "k1") -> Batch:
+        """REINFORCE++ before whitening: token rewards (scores, minus ``kl_coef`` x KL to the reference when set),
+        then the discounted return of each token as its advantage. The step whitens with :meth:`moments`."""
+        mask = batch["response_mask"]
+        rewards = batch["token_level_scores"].float()
+        if kl_coef:
+            kl = kl_penalty(batch["old_log_probs"].float(), batch["ref_log_probs"].float(), kl_estimator)
+            rewards = apply_kl_penalty(rewards, kl, kl_coef, mask)
+        return Batch.from_dict({"advantages": discounted_returns(rewards, mask, gamma)})
+
     @endpoint(D.shard() | D.metrics("sum"))
     def moments(self, batch: Batch, key: str = "advantages") -> dict[str, float]:
-        """Sum, sum of squares and count of ``key`` over valid response tokens (reduced over ranks by sum)."""
+        """Sum, sum of squares and count of ``key`` over valid response tokens (reduced over ranks by sum).
+        A per-sequence ``key`` ([B]) counts once for each valid token of its row."""
         x, m = batch[key].double(), batch["response_mask"].bool()
+        if x.dim() == 1:
+            x = x[:, None].expand(m.shape)
         v = x[m]
         return {"sum": float(v.sum()), "sumsq": float((v * v).sum()), "count": float(v.numel())}

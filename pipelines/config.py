@@ -24,6 +24,10 @@ import yaml
 # Kept in sync with pipelines.algorithms (tested); not imported so that reading a config needs no torch.
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "abs"]
+PolicyLossKind = Literal["ppo", "gspo", "gmpo", "cispo"]
+# critic-free estimators run by algorithm.name=grpo; "gae" is PPO's (with the critic)
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need >= 2 responses per prompt
 
 
 class ConfigError(ValueError):
@@ -102,7 +106,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         not_finite = [e for e in errors if "finite" in str(e)]
         if not_finite:
             raise not_finite[0]
-        raise bad(_describe(tp))
+        choices = [str(c) for a in args if get_origin(a) is Literal for c in get_args(a)]
+        raise bad(_describe(tp), _suggest(value, choices) if isinstance(value, str) and choices else "")
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         if any(value == c and type(value) is type(c) for c in choices):
@@ -228,6 +233,10 @@ class ActorConfig(_Section):
     dual_clip_c: float | None = _knob(None, gt=1)  # null: no dual clip
     loss_agg: AggMode = "token-mean"
     entropy_coef: float = _knob(0.0, ge=0)
+    # ppo: clip (asymmetric with clip_ratio_high > low: DAPO's clip-higher); gspo: clip on the sequence ratio;
+    # gmpo: geometric mean of token ratios, clip_ratio_* are log-ratio bounds; cispo: clipped IS weight, no grad cut
+    policy_loss: PolicyLossKind = "ppo"
+    rollout_is_cap: float | None = _knob(None, gt=0)  # truncated IS: weight min(pi_old/pi_rollout, cap); null: off
 
 
 @dataclass(frozen=True)
@@ -254,7 +263,10 @@ class AlgorithmConfig(_Section):
     """Advantage estimation and KL regularization."""
 
     _section = "algorithm"
-    name: Literal["grpo", "ppo"] = "grpo"
+    name: Literal["grpo", "ppo"] = "grpo"  # the step: grpo = critic-free (adv_estimator picks), ppo = critic + GAE
+    # null: the step's own (grpo: grpo, ppo: gae); dr_grpo: no std division (pair with seq-mean-token-sum-norm);
+    # rloo; reinforce_pp: discounted token return, batch-whitened; reinforce_pp_baseline: minus group mean, whitened
+    adv_estimator: AdvEstimator | None = None
     gamma: float = _knob(1.0, ge=0, le=1)  # PPO / GAE discount
     lam: float = _knob(1.0, ge=0, le=1)  # PPO / GAE lambda
     whiten_advantages: bool = True  # PPO: whiten GAE advantages over the batch
@@ -331,14 +343,30 @@ class Config:
 
     def _check_cross_section(self) -> None:
         """Constraints between fields; each error names the field to change."""
-        if self.algorithm.name == "grpo" and self.rollout.n < 2:
+        alg = self.algorithm
+        estimator = alg.adv_estimator or ("gae" if alg.name == "ppo" else "grpo")
+        if alg.name == "ppo" and estimator != "gae":
             raise ConfigError(
-                f"rollout.n: bad value {self.rollout.n}; GRPO needs at least 2 responses per prompt "
-                "(a group of one has no baseline)", "rollout.n")
-        if self.algorithm.name == "grpo" and self.algorithm.kl_in == "reward":
+                f"algorithm.adv_estimator: bad value {estimator!r}; PPO computes GAE advantages with its critic "
+                "(adv_estimator=gae or null); the critic-free estimators run with algorithm.name=grpo",
+                "algorithm.adv_estimator")
+        if alg.name == "grpo" and estimator == "gae":
             raise ConfigError(
-                "algorithm.kl_in: bad value 'reward'; GRPO takes the KL to the reference as a loss term "
-                "(kl_in=loss); the KL-in-reward form needs algorithm.name=ppo", "algorithm.kl_in")
+                "algorithm.adv_estimator: bad value 'gae'; GAE needs a critic: use algorithm.name=ppo",
+                "algorithm.adv_estimator")
+        if alg.name == "grpo" and estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+            raise ConfigError(
+                f"rollout.n: bad value {self.rollout.n}; GRPO needs at least 2 responses per prompt with "
+                f"algorithm.adv_estimator={estimator!r} (a group of one has no baseline)", "rollout.n")
+        if alg.name == "grpo" and alg.kl_in == "reward" and estimator != "reinforce_pp":
+            raise ConfigError(
+                f"algorithm.kl_in: bad value 'reward'; adv_estimator {estimator!r} takes the KL to the reference "
+                "as a loss term (kl_in=loss); the KL-in-reward form needs algorithm.name=ppo or "
+                "algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in")
+        if self.actor.dual_clip_c is not None and self.actor.policy_loss != "ppo":
+            raise ConfigError(
+                f"actor.dual_clip_c: bad value {self.actor.dual_clip_c}; the dual clip is part of the PPO clip, "
+                f"not of actor.policy_loss={self.actor.policy_loss!r} (set it to null)", "actor.dual_clip_c")
         if self.data.prompts_per_step % self.runner.micro_batches_per_step:
             raise ConfigError(
                 f"runner.micro_batches_per_step: bad value {self.runner.micro_batches_per_step}; must "

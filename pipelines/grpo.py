@@ -1,42 +1,73 @@
-"""GRPO: sample a group of responses per prompt, score them, normalize scores within each group, update.
+"""Critic-free steps: sample a group of responses per prompt, score them, turn scores into advantages, update.
 
-No critic. Every stage streams: reward and log-prob workers start on the first micro-batch of rollouts while the
-rest are still being generated; only the per-sequence scores (a few bytes a row) reach the controller, to
-normalize within groups.
+``algorithm.adv_estimator`` picks the advantage: GRPO (score minus group mean, / group std), Dr. GRPO (no std),
+RLOO (leave-one-out mean), REINFORCE++-baseline (minus group mean, whitened over the batch's tokens) or REINFORCE++
+(token-level discounted return with the KL in the reward, whitened over the batch). Every stage streams: reward and
+log-prob workers start on the first micro-batch of rollouts while the rest are still being generated; only the
+per-sequence scores (a few bytes a row) and the batch moments reach the controller.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from orchestra import Batch, DataFuture
 
-from .algorithms import grpo_advantages
+from .algorithms import grpo_advantages, group_baseline_scores, rloo_advantages
 from .objectives import PolicyLoss
 from .stage import StepContext, union
 
-__all__ = ["grpo_step"]
+__all__ = ["grpo_step", "whitening"]
+
+
+def whitening(moments: dict[str, float]) -> tuple[float, float]:
+    """``(mean, std + 1e-8)`` from the advantage workers' ``moments`` (sum, sum of squares, count of valid tokens)."""
+    n = max(moments["count"], 1.0)
+    mean = moments["sum"] / n
+    return mean, math.sqrt(max(moments["sumsq"] / n - mean * mean, 0.0)) + 1e-8
 
 
 async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
-    """One GRPO update on ``rollouts`` (a streamed DataFuture of ``n`` samples per prompt, prompt-major)."""
-    cfg, alg = ctx.cfg, ctx.cfg.algorithm
+    """One critic-free update on ``rollouts`` (a streamed DataFuture of ``n`` samples per prompt, prompt-major)."""
+    cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
+    estimator = alg.adv_estimator or "grpo"
+    kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"  # the config allows it for reinforce_pp only
     stream = {"stream": True}
 
-    scores = ctx.stage("reward", ctx.cluster.reward.score.options(**stream)(rollouts))
-    old = ctx.stage("old_log_prob", ctx.cluster.actor.compute_log_prob.options(**stream)(rollouts))
+    scores = ctx.stage("reward", c.reward.score.options(**stream)(rollouts))
+    old = ctx.stage("old_log_prob", c.actor.compute_log_prob.options(**stream)(rollouts))
     ref = None
     if alg.kl_coef > 0:
-        ref = ctx.stage("ref_log_prob", ctx.cluster.actor.compute_ref_log_prob.options(**stream)(rollouts))
+        ref = ctx.stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**stream)(rollouts))
 
-    s = (await scores)["scores"]  # [B] floats: the one payload the controller reads
-    adv = grpo_advantages(s, torch.ones(len(s), 1), group_size=cfg.rollout.n, norm_by_std=alg.norm_adv_by_std,
-                          eps=alg.adv_eps)[:, 0]
+    if estimator == "reinforce_pp":  # token-level: computed next to the rows, then whitened over the batch
+        adv = ctx.stage("returns", c.advantage.reinforce_pp.options(**stream)(
+            union(rollouts, scores, old, ref), gamma=alg.gamma, kl_coef=alg.kl_coef if kl_in_reward else 0.0,
+            kl_estimator=alg.kl_reward_estimator))
+        s = (await scores)["scores"]
+    else:  # one number per sequence, from the scores the controller reads
+        s = (await scores)["scores"]  # [B] floats: the one payload the controller reads
+        ones, n = torch.ones(len(s), 1), cfg.rollout.n
+        if estimator == "rloo":
+            a = rloo_advantages(s, ones, group_size=n)[:, 0]
+        elif estimator == "reinforce_pp_baseline":
+            a = group_baseline_scores(s, group_size=n)
+        else:  # grpo, dr_grpo (no std)
+            a = grpo_advantages(s, ones, group_size=n, norm_by_std=estimator == "grpo" and alg.norm_adv_by_std,
+                                eps=alg.adv_eps)[:, 0]
+        adv = Batch.from_dict({"advantages": a})
+    mean, std, whitened = 0.0, 1.0, estimator in ("reinforce_pp", "reinforce_pp_baseline")
+    if whitened:
+        mean, std = whitening(await c.advantage.moments(union(rollouts, adv)))
 
     loss = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                       dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg, entropy_coef=cfg.actor.entropy_coef,
-                      kl_coef=alg.kl_coef, kl_estimator=alg.kl_loss_estimator)
-    batch = union(rollouts, old, ref, Batch.from_dict({"advantages": adv}))
-    metrics = await ctx.stage("update_actor", ctx.cluster.actor.update_actor(
+                      kl_coef=0.0 if kl_in_reward else alg.kl_coef, kl_estimator=alg.kl_loss_estimator,
+                      adv_mean=mean, adv_std=std, loss_type=cfg.actor.policy_loss,
+                      rollout_is_cap=cfg.actor.rollout_is_cap)
+    batch = union(rollouts, old, ref, adv)
+    metrics = await ctx.stage("update_actor", c.actor.update_actor(
         batch, loss_fn=loss, ppo_epochs=cfg.actor.ppo_epochs, mini_batches=cfg.actor.mini_batches))
-    return {**ctx.score_metrics(s), **metrics}
+    return {**ctx.score_metrics(s), **({"adv/mean": mean, "adv/std": std} if whitened else {}), **metrics}

@@ -16,7 +16,20 @@ from typing import Any
 
 from torch import Tensor
 
-from .algorithms import agg_units, aggregate, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
+from .algorithms import (
+    POLICY_LOSSES,
+    agg_units,
+    aggregate,
+    cispo_loss,
+    entropy_bonus,
+    gmpo_loss,
+    gspo_loss,
+    kl_loss,
+    masked_mean,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
 
 __all__ = ["PolicyLoss", "ValueLoss", "SFTLoss"]
 
@@ -25,14 +38,23 @@ def _per_token(x: Tensor, like: Tensor) -> Tensor:
     return x.unsqueeze(-1).expand_as(like) if x.dim() == 1 else x
 
 
+# loss_type -> the per-token policy loss; each takes the same arguments (dual clip only for "ppo")
+_POLICY_FNS = {"ppo": policy_loss, "gspo": gspo_loss, "gmpo": gmpo_loss, "cispo": cispo_loss}
+assert tuple(_POLICY_FNS) == POLICY_LOSSES
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
-    """PPO clipped surrogate (dual clip optional) - entropy_coef x entropy + kl_coef x KL-to-reference.
+    """Policy surrogate (``loss_type``: PPO clip with optional dual clip, GSPO, GMPO or CISPO)
+    - entropy_coef x entropy + kl_coef x KL-to-reference.
 
     Reads ``old_log_probs``, ``advantages`` ([B] per sequence or [B, R] per token), ``response_mask`` and, when
     ``kl_coef > 0``, ``ref_log_probs``. ``adv_mean``/``adv_std`` whiten advantages with batch-wide statistics.
     ``kl_estimator`` is the KL estimator *of the loss term* (k3 by default; see docs/algorithms.md). With
-    ``entropy_coef > 0`` descending the loss raises the policy's entropy.
+    ``entropy_coef > 0`` descending the loss raises the policy's entropy. With ``rollout_is_cap`` set, each token's
+    surrogate is weighted by ``min(pi_old / pi_rollout, cap)`` from ``old_log_probs`` and ``rollout_log_probs``
+    (truncated importance sampling). Every term is aggregated with ``agg``, row by row, so ``loss_scale`` holds for
+    every ``loss_type``.
     """
 
     clip_ratio_low: float = 0.2
@@ -44,14 +66,28 @@ class PolicyLoss:
     kl_estimator: str = "k3"
     adv_mean: float = 0.0
     adv_std: float = 1.0
+    loss_type: str = "ppo"
+    rollout_is_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in _POLICY_FNS:
+            raise ValueError(f"unknown policy loss {self.loss_type!r}; expected one of {', '.join(POLICY_LOSSES)}")
+        if self.dual_clip_c is not None and self.loss_type != "ppo":
+            raise ValueError(f"dual_clip_c is a PPO-clip option; loss_type {self.loss_type!r} does not take it")
 
     def __call__(self, outputs: Mapping[str, Tensor], mb: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         logp, mask = outputs["log_probs"], mb["response_mask"]
+        old = mb["old_log_probs"].to(logp.dtype)
         adv = (_per_token(mb["advantages"].to(logp.dtype), logp) - self.adv_mean) / self.adv_std
-        loss, metrics = policy_loss(logp, mb["old_log_probs"].to(logp.dtype), adv, mask,
-                                    clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-                                    dual_clip_c=self.dual_clip_c, agg=self.agg)
-        metrics = {"pg_loss": loss.detach(), **metrics}
+        weights, tis_metrics = None, {}
+        if self.rollout_is_cap is not None:
+            weights, tis_metrics = truncated_is_weights(old, mb["rollout_log_probs"].to(logp.dtype), mask,
+                                                        self.rollout_is_cap)
+        extra = {"dual_clip_c": self.dual_clip_c} if self.loss_type == "ppo" else {}
+        loss, metrics = _POLICY_FNS[self.loss_type](logp, old, adv, mask, clip_ratio_low=self.clip_ratio_low,
+                                                    clip_ratio_high=self.clip_ratio_high, agg=self.agg,
+                                                    token_weights=weights, **extra)
+        metrics = {"pg_loss": loss.detach(), **metrics, **tis_metrics}
         if self.entropy_coef and "entropy" in outputs:
             loss = loss + entropy_bonus(outputs["entropy"], mask, self.entropy_coef, agg=self.agg)
         if "entropy" in outputs:

@@ -8,10 +8,10 @@ moments it needs to whiten them and the per-sequence scores for logging.
 from __future__ import annotations
 
 import asyncio
-import math
 
 from orchestra import DataFuture
 
+from .grpo import whitening
 from .objectives import PolicyLoss, ValueLoss
 from .stage import StepContext, union
 
@@ -35,14 +35,13 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
         kl_coef=alg.kl_coef if kl_in_reward else 0.0, kl_estimator=alg.kl_reward_estimator))
     mean, std = 0.0, 1.0
     if alg.whiten_advantages:
-        m = await c.advantage.moments(union(rollouts, adv))
-        mean = m["sum"] / max(m["count"], 1.0)
-        std = math.sqrt(max(m["sumsq"] / max(m["count"], 1.0) - mean * mean, 0.0)) + 1e-8
+        mean, std = whitening(await c.advantage.moments(union(rollouts, adv)))
 
     policy = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                         dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg,
                         entropy_coef=cfg.actor.entropy_coef, kl_coef=0.0 if kl_in_reward else alg.kl_coef,
-                        kl_estimator=alg.kl_loss_estimator, adv_mean=mean, adv_std=std)
+                        kl_estimator=alg.kl_loss_estimator, adv_mean=mean, adv_std=std,
+                        loss_type=cfg.actor.policy_loss, rollout_is_cap=cfg.actor.rollout_is_cap)
     batch = union(rollouts, old, ref, values, adv)
     actor_m, critic_m = await asyncio.gather(
         ctx.stage("update_actor", c.actor.update_actor(batch, loss_fn=policy, ppo_epochs=cfg.actor.ppo_epochs,

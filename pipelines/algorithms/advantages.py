@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE (PPO with a critic) and group baselines (GRPO, RLOO).
+"""Advantage estimators: GAE (PPO with a critic), group baselines (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline),
+REINFORCE++ (batch-whitened return) and ReMax (greedy baseline).
 
 All estimators run without autograd: advantages and returns are targets, never differentiated.
 """
@@ -164,4 +165,81 @@ def rloo_advantages(
     index, num_groups = _group_index(s.shape[0], group_ids, group_size, s.device)
     count, mean, _ = _group_stats(s, index, num_groups)
     adv = torch.where(count > 1, (s - mean) * count / (count - 1).clamp(min=1.0), torch.zeros_like(s))
+    return adv[:, None] * response_mask.to(adv.dtype)
+
+
+@torch.no_grad()
+def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Reward-to-go ``G_t = r_t + gamma * G_next`` over the valid tokens of each response ``[B, R]``.
+
+    "next" is the next *valid* token (holes in the mask are skipped, as in :func:`gae_advantages`); masked
+    positions come back as 0. This is GAE with a zero critic and ``lam = 1``, written out for clarity.
+    """
+    if token_rewards.shape != response_mask.shape:
+        raise ValueError(f"shape mismatch: token_rewards {tuple(token_rewards.shape)}, "
+                         f"response_mask {tuple(response_mask.shape)}")
+    keep = response_mask.bool()
+    zero = torch.zeros((), dtype=_float(token_rewards).dtype, device=token_rewards.device)
+    rewards = torch.where(keep, _float(token_rewards), zero)
+    running = torch.zeros_like(rewards[:, 0])
+    columns = []
+    for t in reversed(range(rewards.shape[1])):
+        g = rewards[:, t] + gamma * running
+        columns.append(torch.where(keep[:, t], g, zero))
+        running = torch.where(keep[:, t], g, running)
+    return torch.stack(columns[::-1], dim=1)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++ (Hu 2025): the token-level discounted return, whitened over all valid tokens of the batch.
+
+    ``token_rewards`` already hold the outcome score on the last token and the KL penalty on every token
+    (:func:`~pipelines.algorithms.kl.apply_kl_penalty`); no critic, no group: the baseline is the batch mean.
+    """
+    return masked_whiten(discounted_returns(token_rewards, response_mask, gamma), response_mask)
+
+
+@torch.no_grad()
+def group_baseline_scores(
+    scores: Tensor, *, group_ids: GroupIds | None = None, group_size: int | None = None
+) -> Tensor:
+    """Each score minus its group's mean ``[B]``; groups of one sample get 0 (no baseline to compare with).
+
+    The first half of REINFORCE++-baseline; the step whitens the result over the batch's tokens afterwards.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must have shape [B], got {tuple(scores.shape)}")
+    s = _float(scores)
+    index, num_groups = _group_index(s.shape[0], group_ids, group_size, s.device)
+    count, mean, _ = _group_stats(s, index, num_groups)
+    return torch.where(count > 1, s - mean, torch.zeros_like(s))
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    scores: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: GroupIds | None = None,
+    group_size: int | None = None,
+) -> Tensor:
+    """REINFORCE++-baseline: score minus its group's mean, put on every valid token, whitened over the batch.
+
+    Unlike GRPO the scale comes from the whole batch (all valid tokens), not from each group's std, so a group
+    whose answers differ little is not blown up to unit variance.
+    """
+    _check_scores(scores, response_mask)
+    centered = group_baseline_scores(scores, group_ids=group_ids, group_size=group_size)
+    return masked_whiten(centered[:, None].expand(response_mask.shape).clone(), response_mask)
+
+
+@torch.no_grad()
+def remax_advantages(scores: Tensor, greedy_scores: Tensor, response_mask: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023): each sampled response's score minus the score of the greedy response to the same
+    prompt, on every valid token ``[B, R]``. ``greedy_scores`` is one value per row (repeat a prompt's greedy
+    score for each of its samples)."""
+    _check_scores(scores, response_mask)
+    _check_scores(greedy_scores, response_mask)
+    adv = _float(scores) - _float(greedy_scores)
     return adv[:, None] * response_mask.to(adv.dtype)

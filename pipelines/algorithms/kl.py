@@ -10,6 +10,7 @@ With samples drawn from the policy and ``d = logp - ref_logp`` (so ``exp(-d)`` =
 
 from __future__ import annotations
 
+import math
 from typing import Literal, get_args
 
 import torch
@@ -60,3 +61,36 @@ def kl_loss(
     Multiply by the KL coefficient and add to the policy loss.
     """
     return aggregate(kl_penalty(logp, ref_logp.detach(), kind), response_mask, agg, normalizer)
+
+
+class AdaptiveKLController:
+    """The proportional KL controller of Ziegler et al. 2019 (""Fine-tuning language models from human
+    preferences""): after each step, ``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon``.
+
+    The coefficient rises while the measured KL is above ``target`` and falls while below, by at most 20 % of
+    ``n_steps / horizon`` per update. Its whole state is :meth:`state_dict` (plain JSON), so a checkpoint can carry it.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        if not (init_coef >= 0 and target > 0 and horizon > 0):
+            raise ValueError(f"need init_coef >= 0, target > 0, horizon > 0; got {init_coef}, {target}, {horizon}")
+        self.coef = float(init_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, kl: float, n_steps: int = 1) -> float:
+        """Move the coefficient after a step whose mean KL per token was ``kl`` (``n_steps`` samples or steps since
+        the last update); returns the new coefficient. A non-finite ``kl`` is an error, not a silent NaN."""
+        if not math.isfinite(kl):
+            raise ValueError(f"AdaptiveKLController.update: kl must be finite, got {kl}")
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.coef *= 1.0 + error * n_steps / self.horizon
+        return self.coef
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The controller's state as JSON-safe numbers."""
+        return {"coef": self.coef, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.coef, self.target, self.horizon = float(state["coef"]), float(state["target"]), int(state["horizon"])
