@@ -1,12 +1,15 @@
-"""What the GRPO and PPO steps hand to the workers: each KL estimator in its own role, the critic's own schedule.
+"""What the GRPO and PPO steps hand to the workers: each KL estimator in its own role, the critic's own schedule,
+the advantage estimator, policy loss and truncated IS cap the config picks.
 
 The cluster is a fake that records every call; futures resolve to fixed values at once.
 """
 
+import pytest
 import torch
 
+from orchestra import Batch
 from pipelines.config import load_config
-from pipelines.grpo import grpo_step
+from pipelines.grpo import grpo_step, whitening
 from pipelines.ppo import ppo_step
 from pipelines.stage import StepContext
 
@@ -35,7 +38,7 @@ class FakeEndpoint:
         return self
 
     def __call__(self, *args, **kwargs):
-        self.calls.append((self.name, kwargs))
+        self.calls.append((self.name, {**kwargs, "_args": args}))
         return FakeFuture(self.value)
 
 
@@ -53,7 +56,8 @@ def _cluster(calls, rows):
     c.actor = FakeGroup(calls, "actor", {"compute_log_prob": None, "compute_ref_log_prob": None,
                                          "update_actor": {"actor/loss": 0.1}})
     c.critic = FakeGroup(calls, "critic", {"compute_values": None, "update_critic": {"critic/loss": 0.2}})
-    c.advantage = FakeGroup(calls, "advantage", {"gae": None, "moments": {"sum": 0.0, "sumsq": 4.0, "count": 4.0}})
+    c.advantage = FakeGroup(calls, "advantage", {"gae": None, "reinforce_pp": None,
+                                                 "moments": {"sum": 2.0, "sumsq": 6.0, "count": 4.0}})
     return c
 
 
@@ -104,3 +108,68 @@ async def test_grpo_kl_loss_uses_the_loss_estimator():
     calls, _ = await _run(grpo_step, ["algorithm.kl_coef=0.05", "algorithm.kl_reward_estimator=abs"])
     policy = _kwargs(calls, "actor.update_actor")["loss_fn"]
     assert (policy.kl_coef, policy.kl_estimator) == (0.05, "k3")
+
+
+def _advantages(loss_call) -> list[float]:
+    """The per-sequence advantages the controller put into the update's batch (a union of futures and one Batch)."""
+    stack, found = [loss_call], []
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Batch):
+            found.append(x)
+        elif isinstance(x, FakeFuture):
+            stack.append(x.value)
+        elif isinstance(x, tuple):
+            stack.extend(x)
+    assert len(found) == 1, found
+    return found[0]["advantages"].tolist()
+
+
+ONE_GROUP = ["data.prompts_per_step=1", "rollout.n=4"]  # scores linspace(0, 1, 4) = [0, 1/3, 2/3, 1], mean 0.5
+
+
+def test_whitening_is_the_population_mean_and_std_of_the_tokens():
+    # sum 2, sumsq 6, count 4: mean 0.5, var 6/4 - 0.25 = 1.25, std 1.118034
+    assert whitening({"sum": 2.0, "sumsq": 6.0, "count": 4.0}) == (0.5, pytest.approx(1.118034, abs=1e-6))
+
+
+async def test_rloo_estimator_gives_leave_one_out_advantages():
+    # n/(n-1) (s - mean) = 4/3 * [-1/2, -1/6, 1/6, 1/2] = [-2/3, -2/9, 2/9, 2/3]
+    calls, metrics = await _run(grpo_step, [*ONE_GROUP, "algorithm.adv_estimator=rloo"])
+    assert _advantages(_update_batch(calls)) == pytest.approx([-2 / 3, -2 / 9, 2 / 9, 2 / 3], abs=1e-6)
+    assert "adv/std" not in metrics
+
+
+async def test_dr_grpo_estimator_does_not_divide_by_the_group_std():
+    calls, _ = await _run(grpo_step, [*ONE_GROUP, "algorithm.adv_estimator=dr_grpo"])
+    assert _advantages(_update_batch(calls)) == pytest.approx([-0.5, -1 / 6, 1 / 6, 0.5], abs=1e-6)
+
+
+async def test_reinforce_pp_baseline_centres_in_the_group_and_whitens_with_batch_moments():
+    calls, metrics = await _run(grpo_step, [*ONE_GROUP, "algorithm.adv_estimator=reinforce_pp_baseline"])
+    assert _advantages(_update_batch(calls)) == pytest.approx([-0.5, -1 / 6, 1 / 6, 0.5], abs=1e-6)
+    policy = _kwargs(calls, "actor.update_actor")["loss_fn"]
+    assert (policy.adv_mean, policy.adv_std) == (0.5, pytest.approx(1.118034, abs=1e-6))  # the fake moments
+    assert metrics["adv/mean"] == 0.5
+
+
+async def test_reinforce_pp_puts_the_kl_in_the_reward_on_the_advantage_workers():
+    calls, metrics = await _run(grpo_step, ["rollout.n=1", "algorithm.adv_estimator=reinforce_pp",
+                                            "algorithm.kl_coef=0.01", "algorithm.kl_in=reward", "algorithm.gamma=0.9"])
+    rpp = _kwargs(calls, "advantage.reinforce_pp")
+    assert (rpp["gamma"], rpp["kl_coef"], rpp["kl_estimator"]) == (0.9, 0.01, "k1")
+    policy = _kwargs(calls, "actor.update_actor")["loss_fn"]
+    assert policy.kl_coef == 0.0 and policy.adv_std == pytest.approx(1.118034, abs=1e-6)
+    assert "adv/std" in metrics
+
+
+@pytest.mark.parametrize("step,extra", [(grpo_step, []), (ppo_step, ["algorithm.name=ppo", "rollout.n=1"])])
+async def test_policy_loss_and_is_cap_reach_the_loss_object(step, extra):
+    calls, _ = await _run(step, [*extra, "actor.policy_loss=cispo", "actor.rollout_is_cap=2.5",
+                                 "actor.clip_ratio_high=0.28"])
+    policy = _kwargs(calls, "actor.update_actor")["loss_fn"]
+    assert (policy.loss_type, policy.rollout_is_cap, policy.clip_ratio_high) == ("cispo", 2.5, 0.28)
+
+
+def _update_batch(calls):
+    return _kwargs(calls, "actor.update_actor")["_args"][0]

@@ -1,0 +1,48 @@
+"""Choosing an advantage estimator and a policy loss from the config: typos get a did-you-mean, combinations that
+cannot work are refused naming the key to change, and the config's choices stay in sync with the algorithms."""
+
+from typing import get_args
+
+import pytest
+
+from pipelines import algorithms
+from pipelines.config import ConfigError, PolicyLossKind, load_config
+
+
+def test_policy_loss_choices_match_the_algorithms():
+    assert get_args(PolicyLossKind) == algorithms.POLICY_LOSSES
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.adv_estimator=rlo", r"algorithm.adv_estimator: bad value 'rlo'.*\(did you mean 'rloo'\?\)"),
+    ("actor.policy_loss=gpso", r"actor.policy_loss: bad value 'gpso'.*\(did you mean 'gspo'\?\)"),
+    ("algorithm.adv_estimator=gae", r"algorithm.adv_estimator: bad value 'gae'; GAE needs a critic"),
+    ("actor.rollout_is_cap=0", r"actor.rollout_is_cap: bad value 0.0; expected float > 0"),
+])
+def test_bad_recipe_choices_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_ppo_refuses_a_critic_free_estimator():
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator: bad value 'rloo'; PPO computes GAE"):
+        load_config(None, ["algorithm.name=ppo", "rollout.n=1", "algorithm.adv_estimator=rloo"])
+    assert load_config(None, ["algorithm.name=ppo", "rollout.n=1", "algorithm.adv_estimator=gae"])
+
+
+def test_dual_clip_only_with_the_ppo_clip():
+    with pytest.raises(ConfigError, match="actor.dual_clip_c: .*not of actor.policy_loss='gmpo'"):
+        load_config(None, ["actor.policy_loss=gmpo", "actor.dual_clip_c=3"])
+    assert load_config(None, ["actor.dual_clip_c=3"]).actor.dual_clip_c == 3.0
+
+
+def test_group_estimators_need_groups_and_reinforce_pp_does_not():
+    with pytest.raises(ConfigError, match="rollout.n: bad value 1; .*adv_estimator='reinforce_pp_baseline'"):
+        load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_pp_baseline"])
+    cfg = load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in=reward"])
+    assert (cfg.rollout.n, cfg.algorithm.kl_in) == (1, "reward")
+
+
+def test_kl_in_reward_without_a_critic_only_for_reinforce_pp():
+    with pytest.raises(ConfigError, match="algorithm.kl_in: bad value 'reward'; adv_estimator 'rloo'"):
+        load_config(None, ["algorithm.adv_estimator=rloo", "algorithm.kl_in=reward"])
