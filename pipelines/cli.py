@@ -3,7 +3,9 @@
 User errors are printed as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2:
 a bad config, an output_dir that holds an earlier run, a missing or corrupt checkpoint (all found before torch or
 Ray is imported), and a checkpoint that does not fit the configured model or worker count (found when the
-workers load it). A traceback means a bug or a failure during the run.
+workers load it). A run that stops because training diverged (``runner.max_bad_steps`` non-finite steps, or a step
+whose updates were all skipped) or because a worker died past ``runner.max_restarts`` prints
+``orchestra train: ...`` with exit status 1. A traceback means a bug.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
     from .checkpoint import CheckpointError, prepare_output_dir
+    from .health import TrainingDivergedError
 
     try:  # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
         resume_from = prepare_output_dir(Path(cfg.runner.output_dir), resume=args.resume, overwrite=args.overwrite)
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
+    except TrainingDivergedError as e:
+        # the run stopped itself (pipelines.health): a training outcome, not a bug; its message names step and metric
+        print(f"orchestra train: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         from orchestra import WorkerDiedError
 
