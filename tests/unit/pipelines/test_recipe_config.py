@@ -46,3 +46,29 @@ def test_group_estimators_need_groups_and_reinforce_pp_does_not():
 def test_kl_in_reward_without_a_critic_only_for_reinforce_pp():
     with pytest.raises(ConfigError, match="algorithm.kl_in: bad value 'reward'; adv_estimator 'rloo'"):
         load_config(None, ["algorithm.adv_estimator=rloo", "algorithm.kl_in=reward"])
+
+
+DOC_COMMANDS = [  # the recipe commands of docs/algorithms.md, on the main job's file
+    "algorithm.adv_estimator=rloo",
+    "algorithm.adv_estimator=dr_grpo actor.loss_agg=seq-mean-token-sum-norm",
+    "algorithm.adv_estimator=reinforce_pp_baseline",
+    "algorithm.adv_estimator=reinforce_pp algorithm.kl_in=reward algorithm.kl_coef=0.01",
+    "actor.clip_ratio_high=0.28",
+    "actor.policy_loss=gspo actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4 actor.loss_agg=seq-mean-token-mean",
+    "actor.policy_loss=gmpo actor.clip_ratio_low=0.4 actor.clip_ratio_high=0.4",
+    "actor.policy_loss=cispo",
+    "runner.max_staleness=1 actor.rollout_is_cap=2",
+]
+
+
+@pytest.mark.parametrize("command", DOC_COMMANDS)
+def test_the_documented_recipe_commands_are_valid_configs(command):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    assert command in " ".join((root / "docs" / "algorithms.md").read_text().split())
+    cfg = load_config(root / "examples" / "grpo_digits.yaml", command.split())
+    for override in command.split():
+        section, _, rest = override.partition(".")
+        key, _, value = rest.partition("=")
+        assert str(getattr(getattr(cfg, section), key)) in (value, str(float(value)) if value[0].isdigit() else value)
