@@ -88,6 +88,21 @@ async def test_kill_rank_waits_until_the_group_reports_the_death(make_group):
         group.double(Batch.from_dict({"x": torch.arange(4)}))
 
 
+def test_orc_cluster_reuses_a_running_cluster_and_leaves_it_running(orc_cluster, tmp_path):
+    """A nested pytest session while this one's cluster runs: its orc_cluster is this cluster, and Ray is still up
+    after that session ended."""
+    import ray
+
+    (tmp_path / "test_inner.py").write_text(
+        "import ray\n\n"
+        "def test_inner(orc_cluster):\n"
+        f"    assert orc_cluster['CPU'] == {orc_cluster['CPU']!r}\n"
+        f"    assert ray.get_runtime_context().get_node_id() == {ray.get_runtime_context().get_node_id()!r}\n")
+    assert pytest.main(["-q", "-p", "no:cacheprovider", str(tmp_path)]) == pytest.ExitCode.OK
+    assert ray.is_initialized()
+    assert ray.cluster_resources()["CPU"] == orc_cluster["CPU"]
+
+
 LEAKY = '''
 import pytest
 from orchestra import Worker, endpoint
