@@ -209,6 +209,7 @@ class Host:
         self.stats_ = _Stats()
         self.cancelled_calls = _CancelledCalls()
         self._watching = threading.Event()
+        self._inline_parts = 0  # results stored inline so far (names them for traces)
         self._ctx = None
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self.tracing = False
@@ -486,8 +487,8 @@ class Host:
             counters["parts_in"] += 1
             counters["rows_in"] += parts[i].rows
             counters["bytes_in"] += parts[i].nbytes
-            if trace is not None and isinstance(parts[i].ref, ray.ObjectRef):
-                trace.append((parts[i].ref.hex(), parts[i].nbytes))
+            if trace is not None and parts[i].key:
+                trace.append((parts[i].key, parts[i].nbytes))
         pieces = []
         for i, lo, hi in plan:
             b = fetched.get(i, parts[i].ref)
@@ -516,14 +517,18 @@ class Host:
         for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
             size = piece.nbytes
             # a small result rides inside the call's reply (no object of its own, no second fetch by readers)
-            parts.append(PartInfo(piece if nbytes < INLINE_BYTES else ray.put(piece), len(piece), size))
+            if nbytes < INLINE_BYTES:
+                self._inline_parts += 1
+                parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}"))
+            else:
+                parts.append(PartInfo(ray.put(piece), len(piece), size))
             counters["parts_out"] += 1
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size
         return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
 
     def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
-        produced = ([(p.ref.hex(), p.nbytes, p.rows) for p in out.parts if isinstance(p.ref, ray.ObjectRef)]
+        produced = ([(p.key, p.nbytes, p.rows) for p in out.parts if p.key]
                     if isinstance(out, Output) and out.parts else [])
         self.events.add({"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched,
                             "produced": produced})

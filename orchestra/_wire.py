@@ -27,6 +27,13 @@ class PartInfo:
     ref: Any
     rows: int
     nbytes: int
+    tag: str = ""  # names a part that rides inline (no ref) so traces can follow it from producer to reader
+
+    @property
+    def key(self) -> str:
+        """A stable name for this part: its object id, or its tag when it rides inline."""
+        return self.tag or (self.ref.hex() if hasattr(self.ref, "hex") and not isinstance(self.ref, (bytes, str))
+                            else "")
 
 
 @dataclass(frozen=True)
