@@ -173,8 +173,9 @@ class Invocation:
                         calls = self._prepare(plan, await self._describe_all(plan))
                         self._send(plan, calls, tg)
                         gate.release(ticket)
-        except TimeoutError:
-            self.fail(self._timeout_error(self._running_ranks()))
+        except TimeoutError as e:  # this call's deadline — or an upstream's CallTimeoutError, which stays its own
+            self._fail_submit(e if isinstance(e, CallTimeoutError) else self._timeout_error(self._running_ranks()))
+            self.fail(e if isinstance(e, CallTimeoutError) else self._timeout_error(self._running_ranks()))
         except asyncio.CancelledError:
             if self.error is None:  # cancelled from outside the invocation (loop shutdown)
                 self.cancel(CallCancelledError(f"{self.where()}: cancelled before it finished sending"))
