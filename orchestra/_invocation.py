@@ -174,8 +174,9 @@ class Invocation:
                         self._send(plan, calls, tg)
                         gate.release(ticket)
         except TimeoutError as e:  # this call's deadline — or an upstream's CallTimeoutError, which stays its own
-            self._fail_submit(e if isinstance(e, CallTimeoutError) else self._timeout_error(self._running_ranks()))
-            self.fail(e if isinstance(e, CallTimeoutError) else self._timeout_error(self._running_ranks()))
+            err = e if isinstance(e, CallTimeoutError) else self._timeout_error(self._running_ranks())
+            self._fail_submit(err)
+            self.fail(err)
         except asyncio.CancelledError:
             if self.error is None:  # cancelled from outside the invocation (loop shutdown)
                 self.cancel(CallCancelledError(f"{self.where()}: cancelled before it finished sending"))
