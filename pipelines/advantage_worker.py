@@ -43,6 +43,14 @@ class AdvantageWorker(Worker):
             rewards = apply_kl_penalty(rewards, kl, kl_coef, mask)
         return Batch.from_dict({"advantages": discounted_returns(rewards, mask, gamma)})
 
+    @endpoint(D.shard() | D.metrics("sum"), requires=["old_log_probs", "ref_log_probs", "response_mask"])
+    def kl_moments(self, batch: Batch, kl_estimator: str = "k1") -> dict[str, float]:
+        """Sum and count over valid response tokens of the per-token KL(policy || ref) estimate (for the adaptive
+        KL controller; reduced over ranks by sum)."""
+        m = batch["response_mask"].bool()
+        kl = kl_penalty(batch["old_log_probs"].double(), batch["ref_log_probs"].double(), kl_estimator)[m]
+        return {"sum": float(kl.sum()), "count": float(kl.numel())}
+
     @endpoint(D.shard() | D.metrics("sum"))
     def moments(self, batch: Batch, key: str = "advantages") -> dict[str, float]:
         """Sum, sum of squares and count of ``key`` over valid response tokens (reduced over ranks by sum).

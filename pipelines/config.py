@@ -276,6 +276,9 @@ class AlgorithmConfig(_Section):
     kl_reward_estimator: KLKind = "k1"  # KL in the reward (kl_in=reward): k1, whose policy gradient is the KL's
     kl_loss_estimator: KLKind = "k3"  # KL as a loss term (kl_in=loss): k3, >= 0 and low variance
     kl_in: Literal["loss", "reward"] = "loss"  # KL as a loss term (GRPO) or a reward penalty (PPO)
+    # adaptive KL (Ziegler et al. 2019): move kl_coef toward this k1 KL per token each step; null: fixed kl_coef
+    kl_target: float | None = _knob(None, gt=0)
+    kl_horizon: int = _knob(10000, ge=1)  # in samples: how fast the adaptive coefficient moves
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,10 @@ class Config:
                 f"algorithm.kl_in: bad value 'reward'; adv_estimator {estimator!r} takes the KL to the reference "
                 "as a loss term (kl_in=loss); the KL-in-reward form needs algorithm.name=ppo or "
                 "algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in")
+        if alg.kl_target is not None and alg.kl_coef <= 0:
+            raise ConfigError(
+                f"algorithm.kl_target: bad value {alg.kl_target}; the adaptive KL controller starts from "
+                "algorithm.kl_coef, which is 0 (no KL term): set algorithm.kl_coef > 0", "algorithm.kl_target")
         if self.actor.dual_clip_c is not None and self.actor.policy_loss != "ppo":
             raise ConfigError(
                 f"actor.dual_clip_c: bad value {self.actor.dual_clip_c}; the dual clip is part of the PPO clip, "

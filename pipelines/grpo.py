@@ -16,6 +16,7 @@ import torch
 from orchestra import Batch, DataFuture
 
 from .algorithms import grpo_advantages, group_baseline_scores, rloo_advantages
+from .kl_control import adapt_kl, kl_coef
 from .objectives import PolicyLoss
 from .stage import StepContext, union
 
@@ -33,6 +34,7 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     """One critic-free update on ``rollouts`` (a streamed DataFuture of ``n`` samples per prompt, prompt-major)."""
     cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
     estimator = alg.adv_estimator or "grpo"
+    beta = kl_coef(ctx)  # fixed, or the adaptive controller's (algorithm.kl_target)
     kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"  # the config allows it for reinforce_pp only
     stream = {"stream": True}
 
@@ -44,7 +46,7 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
 
     if estimator == "reinforce_pp":  # token-level: computed next to the rows, then whitened over the batch
         adv = ctx.stage("returns", c.advantage.reinforce_pp.options(**stream)(
-            union(rollouts, scores, old, ref), gamma=alg.gamma, kl_coef=alg.kl_coef if kl_in_reward else 0.0,
+            union(rollouts, scores, old, ref), gamma=alg.gamma, kl_coef=beta if kl_in_reward else 0.0,
             kl_estimator=alg.kl_reward_estimator))
         s = (await scores)["scores"]
     else:  # one number per sequence, from the scores the controller reads
@@ -64,10 +66,12 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
 
     loss = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                       dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg, entropy_coef=cfg.actor.entropy_coef,
-                      kl_coef=0.0 if kl_in_reward else alg.kl_coef, kl_estimator=alg.kl_loss_estimator,
+                      kl_coef=0.0 if kl_in_reward else beta, kl_estimator=alg.kl_loss_estimator,
                       adv_mean=mean, adv_std=std, loss_type=cfg.actor.policy_loss,
                       rollout_is_cap=cfg.actor.rollout_is_cap)
     batch = union(rollouts, old, ref, adv)
     metrics = await ctx.stage("update_actor", c.actor.update_actor(
         batch, loss_fn=loss, ppo_epochs=cfg.actor.ppo_epochs, mini_batches=cfg.actor.mini_batches))
-    return {**ctx.score_metrics(s), **({"adv/mean": mean, "adv/std": std} if whitened else {}), **metrics}
+    kl_metrics = await adapt_kl(ctx, rollouts, old, ref, rows=len(s))
+    return {**ctx.score_metrics(s), **({"adv/mean": mean, "adv/std": std} if whitened else {}), **metrics,
+            **kl_metrics}

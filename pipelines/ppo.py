@@ -12,6 +12,7 @@ import asyncio
 from orchestra import DataFuture
 
 from .grpo import whitening
+from .kl_control import adapt_kl, kl_coef
 from .objectives import PolicyLoss, ValueLoss
 from .stage import StepContext, union
 
@@ -22,6 +23,7 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     """One PPO update (actor and critic) on ``rollouts``."""
     cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
     stream = {"stream": True}
+    beta = kl_coef(ctx)  # fixed, or the adaptive controller's (algorithm.kl_target)
     kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"
 
     scores = ctx.stage("reward", c.reward.score.options(**stream)(rollouts))
@@ -32,14 +34,14 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
 
     adv = ctx.stage("gae", c.advantage.gae.options(**stream)(
         union(rollouts, scores, old, ref, values), gamma=alg.gamma, lam=alg.lam,
-        kl_coef=alg.kl_coef if kl_in_reward else 0.0, kl_estimator=alg.kl_reward_estimator))
+        kl_coef=beta if kl_in_reward else 0.0, kl_estimator=alg.kl_reward_estimator))
     mean, std = 0.0, 1.0
     if alg.whiten_advantages:
         mean, std = whitening(await c.advantage.moments(union(rollouts, adv)))
 
     policy = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                         dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg,
-                        entropy_coef=cfg.actor.entropy_coef, kl_coef=0.0 if kl_in_reward else alg.kl_coef,
+                        entropy_coef=cfg.actor.entropy_coef, kl_coef=0.0 if kl_in_reward else beta,
                         kl_estimator=alg.kl_loss_estimator, adv_mean=mean, adv_std=std,
                         loss_type=cfg.actor.policy_loss, rollout_is_cap=cfg.actor.rollout_is_cap)
     batch = union(rollouts, old, ref, values, adv)
@@ -51,5 +53,6 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
                                                           ppo_epochs=cfg.critic.ppo_epochs,
                                                           mini_batches=cfg.critic.mini_batches)))
     s = (await scores)["scores"]
+    kl_metrics = await adapt_kl(ctx, rollouts, old, ref, rows=len(s))
     return {**ctx.score_metrics(s), "adv/mean": mean, "adv/std": std,
-            **actor_m, **critic_m}
+            **actor_m, **critic_m, **kl_metrics}

@@ -35,6 +35,7 @@ from .config import Config, config_to_dict
 from .data import PromptSampler
 from .grpo import grpo_step
 from .health import NonFiniteGuard
+from .kl_control import make_kl_controller
 from .metrics import MetricsSink, plot_metrics
 from .objectives import SFTLoss
 from .ppo import ppo_step
@@ -84,6 +85,7 @@ class Runner:
         self.start_step = 0
         self.history: list[dict[str, Any]] = []
         self.guard = NonFiniteGuard(cfg.runner.max_bad_steps)  # raises TrainingDivergedError on NaN/inf runs
+        self.kl_ctl = make_kl_controller(cfg)  # adaptive KL coefficient (algorithm.kl_target); saved in checkpoints
         self.restarts: list[dict[str, Any]] = []  # the restart events of this run (also in metrics.jsonl)
         self._step = 0  # the step running now (a restart event names it)
         self._noticed = 0.0  # when the last death was seen (unix time)
@@ -237,6 +239,7 @@ class Runner:
             self.sampler = PromptSampler(self.task.records, cfg.data.prompts_per_step, seed=cfg.data.seed,
                                          shuffle=cfg.data.shuffle)
             self.actor_version = self.rollout_version = self.start_step = 0
+            self.kl_ctl = make_kl_controller(cfg)
             if self.task.warm_start_steps:
                 await self._warm_start()
         await self._sync_rollout()
@@ -278,7 +281,7 @@ class Runner:
             pending = None
             if cfg.runner.max_staleness >= 1 and step + 1 < total:
                 pending = self._launch(step + 1)  # generated with the current weights while this step updates
-            ctx = StepContext(self.cluster, cfg, step, self.tracer)
+            ctx = StepContext(self.cluster, cfg, step, self.tracer, kl_ctl=self.kl_ctl)
             with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
                 metrics = await self.step_fn(ctx, cur.rollouts)
                 self.actor_version += 1
@@ -341,6 +344,8 @@ class Runner:
                 await c.rollout.save(str(d / "rollout"))
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
                      "rng": _rng_state()}
+            if self.kl_ctl is not None:
+                state["kl_ctl"] = self.kl_ctl.state_dict()
             ckpt.write_json_atomic(d / "runner.json", state)
         except BaseException:
             ckpt.abort(d)
@@ -373,6 +378,9 @@ class Runner:
         _set_rng_state(state["rng"])
         self.actor_version = state["actor_version"]
         self.start_step = state["step"] + 1
+        self.kl_ctl = make_kl_controller(self.cfg)  # a checkpoint from before kl_target was set: start anew
+        if self.kl_ctl is not None and "kl_ctl" in state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
 
 
 def _seed_everything(seed: int) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from orchestra import Batch, DataFuture, Tracer
 
+from .algorithms import AdaptiveKLController
 from .cluster import Cluster
 from .config import Config
 
@@ -33,6 +34,7 @@ class StepContext:
     cfg: Config
     step: int
     tracer: Tracer | None = None
+    kl_ctl: AdaptiveKLController | None = None  # the run's adaptive KL controller (algorithm.kl_target), else None
     timings: dict[str, float] = field(default_factory=dict)
     _watch: list[asyncio.Task] = field(default_factory=list)
     _t0: float = field(default_factory=time.time)

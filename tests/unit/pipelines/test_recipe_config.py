@@ -72,3 +72,10 @@ def test_the_documented_recipe_commands_are_valid_configs(command):
         section, _, rest = override.partition(".")
         key, _, value = rest.partition("=")
         assert str(getattr(getattr(cfg, section), key)) in (value, str(float(value)) if value[0].isdigit() else value)
+
+
+def test_adaptive_kl_needs_a_starting_coefficient():
+    with pytest.raises(ConfigError, match="algorithm.kl_target: bad value 0.05; .*set algorithm.kl_coef > 0"):
+        load_config(None, ["algorithm.kl_target=0.05"])
+    cfg = load_config(None, ["algorithm.kl_target=0.05", "algorithm.kl_coef=0.01", "algorithm.kl_horizon=500"])
+    assert (cfg.algorithm.kl_target, cfg.algorithm.kl_horizon) == (0.05, 500)

@@ -10,6 +10,7 @@ import torch
 from orchestra import Batch
 from pipelines.config import load_config
 from pipelines.grpo import grpo_step, whitening
+from pipelines.kl_control import make_kl_controller
 from pipelines.ppo import ppo_step
 from pipelines.stage import StepContext
 
@@ -57,7 +58,8 @@ def _cluster(calls, rows):
                                          "update_actor": {"actor/loss": 0.1}})
     c.critic = FakeGroup(calls, "critic", {"compute_values": None, "update_critic": {"critic/loss": 0.2}})
     c.advantage = FakeGroup(calls, "advantage", {"gae": None, "reinforce_pp": None,
-                                                 "moments": {"sum": 2.0, "sumsq": 6.0, "count": 4.0}})
+                                                 "moments": {"sum": 2.0, "sumsq": 6.0, "count": 4.0},
+                                                 "kl_moments": {"sum": 0.9, "count": 10.0}})
     return c
 
 
@@ -67,11 +69,11 @@ def _kwargs(calls, name):
     return found[0]
 
 
-async def _run(step_fn, overrides):
+async def _run(step_fn, overrides, kl_ctl=None):
     cfg = load_config(None, overrides)
     calls = []
     rows = cfg.data.prompts_per_step * cfg.rollout.n
-    ctx = StepContext(_cluster(calls, rows), cfg, 0)
+    ctx = StepContext(_cluster(calls, rows), cfg, 0, kl_ctl=kl_ctl)
     metrics = await step_fn(ctx, FakeFuture(None))
     await ctx.settle()
     return calls, metrics
@@ -173,3 +175,29 @@ async def test_policy_loss_and_is_cap_reach_the_loss_object(step, extra):
 
 def _update_batch(calls):
     return _kwargs(calls, "actor.update_actor")["_args"][0]
+
+
+@pytest.mark.parametrize("step,extra,role", [
+    (grpo_step, [], "loss"),
+    (ppo_step, ["algorithm.name=ppo", "rollout.n=1", "algorithm.kl_in=reward"], "reward"),
+])
+async def test_adaptive_kl_coefficient_is_used_then_moved_by_the_measured_kl(step, extra, role):
+    overrides = [*extra, "algorithm.kl_coef=0.1", "algorithm.kl_target=0.06", "algorithm.kl_horizon=1000"]
+    ctl = make_kl_controller(load_config(None, overrides))
+    ctl.coef = 0.2  # as if earlier steps had raised it
+    calls, metrics = await _run(step, overrides, kl_ctl=ctl)
+    if role == "loss":
+        assert _kwargs(calls, "actor.update_actor")["loss_fn"].kl_coef == 0.2
+    else:
+        assert _kwargs(calls, "advantage.gae")["kl_coef"] == 0.2
+    # measured KL 0.9 / 10 = 0.09 per token: error 0.09 / 0.06 - 1 = 0.5 -> capped 0.2;
+    # rows 32 x 8 = 256 (grpo) or 32 x 1 = 32 (ppo): coef 0.2 * (1 + 0.2 * rows / 1000)
+    rows = 256 if role == "loss" else 32
+    assert metrics["kl/mean"] == pytest.approx(0.09) and metrics["kl/coef"] == 0.2
+    assert ctl.coef == pytest.approx(0.2 * (1 + 0.2 * rows / 1000))
+
+
+async def test_fixed_kl_coefficient_without_a_target():
+    calls, metrics = await _run(grpo_step, ["algorithm.kl_coef=0.05"])
+    assert _kwargs(calls, "actor.update_actor")["loss_fn"].kl_coef == 0.05
+    assert "kl/coef" not in metrics and not [n for n, _ in calls if n == "advantage.kl_moments"]
