@@ -43,6 +43,11 @@ class AdvantageWorker(Worker):
             rewards = apply_kl_penalty(rewards, kl, kl_coef, mask)
         return Batch.from_dict({"advantages": discounted_returns(rewards, mask, gamma)})
 
+    @endpoint(D.shard(), requires=["response_mask"])
+    def response_lengths(self, batch: Batch) -> Batch:
+        """``response_length`` [B]: valid response tokens of each row (for the overlong penalty)."""
+        return Batch.from_dict({"response_length": batch["response_mask"].sum(-1)})
+
     @endpoint(D.shard() | D.metrics("sum"), requires=["old_log_probs", "ref_log_probs", "response_mask"])
     def kl_moments(self, batch: Batch, kl_estimator: str = "k1") -> dict[str, float]:
         """Sum and count over valid response tokens of the per-token KL(policy || ref) estimate (for the adaptive

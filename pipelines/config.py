@@ -279,6 +279,9 @@ class AlgorithmConfig(_Section):
     # adaptive KL (Ziegler et al. 2019): move kl_coef toward this k1 KL per token each step; null: fixed kl_coef
     kl_target: float | None = _knob(None, gt=0)
     kl_horizon: int = _knob(10000, ge=1)  # in samples: how fast the adaptive coefficient moves
+    # DAPO soft overlong penalty on the score: 0 up to max_new_tokens - buffer tokens, then down to -overlong_penalty
+    overlong_buffer: int | None = _knob(None, ge=1)  # null: off; critic-free steps with a per-sequence estimator
+    overlong_penalty: float = _knob(1.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -370,6 +373,16 @@ class Config:
             raise ConfigError(
                 f"algorithm.kl_target: bad value {alg.kl_target}; the adaptive KL controller starts from "
                 "algorithm.kl_coef, which is 0 (no KL term): set algorithm.kl_coef > 0", "algorithm.kl_target")
+        if alg.overlong_buffer is not None:
+            if alg.name != "grpo" or estimator == "reinforce_pp":
+                raise ConfigError(
+                    "algorithm.overlong_buffer: the overlong penalty is applied to the per-sequence scores of the "
+                    f"critic-free step; it is not wired for algorithm.name={alg.name!r} with adv_estimator "
+                    f"{estimator!r} (set it to null)", "algorithm.overlong_buffer")
+            if alg.overlong_buffer > self.rollout.max_new_tokens:
+                raise ConfigError(
+                    f"algorithm.overlong_buffer: bad value {alg.overlong_buffer}; must be <= rollout.max_new_tokens "
+                    f"({self.rollout.max_new_tokens})", "algorithm.overlong_buffer")
         if self.actor.dual_clip_c is not None and self.actor.policy_loss != "ppo":
             raise ConfigError(
                 f"actor.dual_clip_c: bad value {self.actor.dual_clip_c}; the dual clip is part of the PPO clip, "

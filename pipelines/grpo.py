@@ -15,7 +15,7 @@ import torch
 
 from orchestra import Batch, DataFuture
 
-from .algorithms import grpo_advantages, group_baseline_scores, rloo_advantages
+from .algorithms import grpo_advantages, group_baseline_scores, overlong_penalty, rloo_advantages
 from .kl_control import adapt_kl, kl_coef
 from .objectives import PolicyLoss
 from .stage import StepContext, union
@@ -43,6 +43,9 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     ref = None
     if alg.kl_coef > 0:
         ref = ctx.stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**stream)(rollouts))
+    lengths, extra = None, {}
+    if alg.overlong_buffer is not None:  # DAPO: shape the scores by response length (config: per-sequence only)
+        lengths = ctx.stage("lengths", c.advantage.response_lengths.options(**stream)(rollouts))
 
     if estimator == "reinforce_pp":  # token-level: computed next to the rows, then whitened over the batch
         adv = ctx.stage("returns", c.advantage.reinforce_pp.options(**stream)(
@@ -51,18 +54,26 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
         s = (await scores)["scores"]
     else:  # one number per sequence, from the scores the controller reads
         s = (await scores)["scores"]  # [B] floats: the one payload the controller reads
-        ones, n = torch.ones(len(s), 1), cfg.rollout.n
+        r = s
+        if lengths is not None:
+            penalty = overlong_penalty((await lengths)["response_length"], cfg.rollout.max_new_tokens,
+                                       alg.overlong_buffer, alg.overlong_penalty)
+            r = s + penalty.to(s.dtype)
+            extra["reward/overlong_penalty"] = float(penalty.mean())
+        ones, n = torch.ones(len(r), 1), cfg.rollout.n
         if estimator == "rloo":
-            a = rloo_advantages(s, ones, group_size=n)[:, 0]
+            a = rloo_advantages(r, ones, group_size=n)[:, 0]
         elif estimator == "reinforce_pp_baseline":
-            a = group_baseline_scores(s, group_size=n)
+            a = group_baseline_scores(r, group_size=n)
         else:  # grpo, dr_grpo (no std)
-            a = grpo_advantages(s, ones, group_size=n, norm_by_std=estimator == "grpo" and alg.norm_adv_by_std,
+            a = grpo_advantages(r, ones, group_size=n, norm_by_std=estimator == "grpo" and alg.norm_adv_by_std,
                                 eps=alg.adv_eps)[:, 0]
         adv = Batch.from_dict({"advantages": a})
-    mean, std, whitened = 0.0, 1.0, estimator in ("reinforce_pp", "reinforce_pp_baseline")
-    if whitened:
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         mean, std = whitening(await c.advantage.moments(union(rollouts, adv)))
+        extra.update({"adv/mean": mean, "adv/std": std})
+    else:
+        mean, std = 0.0, 1.0
 
     loss = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                       dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg, entropy_coef=cfg.actor.entropy_coef,
@@ -73,5 +84,4 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     metrics = await ctx.stage("update_actor", c.actor.update_actor(
         batch, loss_fn=loss, ppo_epochs=cfg.actor.ppo_epochs, mini_batches=cfg.actor.mini_batches))
     kl_metrics = await adapt_kl(ctx, rollouts, old, ref, rows=len(s))
-    return {**ctx.score_metrics(s), **({"adv/mean": mean, "adv/std": std} if whitened else {}), **metrics,
-            **kl_metrics}
+    return {**ctx.score_metrics(s), **extra, **metrics, **kl_metrics}

@@ -54,6 +54,7 @@ DOC_COMMANDS = [  # the recipe commands of docs/algorithms.md, on the main job's
     "algorithm.adv_estimator=reinforce_pp_baseline",
     "algorithm.adv_estimator=reinforce_pp algorithm.kl_in=reward algorithm.kl_coef=0.01",
     "actor.clip_ratio_high=0.28",
+    "actor.clip_ratio_high=0.28 algorithm.overlong_buffer=1",
     "actor.policy_loss=gspo actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4 actor.loss_agg=seq-mean-token-mean",
     "actor.policy_loss=gmpo actor.clip_ratio_low=0.4 actor.clip_ratio_high=0.4",
     "actor.policy_loss=cispo",
@@ -79,3 +80,13 @@ def test_adaptive_kl_needs_a_starting_coefficient():
         load_config(None, ["algorithm.kl_target=0.05"])
     cfg = load_config(None, ["algorithm.kl_target=0.05", "algorithm.kl_coef=0.01", "algorithm.kl_horizon=500"])
     assert (cfg.algorithm.kl_target, cfg.algorithm.kl_horizon) == (0.05, 500)
+
+
+def test_overlong_penalty_only_where_it_is_wired_and_within_the_response_budget():
+    with pytest.raises(ConfigError, match="algorithm.overlong_buffer: .*not wired for algorithm.name='ppo'"):
+        load_config(None, ["algorithm.name=ppo", "rollout.n=1", "algorithm.overlong_buffer=1"])
+    with pytest.raises(ConfigError, match="algorithm.overlong_buffer: .*adv_estimator 'reinforce_pp'"):
+        load_config(None, ["algorithm.adv_estimator=reinforce_pp", "algorithm.overlong_buffer=1"])
+    with pytest.raises(ConfigError, match=r"algorithm.overlong_buffer: bad value 4; must be <= rollout.max_new_tokens"):
+        load_config(None, ["algorithm.overlong_buffer=4"])
+    assert load_config(None, ["algorithm.overlong_buffer=2"]).algorithm.overlong_penalty == 1.0

@@ -59,7 +59,8 @@ def _cluster(calls, rows):
     c.critic = FakeGroup(calls, "critic", {"compute_values": None, "update_critic": {"critic/loss": 0.2}})
     c.advantage = FakeGroup(calls, "advantage", {"gae": None, "reinforce_pp": None,
                                                  "moments": {"sum": 2.0, "sumsq": 6.0, "count": 4.0},
-                                                 "kl_moments": {"sum": 0.9, "count": 10.0}})
+                                                 "kl_moments": {"sum": 0.9, "count": 10.0},
+                                                 "response_lengths": {"response_length": torch.tensor([1, 2, 3, 3])}})
     return c
 
 
@@ -201,3 +202,13 @@ async def test_fixed_kl_coefficient_without_a_target():
     calls, metrics = await _run(grpo_step, ["algorithm.kl_coef=0.05"])
     assert _kwargs(calls, "actor.update_actor")["loss_fn"].kl_coef == 0.05
     assert "kl/coef" not in metrics and not [n for n, _ in calls if n == "advantage.kl_moments"]
+
+
+async def test_overlong_penalty_shapes_the_scores_before_the_group_baseline():
+    # max_new_tokens 3, buffer 2: free up to 1 token; lengths [1, 2, 3, 3] -> penalty [0, -0.5, -1, -1]
+    # scores [0, 1/3, 2/3, 1] -> shaped [0, -1/6, -1/3, 0]; mean -1/8; dr_grpo: [1/8, -1/24, -5/24, 1/8]
+    calls, metrics = await _run(grpo_step, [*ONE_GROUP, "algorithm.adv_estimator=dr_grpo",
+                                            "algorithm.overlong_buffer=2"])
+    assert _advantages(_update_batch(calls)) == pytest.approx([1 / 8, -1 / 24, -5 / 24, 1 / 8], abs=1e-6)
+    assert metrics["reward/overlong_penalty"] == pytest.approx(-0.625)
+    assert metrics["reward/mean"] == pytest.approx(0.5)  # the task's reward, unshaped
