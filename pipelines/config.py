@@ -366,8 +366,8 @@ class Config:
                 f"algorithm.adv_estimator={estimator!r} (a group of one has no baseline)", "rollout.n")
         if alg.name == "grpo" and alg.kl_in == "reward" and estimator != "reinforce_pp":
             raise ConfigError(
-                f"algorithm.kl_in: bad value 'reward'; adv_estimator {estimator!r} takes the KL to the reference "
-                "as a loss term (kl_in=loss); the KL-in-reward form needs algorithm.name=ppo or "
+                f"algorithm.kl_in: bad value 'reward'; GRPO with adv_estimator {estimator!r} takes the KL to the "
+                "reference as a loss term (kl_in=loss); the KL-in-reward form needs algorithm.name=ppo or "
                 "algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in")
         if alg.kl_target is not None and alg.kl_coef <= 0:
             raise ConfigError(

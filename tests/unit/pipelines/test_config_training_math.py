@@ -46,7 +46,8 @@ def test_old_kl_estimator_key_says_what_replaced_it(tmp_path):
 def test_critic_has_every_optimizer_knob_of_the_actor():
     actor = {f.name for f in dataclasses.fields(ActorConfig)}
     critic = {f.name for f in dataclasses.fields(CriticConfig)}
-    policy_only = {"clip_ratio_low", "clip_ratio_high", "dual_clip_c", "entropy_coef"}
+    policy_only = {"clip_ratio_low", "clip_ratio_high", "dual_clip_c", "entropy_coef", "policy_loss",
+                   "rollout_is_cap"}
     assert actor - policy_only <= critic
 
 

@@ -44,7 +44,7 @@ def test_group_estimators_need_groups_and_reinforce_pp_does_not():
 
 
 def test_kl_in_reward_without_a_critic_only_for_reinforce_pp():
-    with pytest.raises(ConfigError, match="algorithm.kl_in: bad value 'reward'; adv_estimator 'rloo'"):
+    with pytest.raises(ConfigError, match="algorithm.kl_in: bad value 'reward'; GRPO with adv_estimator 'rloo'"):
         load_config(None, ["algorithm.adv_estimator=rloo", "algorithm.kl_in=reward"])
 
 
