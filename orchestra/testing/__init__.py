@@ -16,11 +16,23 @@ configures): worker processes import it to unpickle a Sequencer or a Worker mixi
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from ._helpers import FailOnCue, InjectedFailure, Sequencer, SequencerError, fail_rank, kill_rank
+if TYPE_CHECKING:  # pragma: no cover
+    from ._helpers import FailOnCue, InjectedFailure, Sequencer, SequencerError, fail_rank, kill_rank
 
 __all__ = ["FailOnCue", "InjectedFailure", "Sequencer", "SequencerError", "fail_rank", "kill_rank"]
+
+
+def __getattr__(name: str) -> Any:
+    # the helpers import Ray and the core: loaded on first use, so that loading the plugin (every pytest run in
+    # the environment does) stays cheap
+    if name not in __all__:
+        raise AttributeError(f"module 'orchestra.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module("._helpers", __name__), name)
+    globals()[name] = value
+    return value
 
 
 def pytest_addoption(parser: Any) -> None:
