@@ -36,7 +36,7 @@ from bench._common import emit  # noqa: E402
 async def _kill_when(runner: Any, steps_done: int, rank: int, killed: dict[str, float]) -> None:
     """SIGKILL actor ``rank`` once ``steps_done`` steps are recorded (bounded wait for the condition)."""
     with anyio.fail_after(600):
-        while runner.cluster is None or len(runner.history) < steps_done:
+        while runner.cluster is None or len(runner.history) < steps_done or runner.current_step != steps_done:
             await anyio.sleep(0.02)
         pid = next(d["pid"] for d in await runner.cluster.actor.describe() if d["rank"] == rank)
     killed["t"] = time.time()

@@ -91,6 +91,11 @@ class Runner:
         self._noticed = 0.0  # when the last death was seen (unix time)
         self._state_time: dict[int, float] = {}  # step -> when the state after it was current (lost_s)
 
+    @property
+    def current_step(self) -> int:
+        """The step running now (or about to): the one a restart event names when a worker dies."""
+        return self._step
+
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
         """Run (or resume) the job to ``runner.total_steps``; returns the metrics of the steps run here."""

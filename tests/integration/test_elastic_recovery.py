@@ -36,10 +36,10 @@ def _same(a: dict, b: dict) -> dict:
 
 
 async def _kill_when(runner: Runner, steps_done: int, group: str = "actor", rank: int = 1) -> int:
-    """SIGKILL ``group``'s ``rank`` once ``steps_done`` steps are recorded (the next step is then running).
-    Bounded wait for the condition; returns the killed pid."""
+    """SIGKILL ``group``'s ``rank`` once ``steps_done`` steps are recorded and the next one has begun (past the
+    checkpoint of the last one). Bounded wait for the condition; returns the killed pid."""
     with anyio.fail_after(240):
-        while runner.cluster is None or len(runner.history) < steps_done:
+        while runner.cluster is None or len(runner.history) < steps_done or runner.current_step != steps_done:
             await anyio.sleep(0.05)
         g = getattr(runner.cluster, group)
         pid = next(d["pid"] for d in await g.describe() if d["rank"] == rank)
@@ -77,7 +77,7 @@ async def test_sigkilled_worker_at_a_random_step_restarts_and_finishes_every_ste
     assert len(events) == 1, f"killed {group} during step {at}: {events}"
     ev = events[0]
     assert ev["event"] == "restart" and ev["step"] == at and ev["restart"] == 1
-    assert f"group '{group}'" in ev["reason"] and "died" in ev["reason"]
+    assert f"group '{group}" in ev["reason"] and "died" in ev["reason"]
     assert ev["lost_s"] >= 0 and ev["teardown_s"] >= 0 and ev["placement_s"] >= 0 and ev["startup_s"] >= 0
     assert ev["restore_s"] >= 0
     if at >= 2:  # checkpoint_every=2: step_000001 exists once step 1 is done
