@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import anyio
+import pytest
 
 import orchestra as orc
 from orchestra import ResourcePool, WorkerGroup
@@ -42,6 +43,7 @@ TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "
         "runner.checkpoint_every=1", "runner.restart_timeout_s=120"]
 
 
+@pytest.mark.slow  # ~50 s: two tiny training starts on process nodes
 async def test_a_lost_node_restarts_the_run_once_capacity_returns(cluster, tmp_path):
     out = tmp_path / "run"
     runner = Runner(load_config(None, [*TINY, "runner.total_steps=3", f"runner.output_dir={out}"]), progress=False)
