@@ -159,6 +159,7 @@ async def soak(calls: int, concurrency: int, seed: int) -> dict:
     objects = None
     with anyio.move_on_after(20):
         while True:  # object frees are asynchronous: wait (bounded) for the store to drain
+            gc.collect()
             objects = _objects_in_store()
             if not objects:
                 break
