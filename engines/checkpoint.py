@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.checkpoint_io import CheckpointError, read_json, sha256_file, write_json_atomic
+from engines.checkpoint_io import CheckpointError, read_json, sha256_file, verify_file, write_json_atomic
 
 __all__ = ["FORMAT", "CheckpointError", "load_sharded", "read_json", "save_sharded", "sha256_file",
            "write_json_atomic"]
@@ -294,14 +294,7 @@ class _Shards:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
         if self.verify:
-            expect = self.files[name]
-            size, digest = sha256_file(path)
-            if size != expect.get("bytes"):
-                raise CheckpointError(f"{path}: size {size} bytes, the index says {expect.get('bytes')}; the file "
-                                      f"was truncated or replaced after it was written")
-            if digest != expect.get("sha256"):
-                raise CheckpointError(f"{path}: sha256 {digest[:16]}... does not match the index "
-                                      f"({str(expect.get('sha256'))[:16]}...); the file changed after it was written")
+            verify_file(path, self.files[name], "the index")
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for a bad header

@@ -59,3 +59,15 @@ def sha256_file(path: str | os.PathLike[str], *, sync: bool = False) -> tuple[in
         if sync:
             os.fsync(f.fileno())
     return n, h.hexdigest()
+
+
+def verify_file(path: str | os.PathLike[str], entry: dict[str, Any], listed_in: str) -> None:
+    """Raise CheckpointError naming ``path`` unless its size and sha256 are the ones ``entry`` records
+    (``{"bytes": ..., "sha256": ...}`` from ``listed_in``, an index or a manifest)."""
+    size, digest = sha256_file(path)
+    if size != entry.get("bytes"):
+        raise CheckpointError(f"{path} has {size} bytes, {listed_in} says {entry.get('bytes')} (size mismatch): the "
+                              f"file was truncated or replaced after the checkpoint was written")
+    if digest != entry.get("sha256"):
+        raise CheckpointError(f"{path} does not match its sha256 in {listed_in}: the file changed after the "
+                              f"checkpoint was written")

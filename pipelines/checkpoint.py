@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engines.checkpoint_io import CheckpointError, read_json, sha256_file, write_json_atomic
+from engines.checkpoint_io import CheckpointError, read_json, sha256_file, verify_file, write_json_atomic
 
 __all__ = ["LATEST", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
            "prepare_output_dir", "prune", "read_json", "stage", "verify", "write_json_atomic", "write_manifest"]
@@ -92,13 +92,7 @@ def verify(directory: Path) -> dict[str, Any]:
             raise CheckpointError(f"{mpath} lists {rel!r}, which leads outside the checkpoint")
         if not p.is_file():
             raise CheckpointError(f"{p} is missing (listed in {mpath}); the checkpoint is incomplete")
-        size, digest = sha256_file(p)
-        if size != entry.get("bytes"):
-            raise CheckpointError(f"{p} has {size} bytes, the manifest says {entry.get('bytes')}: the file was "
-                                  f"truncated or replaced after the checkpoint was written")
-        if digest != entry.get("sha256"):
-            raise CheckpointError(f"{p} does not match its sha256 in {mpath}: the file changed after the "
-                                  f"checkpoint was written")
+        verify_file(p, entry, "the manifest")
     return manifest
 
 
