@@ -50,7 +50,8 @@ async def test_a_lost_node_restarts_the_run_once_capacity_returns(cluster, tmp_p
 
     async def lose_the_actors_node() -> None:
         with anyio.fail_after(300):
-            while runner.cluster is None or len(runner.history) < 1:
+            # wait for step 0's checkpoint to be committed (``latest`` is written last), not just its metrics
+            while runner.cluster is None or not (out / "checkpoints" / "latest").exists():
                 await anyio.sleep(0.05)
             node = (await runner.cluster.actor.describe())[0]["node_id"]
         victim = next(n for n in cluster.worker_nodes if n.node_id == node)
