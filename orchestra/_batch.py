@@ -284,9 +284,14 @@ class Batch:
         sizes = [int(s) for s in sizes]
         if any(s < 0 for s in sizes) or sum(sizes) != len(self):
             raise ValueError(f"split sizes {sizes} must be >= 0 and add up to the batch's {len(self)} rows")
+        if not sizes:
+            return []
+        # one split per column (views) instead of one TensorDict index per piece: the controller splits every
+        # sharded argument, so this is on the per-call path
+        tds = self._td.split(sizes, dim=0)
         out, start = [], 0
-        for s in sizes:
-            out.append(self.slice(start, start + s))
+        for s, td in zip(sizes, tds):
+            out.append(Batch(td, {k: v[start:start + s] for k, v in self._nt.items()}, self.meta, _validate=False))
             start += s
         return out
 

@@ -25,7 +25,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from . import _stats
+from . import _replies, _stats
 from ._batch import Batch, balanced_sizes
 from ._errors import (
     UPSTREAM_FAILED,
@@ -58,9 +58,11 @@ class Slot:
         self.call_refs: list[Any] = []  # every ObjectRef / generator sent for this slot, for cancellation
         self._waiters: list[asyncio.Future] = []
 
-    def add(self, ref: ray.ObjectRef) -> None:
+    def add(self, ref: ray.ObjectRef, out: asyncio.Future | None = None) -> None:
+        """Record an output ref; ``out`` resolves to its value (Ray's per-ref completion when not given)."""
         self.refs.append(ref)
-        out = asyncio.wrap_future(ref.future())
+        if out is None:
+            out = asyncio.wrap_future(ref.future())
         out.add_done_callback(_retrieve)  # a forwarded, never-awaited failure must not log "never retrieved"
         if self._on_change is not None:
             out.add_done_callback(lambda _f: self._on_change())
@@ -243,11 +245,13 @@ class Invocation:
                 slot.call_refs.append(gen)
                 tg.start_soon(_drain, gen, slot)
             else:
-                ref = getattr(hosts[r], meth).remote(*a, **kw)
-                slot.call_refs.append(ref)
-                slot.add(ref)
-                slot.finish()
+                slot.call_refs.append(getattr(hosts[r], meth).remote(*a, **kw))
             slots.append(slot)
+        if not self.spec.streaming:  # every rank's reply resolved in one batch (see _replies)
+            outs = _replies.batched([s.call_refs[0] for s in slots]) or [None] * len(slots)
+            for slot, out in zip(slots, outs):
+                slot.add(slot.call_refs[0], out)
+                slot.finish()
         self._set_slots(slots)
 
     async def _describe_all(self, plan: Plan) -> dict[int, Any]:
@@ -702,12 +706,18 @@ def _dry_run(value: Any) -> None:
 _SIMPLE = (int, float, str, bytes, bool, type(None), ray.ObjectRef, torch.Tensor)
 
 
+def _only_tensors(v: Any) -> bool:
+    """A Batch of tensor columns alone with plain meta: nothing in it can fail to serialize (cheap check)."""
+    return isinstance(v, Batch) and not v.non_tensors and all(
+        type(k) is str and isinstance(m, (int, float, str, bool, type(None))) for k, m in v.meta.items())
+
+
 def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:
     """Raise DispatchError naming the rank, argument and column of the first value that cannot be serialized."""
     checked: set[int] = set()
     for r, (args, kwargs, _refs) in calls.items():
         for name, v in [*((i, a) for i, a in enumerate(args)), *kwargs.items()]:
-            if isinstance(v, _SIMPLE) or id(v) in checked:
+            if isinstance(v, _SIMPLE) or id(v) in checked or _only_tensors(v):
                 continue
             try:
                 _dry_run(v)

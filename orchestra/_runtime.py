@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import ray
 
+from . import _replies
+
 __all__ = ["init", "shutdown", "run", "register"]
 
 T = TypeVar("T")
@@ -131,6 +133,8 @@ def shutdown() -> None:
         g.close("orchestra was shut down")
     _groups.clear()
     if ray.is_initialized():
+        if not _replies.quiesce():
+            log.warning("orchestra: a reply thread was still waiting on Ray at shutdown")
         ray.shutdown()
     _loopback_only(False)
 
