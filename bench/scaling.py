@@ -5,10 +5,12 @@
 Raw baseline (what verl's blocking controller does, ~1.05x of it here): a synchronous ``ray.get`` of N bare actor
 calls (``Host.noop``, the same actors), with the same per-rank payload for the shard case (each rank's 4-row
 shard passed by value). Orchestra: ``await g.noop()`` (broadcast) and ``await g.noop_shard(batch)`` with 4 rows per
-rank (shard; the result is collected into one list). Workers reserve ``cpus_per_worker=0.01`` on
+rank (shard; the result is collected into one list), each also with per-ref reply completion (``*_per_ref``: one
+event-loop wake-up per rank, as before batched completion) in the same run. Workers reserve ``cpus_per_worker=0.01`` on
 ``orc.init(num_cpus=64)``.
 
-Prints JSON: per size, medians and ratios; and the per-rank marginal cost of each (least-squares slope of median
+Prints JSON: per size, medians and ratios, and the controller's CPU ms per call (``*_cpu_ms``: process time of
+the driver, all threads; steadier than wall time on shared cores); and the per-rank marginal cost of each (least-squares slope of median
 vs ranks) with its ratio to raw. Target (issue "core speed"): every ratio <= 1.15 and the shard call's marginal
 cost <= 1.2x raw.
 """
@@ -24,6 +26,7 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra import _replies
 from orchestra import dispatch as D
 
 from ._common import emit
@@ -44,8 +47,10 @@ def _slope(xs: list[int], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-async def _median_ms(fn, iters: int, is_async: bool) -> float:
+async def _median_ms(fn, iters: int, is_async: bool, cpu: list[float] | None = None) -> float:
+    """Median wall ms per call; appends the controller process's CPU ms per call (all its threads) to ``cpu``."""
     samples = []
+    c0 = time.process_time()
     for _ in range(iters):
         t0 = time.perf_counter()
         if is_async:
@@ -53,6 +58,8 @@ async def _median_ms(fn, iters: int, is_async: bool) -> float:
         else:
             fn()
         samples.append((time.perf_counter() - t0) * 1e3)
+    if cpu is not None:
+        cpu.append((time.process_time() - c0) / iters * 1e3)
     return statistics.median(samples)
 
 
@@ -75,19 +82,42 @@ async def measure(n: int, iters: int) -> dict:
         async def ours_shard() -> None:
             await g.noop_shard(batch)
 
+        async def unbatched(fn) -> None:  # the same call with per-ref reply completion (the 0.1 path)
+            threads, _replies._THREADS = _replies._THREADS, 0
+            try:
+                await fn()
+            finally:
+                _replies._THREADS = threads
+
+        async def noop_per_ref() -> None:
+            await unbatched(ours_noop)
+
+        async def shard_per_ref() -> None:
+            await unbatched(ours_shard)
+
         assert await g.noop_shard(batch) == [4] * n
         for fn, is_async in ((raw_noop, False), (ours_noop, True), (raw_shard, False), (ours_shard, True)):
             await _median_ms(fn, 5, is_async)  # warm up
-        res: dict[str, list[float]] = {"raw_noop": [], "noop": [], "raw_shard": [], "shard": []}
+        res: dict[str, list[float]] = {"raw_noop": [], "noop": [], "noop_per_ref": [], "raw_shard": [], "shard": [],
+                                       "shard_per_ref": []}
+        cpu: dict[str, list[float]] = {k: [] for k in res}
         for _ in range(2):  # interleaved halves: drift on shared cores hits both sides alike
-            res["raw_noop"].append(await _median_ms(raw_noop, iters // 2, False))
-            res["noop"].append(await _median_ms(ours_noop, iters // 2, True))
-            res["raw_shard"].append(await _median_ms(raw_shard, iters // 2, False))
-            res["shard"].append(await _median_ms(ours_shard, iters // 2, True))
+            res["raw_noop"].append(await _median_ms(raw_noop, iters // 2, False, cpu["raw_noop"]))
+            res["noop"].append(await _median_ms(ours_noop, iters // 2, True, cpu["noop"]))
+            res["noop_per_ref"].append(await _median_ms(noop_per_ref, iters // 2, True, cpu["noop_per_ref"]))
+            res["raw_shard"].append(await _median_ms(raw_shard, iters // 2, False, cpu["raw_shard"]))
+            res["shard"].append(await _median_ms(ours_shard, iters // 2, True, cpu["shard"]))
+            res["shard_per_ref"].append(await _median_ms(shard_per_ref, iters // 2, True, cpu["shard_per_ref"]))
         med = {k: round(statistics.fmean(v), 3) for k, v in res.items()}
+        cpu_ms = {k: round(statistics.fmean(v), 3) for k, v in cpu.items()}
+        # controller CPU per call (process time of the driver, every thread): what one controller spends per call,
+        # steadier than wall time on a shared machine
         return {**{f"{k}_ms": v for k, v in med.items()},
                 "noop_ratio": round(med["noop"] / med["raw_noop"], 3),
-                "shard_ratio": round(med["shard"] / med["raw_shard"], 3)}
+                "shard_ratio": round(med["shard"] / med["raw_shard"], 3),
+                **{f"{k}_cpu_ms": v for k, v in cpu_ms.items()},
+                "noop_cpu_ratio": round(cpu_ms["noop"] / cpu_ms["raw_noop"], 3),
+                "shard_cpu_ratio": round(cpu_ms["shard"] / cpu_ms["raw_shard"], 3)}
 
 
 async def main() -> None:

@@ -20,11 +20,12 @@ from typing import Any
 
 import ray
 
-__all__ = ["FAST_WINDOW_S", "batched", "quiesce"]
+__all__ = ["FAST_WINDOW_S", "MIN_BATCH", "batched", "quiesce"]
 
 log = logging.getLogger("orchestra")
 
 FAST_WINDOW_S = 0.05  # how long one batch waits for replies before handing the rest to per-ref callbacks
+MIN_BATCH = 8  # below this many replies the thread hop costs about what it saves (bench.scaling, per_ref columns)
 _THREADS = 8
 
 _lock = threading.Lock()
@@ -35,8 +36,8 @@ _pool: ThreadPoolExecutor | None = None
 
 def batched(refs: list[Any]) -> list[asyncio.Future] | None:
     """Futures on the running loop for ``refs`` (one call's replies), resolved together; None when the per-ref
-    path is as good (a single ref) or every reply thread is busy (batching never queues a call)."""
-    if len(refs) < 2 or not _take_thread():
+    path is as good (fewer than ``MIN_BATCH`` refs) or every reply thread is busy (batching never queues a call)."""
+    if len(refs) < MIN_BATCH or not _take_thread():
         return None
     loop = asyncio.get_running_loop()
     pairs = [(r, loop.create_future()) for r in refs]

@@ -10,16 +10,33 @@ from orchestra import ResourcePool, WorkerGroup, _replies
 from replies_workers import Replier
 
 
+BATCHES: list[int] = []
+
+
 @pytest.fixture(scope="module")
 async def group(orc_cluster):
-    async with WorkerGroup(ResourcePool(process_on_nodes=[4], cpus_per_worker=0.1), Replier,
-                           group_name="replies") as g:
-        yield g
+    # 4 ranks take the batched path here (the default threshold is 8), and every batch is counted
+    min_batch, batch = _replies.MIN_BATCH, _replies._batch
+    _replies.MIN_BATCH = 2
+
+    def counted(loop, pairs):
+        BATCHES.append(len(pairs))
+        batch(loop, pairs)
+
+    _replies._batch = counted
+    try:
+        async with WorkerGroup(ResourcePool(process_on_nodes=[4], cpus_per_worker=0.1), Replier,
+                               group_name="replies") as g:
+            yield g
+    finally:
+        _replies.MIN_BATCH, _replies._batch = min_batch, batch
 
 
 async def test_every_rank_gets_its_own_reply_in_order(group):
+    BATCHES.clear()
     for i in range(20):  # many calls in a row: each batch resolves its own futures, in rank order
         assert await group.rank_and(i) == [(r, i) for r in range(4)]
+    assert BATCHES == [4] * 20  # one batch of 4 replies per call
 
 
 async def test_many_calls_in_flight_at_once_each_get_their_replies(group):
