@@ -25,9 +25,10 @@ import yaml
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "abs"]
 PolicyLossKind = Literal["ppo", "gspo", "gmpo", "cispo"]
-# critic-free estimators run by algorithm.name=grpo; "gae" is PPO's (with the critic)
-AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+# critic-free estimators run by algorithm.name=grpo (dapo: the group ones); "gae" is PPO's (with the critic)
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"]
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need >= 2 responses per prompt
+CRITIC_FREE_STEPS = ("grpo", "dapo")  # the steps that take adv_estimator's critic-free estimators
 
 
 class ConfigError(ValueError):
@@ -263,9 +264,12 @@ class AlgorithmConfig(_Section):
     """Advantage estimation and KL regularization."""
 
     _section = "algorithm"
-    name: Literal["grpo", "ppo"] = "grpo"  # the step: grpo = critic-free (adv_estimator picks), ppo = critic + GAE
-    # null: the step's own (grpo: grpo, ppo: gae); dr_grpo: no std division (pair with seq-mean-token-sum-norm);
-    # rloo; reinforce_pp: discounted token return, batch-whitened; reinforce_pp_baseline: minus group mean, whitened
+    # the step: grpo = critic-free (adv_estimator picks), ppo = critic + GAE, dapo = the critic-free step after
+    # DAPO's dynamic sampling (groups with all-equal rewards dropped, more prompts sampled until the batch is full)
+    name: Literal["grpo", "ppo", "dapo"] = "grpo"
+    # null: the step's own (grpo/dapo: grpo, ppo: gae); dr_grpo: no std division (pair with seq-mean-token-sum-norm);
+    # rloo; reinforce_pp: discounted token return, batch-whitened; reinforce_pp_baseline: minus group mean, whitened;
+    # remax: score minus the score of a greedy rollout of the same prompt (one more generate call per step)
     adv_estimator: AdvEstimator | None = None
     gamma: float = _knob(1.0, ge=0, le=1)  # PPO / GAE discount
     lam: float = _knob(1.0, ge=0, le=1)  # PPO / GAE lambda
@@ -282,6 +286,9 @@ class AlgorithmConfig(_Section):
     # DAPO soft overlong penalty on the score: 0 up to max_new_tokens - buffer tokens, then down to -overlong_penalty
     overlong_buffer: int | None = _knob(None, ge=1)  # null: off; critic-free steps with a per-sequence estimator
     overlong_penalty: float = _knob(1.0, ge=0)
+    # DAPO dynamic sampling (algorithm.name=dapo): extra sampling rounds a step may launch to replace dropped groups;
+    # when they are used up the step trains on the groups it kept (metrics dynamic_sampling/*)
+    dynamic_sampling_max_rounds: int = _knob(3, ge=0)
 
 
 @dataclass(frozen=True)
@@ -347,24 +354,42 @@ class Config:
                 raise ConfigError(f"{f.name}: expected a {cls.__name__}", f.name)
         self._check_cross_section()
 
+    def _check_task(self) -> None:
+        """``task.name`` is registered (``pipelines.tasks``) and ``task.params`` has only keys that task takes."""
+        from .tasks import UnknownTaskError, check_task_params
+
+        try:
+            check_task_params(self.task.name, self.task.params)
+        except UnknownTaskError as e:
+            raise ConfigError(f"task.name: {e}", "task.name") from None
+        except ValueError as e:
+            raise ConfigError(f"task.params: {e}", "task.params") from None
+
     def _check_cross_section(self) -> None:
         """Constraints between fields; each error names the field to change."""
         alg = self.algorithm
         estimator = alg.adv_estimator or ("gae" if alg.name == "ppo" else "grpo")
+        critic_free = alg.name in CRITIC_FREE_STEPS
+        self._check_task()
         if alg.name == "ppo" and estimator != "gae":
             raise ConfigError(
                 f"algorithm.adv_estimator: bad value {estimator!r}; PPO computes GAE advantages with its critic "
                 "(adv_estimator=gae or null); the critic-free estimators run with algorithm.name=grpo",
                 "algorithm.adv_estimator")
-        if alg.name == "grpo" and estimator == "gae":
+        if critic_free and estimator == "gae":
             raise ConfigError(
                 "algorithm.adv_estimator: bad value 'gae'; GAE needs a critic: use algorithm.name=ppo",
                 "algorithm.adv_estimator")
-        if alg.name == "grpo" and estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+        if alg.name == "dapo" and estimator not in GROUP_ESTIMATORS:
             raise ConfigError(
-                f"rollout.n: bad value {self.rollout.n}; GRPO needs at least 2 responses per prompt with "
-                f"algorithm.adv_estimator={estimator!r} (a group of one has no baseline)", "rollout.n")
-        if alg.name == "grpo" and alg.kl_in == "reward" and estimator != "reinforce_pp":
+                f"algorithm.adv_estimator: bad value {estimator!r}; DAPO's dynamic sampling keeps the prompt groups "
+                f"whose rewards differ, so it takes a group estimator: one of {', '.join(GROUP_ESTIMATORS)} (or "
+                "null: grpo)", "algorithm.adv_estimator")
+        if critic_free and estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+            raise ConfigError(
+                f"rollout.n: bad value {self.rollout.n}; {alg.name.upper()} needs at least 2 responses per prompt "
+                f"with algorithm.adv_estimator={estimator!r} (a group of one has no baseline)", "rollout.n")
+        if critic_free and alg.kl_in == "reward" and estimator != "reinforce_pp":
             raise ConfigError(
                 f"algorithm.kl_in: bad value 'reward'; GRPO with adv_estimator {estimator!r} takes the KL to the "
                 "reference as a loss term (kl_in=loss); the KL-in-reward form needs algorithm.name=ppo or "
@@ -374,7 +399,7 @@ class Config:
                 f"algorithm.kl_target: bad value {alg.kl_target}; the adaptive KL controller starts from "
                 "algorithm.kl_coef, which is 0 (no KL term): set algorithm.kl_coef > 0", "algorithm.kl_target")
         if alg.overlong_buffer is not None:
-            if alg.name != "grpo" or estimator == "reinforce_pp":
+            if not critic_free or estimator == "reinforce_pp":
                 raise ConfigError(
                     "algorithm.overlong_buffer: the overlong penalty is applied to the per-sequence scores of the "
                     f"critic-free step; it is not wired for algorithm.name={alg.name!r} with adv_estimator "

@@ -1,26 +1,28 @@
 """Critic-free steps: sample a group of responses per prompt, score them, turn scores into advantages, update.
 
 ``algorithm.adv_estimator`` picks the advantage: GRPO (score minus group mean, / group std), Dr. GRPO (no std),
-RLOO (leave-one-out mean), REINFORCE++-baseline (minus group mean, whitened over the batch's tokens) or REINFORCE++
-(token-level discounted return with the KL in the reward, whitened over the batch). Every stage streams: reward and
-log-prob workers start on the first micro-batch of rollouts while the rest are still being generated; only the
-per-sequence scores (a few bytes a row) and the batch moments reach the controller.
+RLOO (leave-one-out mean), REINFORCE++-baseline (minus group mean, whitened over the batch's tokens), REINFORCE++
+(token-level discounted return with the KL in the reward, whitened over the batch) or ReMax (score minus the score
+of the greedy response to the same prompt, from the greedy rollout the runner launches next to the sampled one).
+Every stage streams: reward and log-prob workers start on the first micro-batch of rollouts while the rest are
+still being generated; only the per-sequence scores (a few bytes a row) and the batch moments reach the controller.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from orchestra import Batch, DataFuture
 
-from .algorithms import grpo_advantages, group_baseline_scores, overlong_penalty, rloo_advantages
+from .algorithms import grpo_advantages, group_baseline_scores, overlong_penalty, remax_advantages, rloo_advantages
 from .kl_control import adapt_kl, kl_coef
 from .objectives import PolicyLoss
 from .stage import StepContext, union
 
-__all__ = ["grpo_step", "whitening"]
+__all__ = ["critic_free_update", "grpo_step", "whitening"]
 
 
 def whitening(moments: dict[str, float]) -> tuple[float, float]:
@@ -32,31 +34,55 @@ def whitening(moments: dict[str, float]) -> tuple[float, float]:
 
 async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     """One critic-free update on ``rollouts`` (a streamed DataFuture of ``n`` samples per prompt, prompt-major)."""
+    scores = ctx.stage("reward", ctx.cluster.reward.score.options(stream=True)(rollouts))
+    return await critic_free_update(ctx, rollouts, scores)
+
+
+async def _get(x: DataFuture | Batch) -> Batch:
+    """The value of a future, or the batch itself."""
+    return x if isinstance(x, Batch) else await x
+
+
+async def critic_free_update(ctx: StepContext, rollouts: DataFuture | Batch, scores: DataFuture | Batch
+                             ) -> dict[str, float]:
+    """Advantages from ``scores`` (the reward stage's output for ``rollouts``) and one actor update. ``rollouts``
+    is the runner's streamed future (GRPO) or rows already chosen by the controller (DAPO's kept groups)."""
     cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
     estimator = alg.adv_estimator or "grpo"
     beta = kl_coef(ctx)  # fixed, or the adaptive controller's (algorithm.kl_target)
     kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"  # the config allows it for reinforce_pp only
-    stream = {"stream": True}
+    streamed = not isinstance(rollouts, Batch)
+    opts: dict[str, Any] = {"stream": True} if streamed else {}
 
-    scores = ctx.stage("reward", c.reward.score.options(**stream)(rollouts))
-    old = ctx.stage("old_log_prob", c.actor.compute_log_prob.options(**stream)(rollouts))
+    def stage(name: str, fut: DataFuture) -> DataFuture:
+        return ctx.stage(name, fut) if streamed else fut
+
+    old = stage("old_log_prob", c.actor.compute_log_prob.options(**opts)(rollouts))
     ref = None
     if alg.kl_coef > 0:
-        ref = ctx.stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**stream)(rollouts))
+        ref = stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**opts)(rollouts))
     lengths, extra = None, {}
     if alg.overlong_buffer is not None:  # DAPO: shape the scores by response length (config: per-sequence only)
-        lengths = ctx.stage("lengths", c.advantage.response_lengths.options(**stream)(rollouts))
+        lengths = stage("lengths", c.advantage.response_lengths.options(**opts)(rollouts))
+    greedy = greedy_lengths = None
+    if estimator == "remax":  # the baseline: the reward of the greedy response to each prompt
+        if ctx.greedy is None:
+            raise RuntimeError("adv_estimator=remax needs the greedy rollout the runner launches with the step's "
+                               "prompts (StepContext.greedy); run it through pipelines.runner.Runner")
+        greedy = ctx.stage("greedy_reward", c.reward.score.options(stream=True)(ctx.greedy))
+        if alg.overlong_buffer is not None:
+            greedy_lengths = c.advantage.response_lengths.options(stream=True)(ctx.greedy)
 
     if estimator == "reinforce_pp":  # token-level: computed next to the rows, then whitened over the batch
-        adv = ctx.stage("returns", c.advantage.reinforce_pp.options(**stream)(
+        adv = stage("returns", c.advantage.reinforce_pp.options(**opts)(
             union(rollouts, scores, old, ref), gamma=alg.gamma, kl_coef=beta if kl_in_reward else 0.0,
             kl_estimator=alg.kl_reward_estimator))
-        s = (await scores)["scores"]
+        s = (await _get(scores))["scores"]
     else:  # one number per sequence, from the scores the controller reads
-        s = (await scores)["scores"]  # [B] floats: the one payload the controller reads
+        s = (await _get(scores))["scores"]  # [B] floats: the one payload the controller reads
         r = s
         if lengths is not None:
-            penalty = overlong_penalty((await lengths)["response_length"], cfg.rollout.max_new_tokens,
+            penalty = overlong_penalty((await _get(lengths))["response_length"], cfg.rollout.max_new_tokens,
                                        alg.overlong_buffer, alg.overlong_penalty)
             r = s + penalty.to(s.dtype)
             extra["reward/overlong_penalty"] = float(penalty.mean())
@@ -65,6 +91,13 @@ async def grpo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
             a = rloo_advantages(r, ones, group_size=n)[:, 0]
         elif estimator == "reinforce_pp_baseline":
             a = group_baseline_scores(r, group_size=n)
+        elif estimator == "remax":
+            g = (await greedy)["scores"]  # [P]: one greedy response per prompt
+            extra["reward/greedy_mean"] = float(g.double().mean())
+            if greedy_lengths is not None:
+                g = g + overlong_penalty((await greedy_lengths)["response_length"], cfg.rollout.max_new_tokens,
+                                         alg.overlong_buffer, alg.overlong_penalty).to(g.dtype)
+            a = remax_advantages(r, g.repeat_interleave(n), ones)[:, 0]
         else:  # grpo, dr_grpo (no std)
             a = grpo_advantages(r, ones, group_size=n, norm_by_std=estimator == "grpo" and alg.norm_adv_by_std,
                                 eps=alg.adv_eps)[:, 0]

@@ -1,16 +1,19 @@
 """The runner: drives a step function over many steps with streaming, bounded staleness, metrics, progress,
 checkpoints, resume and a timeline trace.
 
-A step function (``grpo_step``, ``ppo_step``) is an async function over DataFutures; the runner adds what a single
-step cannot: it launches the next step's rollout early when ``max_staleness=1`` (weights versioned; data older
-than the bound is regenerated, never used), keeps the sampler and RNG state in checkpoints so that ``--resume``
-continues exactly, and writes ``metrics.jsonl``, TensorBoard scalars, a reward plot and a Perfetto trace.
+A step function (``grpo_step``, ``ppo_step``, ``dapo_step``) is an async function over DataFutures; the runner adds
+what a single step cannot: it launches the next step's rollout early when ``max_staleness=1`` (weights versioned;
+data older than the bound is regenerated, never used), launches ReMax's greedy rollout next to the sampled one
+(``StepContext.greedy``) and DAPO's extra sampling rounds from the same sampler (``StepContext.sample_more``), keeps
+the sampler and RNG state in checkpoints so that ``--resume`` continues exactly, and writes ``metrics.jsonl``,
+TensorBoard scalars, a reward plot and a Perfetto trace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -32,6 +35,7 @@ from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .cluster import Cluster, build_cluster, wait_for_capacity
 from .config import Config, config_to_dict
+from .dapo import dapo_step
 from .data import PromptSampler
 from .grpo import grpo_step
 from .health import NonFiniteGuard
@@ -47,7 +51,7 @@ __all__ = ["Runner", "STEPS"]
 log = logging.getLogger("orchestra")
 
 StepFn = Callable[[StepContext, DataFuture], Awaitable[dict[str, float]]]
-STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step}
+STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step, "dapo": dapo_step}
 
 
 @dataclass
@@ -59,6 +63,13 @@ class _Launched:
     rollouts: DataFuture
     version: int
     started: float
+    greedy: DataFuture | None = None  # ReMax: the greedy rollout of the same prompts (same weights version)
+
+    def cancel(self) -> None:
+        """Cancel the generate calls in flight."""
+        self.rollouts.cancel()
+        if self.greedy is not None:
+            self.greedy.cancel()
 
 
 class Runner:
@@ -281,12 +292,13 @@ class Runner:
             self._step = step
             cur = pending if pending is not None and pending.step == step else self._launch(step)
             if self.actor_version - cur.version > cfg.runner.max_staleness:  # beyond the bound: never used
-                cur.rollouts.cancel()
+                cur.cancel()
                 cur = self._launch(step)
             pending = None
             if cfg.runner.max_staleness >= 1 and step + 1 < total:
                 pending = self._launch(step + 1)  # generated with the current weights while this step updates
-            ctx = StepContext(self.cluster, cfg, step, self.tracer, kl_ctl=self.kl_ctl)
+            ctx = StepContext(self.cluster, cfg, step, self.tracer, kl_ctl=self.kl_ctl, prompts=cur.prompts,
+                              greedy=cur.greedy, sample_more=functools.partial(self._sample_more, step))
             with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
                 metrics = await self.step_fn(ctx, cur.rollouts)
                 self.actor_version += 1
@@ -310,7 +322,19 @@ class Runner:
         prompts = prompt_batch(recs, self.tok, uid_offset=step * len(recs))
         rollouts = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
                                                  seed=self.cfg.rollout.seed)
-        return _Launched(step, prompts, rollouts, self.rollout_version, time.time())
+        greedy = None
+        if self.cfg.algorithm.adv_estimator == "remax":  # its baseline: one greedy response per prompt
+            greedy = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
+                                                   seed=self.cfg.rollout.seed, n=1, temperature=0.0)
+        return _Launched(step, prompts, rollouts, self.rollout_version, time.time(), greedy)
+
+    def _sample_more(self, step: int, count: int) -> DataFuture:
+        """DAPO's extra sampling round for ``step``: the first ``count`` prompts of the sampler's next batch,
+        generated with the current weights (returns at once)."""
+        recs = next(self.sampler)[:count]
+        prompts = prompt_batch(recs, self.tok, uid_offset=step * self.cfg.data.prompts_per_step)
+        return self.cluster.rollout.generate(prompts, micro_batches=min(self.cfg.runner.micro_batches_per_step,
+                                                                        len(recs)), seed=self.cfg.rollout.seed)
 
     async def _sync_rollout(self) -> None:
         """Split placement: weights go from the actor to the rollout pool worker to worker. Colocated: the

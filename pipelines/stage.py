@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,11 @@ class StepContext:
     step: int
     tracer: Tracer | None = None
     kl_ctl: AdaptiveKLController | None = None  # the run's adaptive KL controller (algorithm.kl_target), else None
+    prompts: Batch | None = None  # the step's prompts, one row each (what the rollouts were sampled from)
+    # ReMax (adv_estimator=remax): the greedy rollout (n=1, temperature 0) of ``prompts``, launched with the sampled one
+    greedy: DataFuture | None = None
+    # DAPO dynamic sampling: ``sample_more(k)`` starts rollouts of k fresh prompts with the current weights
+    sample_more: Callable[[int], DataFuture] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     _watch: list[asyncio.Task] = field(default_factory=list)
     _t0: float = field(default_factory=time.time)

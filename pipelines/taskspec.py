@@ -1,14 +1,15 @@
 """How a task plugs into a training job: its prompts, tokenizer, reward, and optional format warm start.
 
-``task.name=digits`` (the default) generates digit-arithmetic prompts in code, so the main job needs no download;
-any task can instead read prompts from ``data.train_path`` (jsonl/parquet with ``prompt`` and ``answer``).
+``task.name`` looks the task up in the registry of ``pipelines.tasks`` (``digits``, the default, and ``addition``
+generate their prompts in code, so no download); any task can instead read prompts from ``data.train_path``
+(jsonl/parquet with ``prompt`` and ``answer``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,9 +20,6 @@ from .config import Config, ConfigError
 from .data import load_prompts
 
 __all__ = ["TaskSpec", "get_task", "prompt_batch"]
-
-_DIGIT_KEYS = {"max_operand", "min_operand", "ops", "modulo", "num_prompts", "format_bonus", "warm_start_steps",
-               "seed"}
 
 
 @dataclass(frozen=True)
@@ -73,25 +71,21 @@ def prompt_batch(records: Sequence[dict], tok: Any, *, responses: Sequence[str] 
 
 
 def get_task(cfg: Config) -> TaskSpec:
-    """The TaskSpec named by ``task.name`` with ``task.params``; prompts from ``data.train_path`` when set."""
-    from .tasks import digit_reward, make_digit_task
+    """The TaskSpec registered as ``task.name`` (``pipelines.tasks``), built from ``task.params``; prompts from
+    ``data.train_path`` when set (the task keeps its reward)."""
+    from .tasks import UnknownTaskError, check_task_params, get_task_entry
 
     name, params = cfg.task.name, dict(cfg.task.params)
-    if name != "digits":
-        raise ConfigError(f"task.name: unknown task {name!r}; the built-in task is 'digits' (prompts from "
-                          f"data.train_path work with it)", "task.name")
-    unknown = set(params) - _DIGIT_KEYS
-    if unknown:
-        raise ConfigError(f"task.params: unknown key(s) {sorted(unknown)} for task 'digits'; allowed: "
-                          f"{sorted(_DIGIT_KEYS)}", "task.params")
-    gen = {k: params[k] for k in ("max_operand", "min_operand", "ops", "modulo") if k in params}
-    if "ops" in gen:
-        gen["ops"] = tuple(gen["ops"])
+    try:
+        entry = get_task_entry(name)
+    except UnknownTaskError as e:
+        raise ConfigError(f"task.name: {e}", "task.name") from None
+    try:
+        check_task_params(name, params)
+        spec = entry.build(params)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"task.params: {e}", "task.params") from None
     if cfg.data.train_path:
         records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",))
-    else:
-        records = make_digit_task(int(params.get("num_prompts", 4096)), seed=int(params.get("seed", 1234)), **gen)
-    pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
-    return TaskSpec(name=name, records=records, reward_fn=digit_reward,
-                    reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.1))},
-                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool)
+        spec = replace(spec, records=records)
+    return spec

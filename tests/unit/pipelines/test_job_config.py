@@ -53,14 +53,14 @@ def test_yaml_then_overrides(tmp_path):
 
 
 def test_string_fields_keep_override_text():
-    cfg = load_config(None, ["task.name=123", "runner.output_dir=runs/2024", "model.path=null"])
-    assert cfg.task.name == "123" and cfg.runner.output_dir == "runs/2024" and cfg.model.path is None
+    cfg = load_config(None, ["data.prompt_key=123", "runner.output_dir=runs/2024", "model.path=null"])
+    assert cfg.data.prompt_key == "123" and cfg.runner.output_dir == "runs/2024" and cfg.model.path is None
 
 
 def test_round_trip_through_yaml(tmp_path):
-    cfg = load_config(None, ["algorithm.name=ppo", "actor.dual_clip_c=3", "task.params={a: [1, 2]}"])
+    cfg = load_config(None, ["algorithm.name=ppo", "actor.dual_clip_c=3", "task.params={ops: [+, -]}"])
     saved = config_to_dict(cfg)
-    assert saved["actor"]["dual_clip_c"] == 3.0 and saved["task"]["params"] == {"a": [1, 2]}
+    assert saved["actor"]["dual_clip_c"] == 3.0 and saved["task"]["params"] == {"ops": ["+", "-"]}
     assert load_config(write_yaml(tmp_path, saved), []) == cfg
     assert config_from_dict(saved) == cfg
 
@@ -99,8 +99,8 @@ def test_sections_are_frozen_and_validated_on_construction():
         ("runner.max_staleness=2", "runner.max_staleness: bad value 2; expected int >= 0 and <= 1"),
         ("actor.dual_clip_c=0.5", "actor.dual_clip_c: bad value 0.5; expected float > 1 (or null)"),
         # unknown choices
-        ("algorithm.name=ppo2", "algorithm.name: bad value 'ppo2' (str); expected one of 'grpo', 'ppo' "
-                                "(did you mean 'ppo'?)"),
+        ("algorithm.name=ppo2", "algorithm.name: bad value 'ppo2' (str); expected one of 'grpo', 'ppo', "
+                                "'dapo' (did you mean 'ppo'?)"),
         ("algorithm.kl_loss_estimator=k5", "expected one of 'k1', 'k2', 'k3', 'abs'"),
         ("resources.placement=remote", "expected one of 'colocated', 'split'"),
         # constraints across sections

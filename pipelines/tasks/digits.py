@@ -1,4 +1,4 @@
-"""Toy digit-arithmetic task for the GRPO demo, plus its rule-based reward.
+"""Toy digit-arithmetic task for the GRPO demo (``task.name=digits``, the main job), plus its rule-based reward.
 
 A record is ``{"prompt": "3+5=", "answer": "8"}``.  The policy sees
 ``<bos>`` + prompt and must emit the answer followed by ``<eos>``.
@@ -9,13 +9,20 @@ so trainer / rollout / reward workers can all import it.
 
 from __future__ import annotations
 
-import json
 import random
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-_INT_RE = re.compile(r"-?(0|[1-9][0-9]*)")
+from ._common import is_correct, is_well_formed, write_jsonl
+from .registry import register_task
+
+if TYPE_CHECKING:
+    from ..taskspec import TaskSpec
+
+__all__ = ["build_digits", "digit_accuracy", "digit_reward", "make_digit_task", "write_digit_task_jsonl"]
+
+PARAMS = ("max_operand", "min_operand", "ops", "modulo", "num_prompts", "format_bonus", "warm_start_steps", "seed")
 
 
 def _apply(a: int, op: str, b: int, modulo: int | None) -> int:
@@ -67,35 +74,9 @@ def make_digit_task(
     return records
 
 
-def write_jsonl(records: Sequence[dict], path: str | Path) -> Path:
-    """Write records one JSON object per line; creates parent directories."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    return path
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_digit_task_jsonl(path: str | Path, n: int, seed: int = 0, **difficulty) -> Path:
+def write_digit_task_jsonl(path: str | Path, n: int, seed: int = 0, **difficulty: Any) -> Path:
     """``make_digit_task`` + ``write_jsonl`` in one call."""
     return write_jsonl(make_digit_task(n, seed, **difficulty), path)
-
-
-def is_correct(response_text: str, answer: str) -> bool:
-    """Exact match of the (whitespace-stripped) response with the answer."""
-    return response_text.strip() == str(answer).strip()
-
-
-def is_well_formed(response_text: str) -> bool:
-    """True if the response is exactly a canonical integer: optional '-', no
-    leading zeros, no spaces (so padding the output with junk earns nothing)."""
-    return _INT_RE.fullmatch(response_text) is not None
 
 
 def digit_reward(
@@ -126,3 +107,19 @@ def digit_accuracy(response_texts: Sequence[str], answers: Sequence[str]) -> flo
     if not answers:
         return 0.0
     return sum(map(is_correct, response_texts, answers)) / len(answers)
+
+
+@register_task("digits", params=PARAMS)
+def build_digits(params: Mapping[str, Any]) -> TaskSpec:
+    """The digits task from ``task.params``: operands/ops/modulo (see :func:`make_digit_task`), ``num_prompts``
+    (4096) generated from ``seed`` (1234), ``format_bonus`` (0.1) and ``warm_start_steps`` (0)."""
+    from ..taskspec import TaskSpec
+
+    gen = {k: params[k] for k in ("max_operand", "min_operand", "ops", "modulo") if k in params}
+    if "ops" in gen:
+        gen["ops"] = tuple(gen["ops"])
+    records = make_digit_task(int(params.get("num_prompts", 4096)), seed=int(params.get("seed", 1234)), **gen)
+    pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
+    return TaskSpec(name="digits", records=records, reward_fn=digit_reward,
+                    reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.1))},
+                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool)
