@@ -299,11 +299,11 @@ class Runner:
                 pending = self._launch(step + 1)  # generated with the current weights while this step updates
             ctx = StepContext(self.cluster, cfg, step, self.tracer, kl_ctl=self.kl_ctl, prompts=cur.prompts,
                               greedy=cur.greedy, sample_more=functools.partial(self._sample_more, step))
-            with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
-                metrics = await self.step_fn(ctx, cur.rollouts)
-                self.actor_version += 1
-                await self._sync_rollout()
-            await ctx.settle()
+            async with ctx:  # the step owns its stage watchers: none outlives it, even when it fails
+                with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
+                    metrics = await self.step_fn(ctx, cur.rollouts)
+                    self.actor_version += 1
+                    await self._sync_rollout()
             rec = self._record(step, cur, metrics, ctx)
             sink.write(rec)
             self.history.append(rec)

@@ -29,7 +29,8 @@ def union(*parts: DataFuture | Batch | None) -> DataFuture | Batch:
 
 @dataclass
 class StepContext:
-    """Handed to a step function: the cluster and config, plus stage naming for timings and the trace."""
+    """Handed to a step function: the cluster and config, plus stage naming for timings and the trace. Use it as
+    ``async with StepContext(...) as ctx:`` around the step so that its stage watchers end with it."""
 
     cluster: Cluster
     cfg: Config
@@ -53,8 +54,8 @@ class StepContext:
         async def watch() -> None:
             try:
                 await fut.wait()
-            except BaseException:  # noqa: BLE001 - the step itself awaits the future and raises
-                return
+            except Exception:  # noqa: BLE001 - the step itself awaits the future and raises; cancellation is not
+                return  # caught: a failed step's watchers are cancelled by __aexit__
             end = time.time()
             self.timings[f"time/{name}"] = end - self._t0
             if self.tracer is not None:
@@ -65,6 +66,19 @@ class StepContext:
 
     async def settle(self) -> None:
         """Wait for the stage watchers (after the step's last await)."""
+        await asyncio.gather(*self._watch, return_exceptions=True)
+
+    async def __aenter__(self) -> StepContext:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """The step's scope owns its stage watchers: awaited after a step that finished, cancelled (and awaited)
+        after one that failed or was cancelled, so that none outlives its step."""
+        if exc_type is None:
+            await self.settle()
+            return
+        for t in self._watch:
+            t.cancel()
         await asyncio.gather(*self._watch, return_exceptions=True)
 
     @staticmethod
