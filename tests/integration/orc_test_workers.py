@@ -10,12 +10,21 @@ import torch
 
 from orchestra import Batch, Worker, endpoint
 from orchestra import dispatch as D
+from orchestra.testing import Sequencer
+
+
+def _pass(seq: Sequencer, positions: list[int]) -> None:
+    """Pass the Sequencer positions in order (each waits until every lower position has exited)."""
+    for p in positions:
+        with seq(p):
+            pass
 
 
 class Scorer(Worker):
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = scale
         self.calls: list[str] = []
+        self.outcomes: list[str] = []  # how each ``hold_until_cancelled`` call ended (``take_outcomes``)
 
     @endpoint(D.shard(), requires=["x"])
     def score(self, batch: Batch) -> Batch:
@@ -79,9 +88,8 @@ class Scorer(Worker):
         return Batch.from_dict({"out": fn(batch["x"])})
 
     @endpoint(D.shard())
-    def gen(self, batch: Batch, pieces: int = 2, delay: float = 0.0):
+    def gen(self, batch: Batch, pieces: int = 2):
         for piece in batch.chunk(pieces):
-            time.sleep(delay)
             yield Batch.from_dict({"x": piece["x"] + 100})
 
     @endpoint(D.shard())
@@ -105,10 +113,12 @@ class Scorer(Worker):
         return v * 10 + self.rank
 
     @endpoint(D.broadcast())
-    def fail_on(self, rank: int, delay_others: float = 0.0) -> int:
+    def fail_on(self, rank: int, seq: Sequencer, positions: list[list[int]]) -> int:
+        """Rank ``rank`` raises at once; every other rank first passes its Sequencer ``positions[rank]`` (so it is
+        still running until the caller lets it through)."""
         if self.rank == rank:
             raise ValueError(f"boom on {self.rank}")
-        time.sleep(delay_others)
+        _pass(seq, positions[self.rank])
         return self.rank
 
     @endpoint(D.broadcast())
@@ -119,11 +129,48 @@ class Scorer(Worker):
         return self.rank
 
     @endpoint(D.broadcast())
-    def die_on(self, rank: int) -> int:
+    def hold(self, seq: Sequencer, positions: list[list[int]]) -> int:
+        """Passes Sequencer ``positions[rank]`` in order: the call runs (its compute lane busy) between them."""
+        _pass(seq, positions[self.rank])
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def hold_until_cancelled(self, seq: Sequencer | None = None, bound: float = 120.0) -> int:
+        """Blocks until the controller cancels this call, then records ``"cancelled"`` (``take_outcomes``). With
+        ``seq``, rank r first passes position r: the caller at position ``world_size`` knows every rank runs it.
+        ``bound`` only ends a broken test: the call then records ``"not cancelled"``."""
+        if seq is not None:
+            _pass(seq, [self.rank])
+        end = time.monotonic() + bound
+        while not self.cancelled():
+            if time.monotonic() > end:
+                self.outcomes.append("not cancelled")
+                return self.rank
+            time.sleep(0.005)
+        self.outcomes.append("cancelled")
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def take_outcomes(self) -> list[str]:
+        """How the ``hold_until_cancelled`` calls that ran on this rank ended, since the last take."""
+        out, self.outcomes = self.outcomes, []
+        return out
+
+    @endpoint(D.shard())
+    def gen_in_turn(self, batch: Batch, seq: Sequencer, positions: list[int], pieces: int = 2):
+        """Like ``gen``, but only the first piece is yielded at once: the others come after passing Sequencer
+        position ``positions[rank]``, so the call is still producing until the caller lets it through."""
+        for i, piece in enumerate(batch.chunk(pieces)):
+            if i == 1:
+                _pass(seq, [positions[self.rank]])
+            yield Batch.from_dict({"x": piece["x"] + 100})
+
+    @endpoint(D.broadcast())
+    def die_on(self, rank: int, seq: Sequencer, positions: list[list[int]]) -> int:
+        """Every rank passes its Sequencer ``positions[rank]``; then rank ``rank`` ends its process."""
+        _pass(seq, positions[self.rank])
         if self.rank == rank:
-            time.sleep(0.2)
             os._exit(1)
-        time.sleep(30)
         return self.rank
 
     @endpoint(D.broadcast())

@@ -4,7 +4,6 @@ and a rule-reward group (2 ranks), driven the way an RL step drives them."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -74,7 +73,6 @@ def close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4) -> None:
 
 
 async def test_rl_step_end_to_end(groups, tmp_path):
-    t_start = time.perf_counter()
     actor, critic, reward = groups
     data = prompts(4)
     assert await actor.weights_version() == 0
@@ -145,7 +143,6 @@ async def test_rl_step_end_to_end(groups, tmp_path):
     close(g_again["rollout_log_probs"], g_after_save["rollout_log_probs"], atol=1e-6)
 
     assert await actor.offload() == [0, 0] and await actor.onload() == [0, 0]  # CPU: nothing moves
-    assert time.perf_counter() - t_start < 90
 
 
 async def test_errors_say_what_to_change(groups):

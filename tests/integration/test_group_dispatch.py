@@ -6,16 +6,16 @@ import pytest
 import torch
 
 import orchestra as orc
-from orchestra import Batch, ResourcePool, WorkerGroup
-from orc_test_workers import MeshWorker, Scorer
+from orchestra import Batch
 
 
 @pytest.fixture(scope="module")
-async def g4():
-    g = WorkerGroup(ResourcePool(process_on_nodes=[4]), Scorer, 2.0, group_name="scorer4")
-    await g.ready()
+async def g4(scorers):
+    """The session's 4-rank Scorer group (conftest), at scale 2.0 for this module."""
+    g = scorers[4]
+    assert await g.set_scale(2.0) == [2.0] * 4
     yield g
-    g.shutdown()
+    await g.set_scale(1.0)
 
 
 def xs(n: int, **extra) -> Batch:
@@ -104,12 +104,11 @@ async def test_describe(g4):
     assert [r["bundle_index"] for r in d] == [0, 1, 2, 3]
 
 
-async def test_control_calls_answer_while_computing(g4):
-    busy = g4.sleep(1.5)
-    import time
-    t0 = time.perf_counter()
-    assert await g4.ping() == [0, 1, 2, 3]
-    assert time.perf_counter() - t0 < 1.0
+async def test_control_calls_answer_while_computing(g4, sequencer):
+    # rank r passes position r, then waits for position 5 + r: its compute lane is busy until the test lets it on
+    busy = g4.hold(sequencer, [[r, 5 + r] for r in range(4)])
+    async with sequencer(4):  # every rank is inside `hold` now
+        assert await g4.ping() == [0, 1, 2, 3]  # answered by the control lanes, with the compute lanes busy
     assert await busy == [0, 1, 2, 3]
 
 
@@ -120,23 +119,21 @@ async def test_endpoints_may_write_into_their_inputs(g4):
     assert torch.equal(b["x"], torch.arange(8))
 
 
-async def test_mesh_dispatch_replicates_to_tp_ranks_and_collects_from_collectors():
-    g = WorkerGroup(ResourcePool(process_on_nodes=[4]), MeshWorker)
-    try:
-        out = await g.compute(xs(10))
-        assert torch.equal(out["x"], torch.arange(10))
-        assert out["dp"].tolist() == [0] * 5 + [1] * 5
-        assert out["rank"].tolist() == [0] * 5 + [2] * 5  # collectors only
-        stats = await g.stats()
-        # both TP ranks of a replica got the same 5 rows
-        assert [s["compute"]["rows_used"] for s in stats] == [5, 5, 5, 5]
-        out = await g.compute_padded(xs(3))
-        assert torch.equal(out["x"], torch.arange(3)) and set(out["n"].tolist()) == {2}
-        d = await g.describe()
-        assert d[1]["meshes"]["MeshWorker"]["actor"] == {"dp_rank": 0, "dp_size": 2, "is_collector": False}
-        with pytest.raises(orc.DispatchError, match="never called self.register_mesh"):
-            await g.unregistered(xs(4))
-        # the mesh is cached: a second call sends at once
-        assert g.cached_mesh("actor") is not None
-    finally:
-        g.shutdown()
+async def test_mesh_dispatch_replicates_to_tp_ranks_and_collects_from_collectors(mesh4):
+    g = mesh4
+    await g.reset_stats()
+    out = await g.compute(xs(10))
+    assert torch.equal(out["x"], torch.arange(10))
+    assert out["dp"].tolist() == [0] * 5 + [1] * 5
+    assert out["rank"].tolist() == [0] * 5 + [2] * 5  # collectors only
+    stats = await g.stats()
+    # both TP ranks of a replica got the same 5 rows
+    assert [s["compute"]["rows_used"] for s in stats] == [5, 5, 5, 5]
+    out = await g.compute_padded(xs(3))
+    assert torch.equal(out["x"], torch.arange(3)) and set(out["n"].tolist()) == {2}
+    d = await g.describe()
+    assert d[1]["meshes"]["MeshWorker"]["actor"] == {"dp_rank": 0, "dp_size": 2, "is_collector": False}
+    with pytest.raises(orc.DispatchError, match="never called self.register_mesh"):
+        await g.unregistered(xs(4))
+    # the mesh is cached: a second call sends at once
+    assert g.cached_mesh("actor") is not None

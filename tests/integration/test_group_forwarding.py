@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import torch
 
@@ -14,12 +11,9 @@ from orc_test_workers import Scorer
 
 
 @pytest.fixture(scope="module")
-async def groups():
-    gs = {n: WorkerGroup(ResourcePool(process_on_nodes=[n]), Scorer, 1.0, group_name=f"s{n}") for n in (2, 3, 4)}
-    await asyncio.gather(*[g.ready() for g in gs.values()])
-    yield gs
-    for g in gs.values():
-        g.shutdown()
+async def groups(scorers):
+    """The session's Scorer groups of 2, 3 and 4 ranks (conftest)."""
+    return scorers
 
 
 def xs(n: int) -> Batch:
@@ -107,21 +101,22 @@ async def test_streaming_endpoint_yields_parts_in_order(groups):
     assert torch.equal(out["x"], torch.arange(6) + 200)
 
 
-async def test_streamed_parts_are_consumed_while_the_producer_still_runs(groups):
+async def test_streamed_parts_are_consumed_while_the_producer_still_runs(groups, sequencer):
     prod, cons = groups[2], groups[4]
-    fut = prod.gen(xs(8), pieces=4, delay=0.4)
+    # each producer rank yields its first part at once and its second only after the test's position 0
+    fut = prod.gen_in_turn(xs(8), sequencer, [1, 2])
     mapped = cons.per_part(fut)
-    t_first = None
+    got = 0
     async for part in mapped:
-        if t_first is None:
-            t_first = time.time()
-    await fut.wait()
-    t_producer_done = time.time()
+        got += 1
+        if got == 1:  # a mapped part exists while the producer cannot have finished: only now is it let on
+            assert not fut.done()
+            async with sequencer(0):
+                pass
+    assert got == 4
     out = await mapped
     assert torch.equal(out["y"], (torch.arange(8) + 100) * 2)  # rows in input order
-    # the first mapped part existed long before the producer finished its 4 x 0.4 s
-    assert t_producer_done - out["t"].min().item() > 0.6
-    assert t_first is not None and t_producer_done - t_first > 0.4
+    assert torch.equal((await fut)["x"], torch.arange(8) + 100)
 
 
 async def test_streaming_output_forwarded_into_a_plain_shard_call(groups):
@@ -139,12 +134,14 @@ async def test_forwarded_future_never_materializes_in_controller(groups):
     assert orc.controller_stats()["bytes_materialized"] == 0
 
 
-async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups):
+async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups, sequencer):
     prod, cons = groups[2], groups[2]
     await cons.set_scale(1.0)
-    fut = prod.gen(xs(8), pieces=4, delay=0.2)
+    fut = prod.gen_in_turn(xs(8), sequencer, [1, 2], pieces=4)  # parts 2-4 after the test's position 0
     mapped = cons.log_part(fut)
     later = cons.set_scale(7.0)  # made while parts are still being produced: sent after the last one
+    async with sequencer(0):
+        pass
     assert await later == [7.0, 7.0]
     seen = await cons.calls_seen()
     for calls in seen:
@@ -154,10 +151,9 @@ async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups
     await cons.set_scale(1.0)
 
 
-async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once():
-    from orc_test_workers import MeshWorker
-
-    g = WorkerGroup(ResourcePool(process_on_nodes=[4]), MeshWorker)
+async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once(mesh4):
+    g = mesh4
+    await g.reset_stats()
     one = WorkerGroup(ResourcePool(process_on_nodes=[1]), Scorer, group_name="one")
     try:
         fut = one.gen(xs(6), pieces=3)
@@ -165,5 +161,4 @@ async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once():
         assert torch.equal(out["x"], torch.arange(6) + 100)
         assert [s["compute"]["calls"] for s in await g.stats()] == [1, 1, 1, 1]
     finally:
-        g.shutdown()
         one.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from engines.checkpoint import CheckpointError
 from engines.fsdp import EngineConfig, FSDPEngine
 from engines.models import build_causal_lm, tiny_qwen2_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a bound on a hang; spawns take minutes on a loaded 2-core box
 
 CFG = EngineConfig(lr=1e-3, warmup_steps=3, micro_batch_size=2, weight_decay=0.01, betas=(0.8, 0.95))
 
@@ -42,6 +43,20 @@ def _trained_engine(seed: int = 0, steps: int = 2) -> FSDPEngine:
     for _ in range(steps):
         eng.train_step(batch, token_mean_loss)
     return eng
+
+
+@pytest.fixture(scope="module")
+def two_rank_saved(tmp_path_factory) -> Path:
+    """One 2-rank checkpoint (``save_worker``), saved once for the module; tests copy it before changing it."""
+    ckpt = tmp_path_factory.mktemp("two_rank") / "ckpt"
+    spawn(save_worker, 2, CFG, str(ckpt))
+    return ckpt
+
+
+@pytest.fixture
+def two_rank_ckpt(two_rank_saved, tmp_path) -> Path:
+    """This test's own copy of the module's 2-rank checkpoint."""
+    return Path(shutil.copytree(two_rank_saved, tmp_path / "ckpt"))
 
 
 def _pickle_payload(marker: Path) -> bytes:
@@ -82,6 +97,7 @@ def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
     assert state["optimizer"]["param_groups"][0]["betas"] == [0.8, 0.95]
 
 
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
 def test_two_rank_round_trip_and_reshard_to_one_rank(tmp_path):
     res = spawn(save_then_load_worker, 2, CFG, str(tmp_path / "ckpt"))
     for r in res:  # every rank restored the same full state
@@ -99,6 +115,7 @@ def test_two_rank_round_trip_and_reshard_to_one_rank(tmp_path):
     _assert_snapshots_equal(res[0]["saved"], engine_snapshot(one))
 
 
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
 def test_one_rank_checkpoint_loads_into_two_ranks(tmp_path):
     saved = _trained_engine(0, steps=1)
     saved.save(tmp_path / "ckpt")
@@ -113,9 +130,9 @@ def _load_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     return engine_snapshot(eng)
 
 
-def test_planted_pickle_in_every_binary_file_never_runs(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    spawn(save_worker, 2, CFG, str(ckpt))
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
+def test_planted_pickle_in_every_binary_file_never_runs(tmp_path, two_rank_ckpt):
+    ckpt = two_rank_ckpt
     probe = tmp_path / "probe"
     pickle.loads(_pickle_payload(probe))  # the payload is live: unpickling it does run code
     assert probe.exists()
@@ -188,9 +205,9 @@ def test_load_into_another_model_names_the_mismatch(tmp_path):
         wider.load(ckpt)
 
 
-def test_shard_file_swapped_between_ranks_is_rejected(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    spawn(save_worker, 2, CFG, str(ckpt))
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
+def test_shard_file_swapped_between_ranks_is_rejected(two_rank_ckpt):
+    ckpt = two_rank_ckpt
     a, b = ckpt / "model-rank00000-of-00002.safetensors", ckpt / "model-rank00001-of-00002.safetensors"
     da, db = a.read_bytes(), b.read_bytes()
     a.write_bytes(db)
@@ -216,6 +233,7 @@ def test_load_keeps_working_after_failed_load(tmp_path):
     assert os.path.exists(ckpt / "index.json")
 
 
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
 def test_spawn_results_are_read_without_running_code(tmp_path):
     marker = tmp_path / "marker"
     with pytest.raises(Exception, match="exec"):  # weights_only refuses the global instead of calling it
@@ -223,9 +241,9 @@ def test_spawn_results_are_read_without_running_code(tmp_path):
     assert not marker.exists()
 
 
-def test_a_shard_only_one_rank_reads_is_corrupt_so_no_rank_loads(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    spawn(save_worker, 2, CFG, str(ckpt))
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
+def test_a_shard_only_one_rank_reads_is_corrupt_so_no_rank_loads(two_rank_ckpt):
+    ckpt = two_rank_ckpt
     shard = ckpt / "optim-rank00001-of-00002.safetensors"  # read by rank 1 only
     data = bytearray(shard.read_bytes())
     data[-4:] = b"\x00\x00\xc0\x7f"  # a NaN where an Adam moment was

@@ -25,9 +25,10 @@ from engines._dist import spawn
 from engines.fsdp import EngineConfig, FSDPEngine, lr_factor
 from engines.models import build_causal_lm, build_value_model, tiny_qwen2_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a bound on a hang; spawns take minutes on a loaded 2-core box
 
 
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
 def test_two_rank_fsdp_matches_unsharded_reference():
     # 7 rows -> rank 0 holds 4 (2 micro-batches of 3+1), rank 1 holds 3 (1 micro-batch):
     # uneven micro-batch counts exercise the zero-weight dummy path.
@@ -82,6 +83,7 @@ def test_result_independent_of_micro_batch_size(scale, loss_fn):
     assert_states_close(states[-1], ref_model.state_dict())
 
 
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
 def test_save_load_round_trip(tmp_path):
     batch = make_batch(B=4, seed=5)
     cfg = EngineConfig(lr=1e-3, warmup_steps=3, micro_batch_size=2)

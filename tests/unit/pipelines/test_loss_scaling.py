@@ -44,6 +44,7 @@ def test_loss_and_grad_norm_do_not_depend_on_micro_batch_size(batch, full_batch_
         assert m["pg_loss"] == pytest.approx(ref["pg_loss"], rel=REL), (agg, mbs)
 
 
+@pytest.mark.slow  # spawns a 2-process gloo group
 def test_loss_and_grad_norm_do_not_depend_on_data_parallel_size(batch, full_batch_steps):
     # 64 rows over 2 ranks, 5-row micro-batches: 7 micro-batches per rank, uneven row counts per rank too
     per_rank = spawn(train_step_worker, 2, batch, 5, [_loss(agg) for agg in AGG_MODES])

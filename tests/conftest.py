@@ -1,0 +1,26 @@
+"""The fast tier, ``python -m pytest -q -m "not slow"``: every test that needs a Ray cluster is marked ``slow`` here.
+
+A Ray cluster costs seconds to start, and every rank of every group is a fresh worker process that imports torch
+(2-4 s each on a quiet 2-core box, 10 s and more on a loaded one), so no test on Ray fits a one-minute tier. The
+rule: a test that uses the orchestra plugin's ``orc_cluster`` fixture (every test under ``tests/integration`` through
+its autouse fixture, and every ``make_group`` test) or a multi-node cluster (``tests/cluster``) is slow. Tests that
+spawn processes of their own (``engines._dist.spawn``) carry ``@pytest.mark.slow`` themselves. When the in-process
+backend (``--orc-backend=local``, issue 10 item 3) exists, the tests that run on it need no cluster and leave this
+rule by themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_CLUSTER_DIR = Path(__file__).parent / "cluster"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        needs_ray = "orc_cluster" in getattr(item, "fixturenames", ()) or _CLUSTER_DIR in Path(item.path).parents
+        if needs_ray and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
