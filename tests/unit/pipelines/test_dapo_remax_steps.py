@@ -13,25 +13,7 @@ from pipelines.dapo import dapo_step
 from pipelines.dynamic_sampling import groups_to_train, left_pad_prompts, next_round_prompts
 from pipelines.grpo import grpo_step
 from pipelines.stage import StepContext
-
-
-class FakeFuture:
-    def __init__(self, value):
-        self.value = value
-
-    def __or__(self, other):
-        return FakeFuture(("union", self, other))
-
-    def __ror__(self, other):
-        return FakeFuture(("union", other, self))
-
-    def __await__(self):
-        async def get():
-            return self.value
-        return get().__await__()
-
-    async def wait(self):
-        return None
+from step_fakes import FakeFuture
 
 
 def _value(x):

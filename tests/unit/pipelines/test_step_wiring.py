@@ -13,22 +13,7 @@ from pipelines.grpo import grpo_step, whitening
 from pipelines.kl_control import make_kl_controller
 from pipelines.ppo import ppo_step
 from pipelines.stage import StepContext
-
-
-class FakeFuture:
-    def __init__(self, value):
-        self.value = value
-
-    def __or__(self, other):
-        return FakeFuture(("union", self, other))
-
-    def __await__(self):
-        async def get():
-            return self.value
-        return get().__await__()
-
-    async def wait(self):
-        return None
+from step_fakes import FakeFuture
 
 
 class FakeEndpoint:
