@@ -1,8 +1,8 @@
 """Reply completion: a call's replies resolved in one batch instead of one event-loop wake-up per Ray reference.
 
 Awaiting an ``ObjectRef`` (``ref.future()`` / ``await ref``) costs a Ray async-get callback, a concurrent future
-and a loop wake-up for every rank of every call: ~0.2-0.3 ms of controller CPU per reply here, the largest
-per-rank cost of a group call. ``batched`` hands all of one call's reply refs to a thread that waits for them with
+and a loop wake-up for every rank of every call: about 0.2 ms of controller CPU per reply here (``bench.scaling``,
+``*_per_ref`` columns). ``batched`` hands all of one call's reply refs to a thread that waits for them with
 one ``ray.wait`` and fetches them with one ``ray.get``, then resolves every reply future in one loop callback.
 
 Replies not back within ``FAST_WINDOW_S`` (a long call: a training step, a generation) go to Ray's per-ref async
