@@ -1,5 +1,7 @@
 """``orchestra train CONFIG.yaml key=value ... [--resume | --overwrite]``: run a training job from a typed config.
 
+``orchestra train --help-config`` prints every config key with its type, default and description, and exits 0.
+
 User errors are printed as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2:
 a bad config, an output_dir that holds an earlier run, a missing or corrupt checkpoint (all found before torch or
 Ray is imported), and a checkpoint that does not fit the configured model or worker count (found when the
@@ -11,6 +13,7 @@ whose updates were all skipped) or because a worker died past ``runner.max_resta
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,9 +35,18 @@ def main(argv: list[str] | None = None) -> int:
                        "checkpoints: removes its checkpoints and metrics.jsonl (nothing else); without it such a run "
                        "is refused")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--help-config", action="store_true", help="list every config key (section.key) with its type, "
+                   "default and description, and exit")
     args = p.parse_args(argv)
 
-    from .config import ConfigError, load_config
+    from .config import ConfigError, config_help, load_config
+
+    if args.help_config:
+        try:
+            print(config_help(), flush=True)
+        except BrokenPipeError:  # `orchestra train --help-config | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):

@@ -1,25 +1,26 @@
-"""Typed training-job configuration: nested frozen dataclasses, YAML, ``section.key=value`` overrides.
+"""Typed training-job configuration: nested frozen pydantic models, YAML, ``section.key=value`` overrides.
 
 ``load_config("job.yaml", ["actor.lr=1e-3", "rollout.n=4"])`` reads the file, applies the
 overrides and validates everything; any unknown key or bad value raises :class:`ConfigError`
-naming the key path, the value and what is allowed.  Constructing the dataclasses directly runs
-the same checks.  Defaults describe a tiny CPU run of the GRPO digit task
-(``examples/grpo_single_process.py``).
+naming the key path, the value and what is allowed.  Constructing the models directly runs
+the same checks (pydantic does the type and range checks; its errors are reworded here).
+Defaults describe a tiny CPU run of the GRPO digit task (``examples/grpo_single_process.py``);
+``orchestra train --help-config`` lists every key with its type, default and description.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
-import math
+import json
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
+import annotated_types as at
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 # Kept in sync with pipelines.algorithms (tested); not imported so that reading a config needs no torch.
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -39,29 +40,34 @@ class ConfigError(ValueError):
         self.path = path
 
 
-def _knob(default: Any, *, ge: float | None = None, gt: float | None = None,
-          le: float | None = None, lt: float | None = None) -> Any:
-    """A dataclass field with numeric bounds checked on construction (None values skip them)."""
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    return field(default=default, metadata={"bounds": bounds})
+def _yaml_number(value: Any) -> Any:
+    """A numeric string as a float (YAML 1.1 reads ``1e-3``, without a dot, as a string); anything else as is."""
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
-_BOUND_OPS = {
-    "ge": (">=", lambda v, b: v >= b),
-    "gt": (">", lambda v, b: v > b),
-    "le": ("<=", lambda v, b: v <= b),
-    "lt": ("<", lambda v, b: v < b),
-}
+# A finite float (.inf / .nan would train to NaN and "finish"); ints are widened, bools refused (strict mode).
+Float = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_yaml_number)]
+Params = Annotated[dict[str, Any], BeforeValidator(lambda v: dict(v) if isinstance(v, Mapping) else v)]
+_BOUNDS = ((at.Ge, "ge", ">="), (at.Gt, "gt", ">"), (at.Le, "le", "<="), (at.Lt, "lt", "<"))
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
-def _is_union(tp: Any) -> bool:
-    """True for ``X | Y`` and ``Optional[X]`` annotations."""
-    return get_origin(tp) in (Union, types.UnionType)
+def _optional(tp: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``X | None`` (``Annotated`` stripped from X), else ``(tp, False)``."""
+    if get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp):
+        (base,) = [a for a in get_args(tp) if a is not type(None)]
+        return (get_args(base)[0] if get_origin(base) is Annotated else base), True
+    return tp, False
 
 
 def _describe(tp: Any) -> str:
-    """Human-readable name of an annotated type, for error messages."""
-    if _is_union(tp):
+    """Human-readable name of an annotated type, for messages and ``--help-config``."""
+    if get_origin(tp) is Annotated:
+        return _describe(get_args(tp)[0])
+    if get_origin(tp) in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _describe(a) for a in get_args(tp))
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
@@ -70,12 +76,14 @@ def _describe(tp: Any) -> str:
     return tp.__name__
 
 
-def _describe_bounded(tp: Any, bounds: Mapping[str, float]) -> str:
-    """E.g. ``float > 0 and <= 1 (or null)`` for an optional bounded float."""
-    optional = _is_union(tp) and type(None) in get_args(tp)
-    base = next(a for a in get_args(tp) if a is not type(None)) if optional else tp
-    ranges = " and ".join(f"{_BOUND_OPS[op][0]} {b}" for op, b in bounds.items())
-    return f"{_describe(base)} {ranges}" + (" (or null)" if optional else "")
+def _describe_field(info: FieldInfo) -> str:
+    """The field's type with its bounds, e.g. ``float > 0 and <= 1 (or null)``."""
+    bounds = " and ".join(f"{op} {getattr(m, attr)}" for kind, attr, op in _BOUNDS
+                          for m in info.metadata if isinstance(m, kind))
+    if not bounds:
+        return _describe(info.annotation)
+    base, optional = _optional(info.annotation)
+    return f"{_describe(base)} {bounds}" + (" (or null)" if optional else "")
 
 
 def _suggest(word: str, candidates: Sequence[str]) -> str:
@@ -84,275 +92,226 @@ def _suggest(word: str, candidates: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against annotation ``tp``; returns it, with ints widened to float where needed.
-
-    Floats also accept numeric strings, because YAML 1.1 reads ``1e-3`` (no dot) as a string.
-    """
-    def bad(expected: str, hint: str = "") -> ConfigError:
-        return ConfigError(
-            f"{path}: bad value {value!r} ({type(value).__name__}); expected {expected}{hint}", path
-        )
-
-    if _is_union(tp):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, path)
-            except ConfigError as e:
-                errors.append(e)
-        not_finite = [e for e in errors if "finite" in str(e)]
-        if not_finite:
-            raise not_finite[0]
-        choices = [str(c) for a in args if get_origin(a) is Literal for c in get_args(a)]
-        raise bad(_describe(tp), _suggest(value, choices) if isinstance(value, str) and choices else "")
-    if get_origin(tp) is Literal:
-        choices = get_args(tp)
-        if any(value == c and type(value) is type(c) for c in choices):
-            return value
-        hint = _suggest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
-        raise bad(_describe(tp), hint)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad("bool (true/false)")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad("int")
-    if tp is float:
-        number: float | None = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise bad("float")
-        if not math.isfinite(number):  # .inf / .nan would train to NaN and "finish"
-            raise bad("a finite float")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad("str")
-    if get_origin(tp) is dict:
-        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-            return dict(value)
-        raise bad("mapping with string keys")
-    raise TypeError(f"{path}: unsupported annotation {tp!r} in the config schema")
+def _config_error(error: ValidationError, cls: type[_Model], data: Mapping[str, Any]) -> ConfigError:
+    """Pydantic's first error (an unknown key first) as a :class:`ConfigError`: key path, bad value, what is allowed."""
+    errors = error.errors()
+    e = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    if isinstance(e.get("ctx", {}).get("error"), ConfigError):  # raised by a check of ours (Config's cross-section)
+        return e["ctx"]["error"]
+    name = str(e["loc"][0])
+    if e["type"] == "extra_forbidden":
+        return _unknown_key(cls._section or None, name)
+    path, info, value = f"{cls._section}.{name}".lstrip("."), cls.model_fields[name], data[name]
+    base, _ = _optional(info.annotation)
+    if e["type"] in _BOUND_ERRORS:
+        shown = float(value) if base is float else value  # as validated: an int widened, a string parsed
+        return ConfigError(f"{path}: bad value {shown!r}; expected {_describe_field(info)}", path)
+    if e["type"] == "is_instance_of":  # a Config field given something other than its section
+        return ConfigError(f"{path}: expected a {base.__name__}", path)
+    if e["type"] == "finite_number":
+        expected = "a finite float"
+    else:
+        expected = {bool: "bool (true/false)", dict: "mapping with string keys"}.get(
+            get_origin(base) or base, _describe(info.annotation))
+    choices = [str(c) for c in get_args(base)] if get_origin(base) is Literal else []
+    hint = _suggest(value, choices) if isinstance(value, str) and choices else ""
+    return ConfigError(f"{path}: bad value {value!r} ({type(value).__name__}); expected {expected}{hint}", path)
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """Resolved field annotations of a config dataclass."""
-    return get_type_hints(cls)
+class _Model(BaseModel):
+    """Base of the config models: frozen, strict, unknown keys refused; errors raise :class:`ConfigError`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    _section: ClassVar[str] = ""  # the section's key in Config (a class attribute, not a field)
+    __str__ = BaseModel.__repr__  # ModelConfig(path=None, ...), as the dataclasses printed
+
+    def __init__(self, /, **data: Any) -> None:
+        """Validates ``data``; pydantic's errors are raised as :class:`ConfigError`."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _config_error(e, type(self), data) from None
 
 
-@dataclass(frozen=True)
-class _Section:
-    """Base of the config sections: type- and range-checks every field on construction."""
-
-    _section = ""  # the section's key in Config; a class attribute, not a field
-
-    def __post_init__(self) -> None:
-        hints = _hints(type(self))
-        for f in dataclasses.fields(self):
-            path = f"{self._section}.{f.name}"
-            value = _coerce(getattr(self, f.name), hints[f.name], path)
-            bounds = f.metadata.get("bounds", {})
-            if value is not None and not all(_BOUND_OPS[op][1](value, b) for op, b in bounds.items()):
-                expected = _describe_bounded(hints[f.name], bounds)
-                raise ConfigError(f"{path}: bad value {value!r}; expected {expected}", path)
-            object.__setattr__(self, f.name, value)
-
-
-@dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(_Model):
     """The policy (and critic / reference) model."""
 
     _section = "model"
-    path: str | None = None  # HF checkpoint dir or name; null: a tiny random model built from the knobs
-    vocab_size: int | None = _knob(None, ge=1)  # null: the tokenizer's vocabulary size
-    hidden_size: int = _knob(64, ge=1)
-    num_layers: int = _knob(2, ge=1)
-    num_heads: int = _knob(4, ge=1)
-    num_kv_heads: int | None = _knob(None, ge=1)  # null: num_heads // 2 (grouped-query attention)
-    intermediate_size: int | None = _knob(None, ge=1)  # MLP width; null: 2 x hidden_size
-    tie_embeddings: bool = False  # share input and output embeddings
-    max_seq_len: int = _knob(64, ge=2)  # prompt + response positions of the tiny model
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    path: str | None = Field(None, description="HF checkpoint dir or name; null: a tiny random Qwen2 from the knobs "
+                             "below (the only model the runner builds today)")
+    vocab_size: int | None = Field(None, ge=1, description="Vocabulary of the tiny model; null: the task tokenizer's")
+    hidden_size: int = Field(64, ge=1, description="Hidden width of the tiny model (a multiple of num_heads)")
+    num_layers: int = Field(2, ge=1, description="Decoder layers of the tiny model")
+    num_heads: int = Field(4, ge=1, description="Attention heads of the tiny model (must divide hidden_size)")
+    num_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query); null: num_heads // 2")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width of the tiny model; null: 2 x hidden_size")
+    tie_embeddings: bool = Field(False, description="Share the input embedding and the output projection weights")
+    max_seq_len: int = Field(64, ge=2, description="Positions of the tiny model: prompt + response tokens")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight dtype (not read by the "
+                                                             "runner yet: engines keep float32, bf16 autocast on GPU)")
 
 
-@dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(_Model):
     """Where prompts come from and how many each step takes."""
 
     _section = "data"
-    train_path: str | None = None  # .jsonl / .parquet of prompts; null: the task generates them
-    prompt_key: str = "prompt"  # column holding the prompt in train_path
-    prompts_per_step: int = _knob(32, ge=1)
-    shuffle: bool = True
-    seed: int = _knob(0, ge=0)  # prompt order
+    train_path: str | None = Field(None, description=".jsonl / .parquet of prompts (with answers); null: the task "
+                                   "generates them")
+    prompt_key: str = Field("prompt", description="Column of train_path that holds the prompt")
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per training step (each sampled rollout.n times)")
+    shuffle: bool = Field(True, description="Shuffle the prompt order every epoch")
+    seed: int = Field(0, ge=0, description="Seed of the prompt order")
 
 
-@dataclass(frozen=True)
-class RolloutConfig(_Section):
+class RolloutConfig(_Model):
     """Sampling of responses."""
 
     _section = "rollout"
-    n: int = _knob(8, ge=1)  # responses per prompt (the GRPO group size)
-    temperature: float = _knob(1.0, gt=0)
-    top_p: float = _knob(1.0, gt=0, le=1)
-    top_k: int = _knob(0, ge=0)  # 0: no top-k filtering
-    max_new_tokens: int = _knob(3, ge=1)
-    seed: int = _knob(0, ge=0)  # sampling
+    n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size; group estimators need >= 2)")
+    temperature: Float = Field(1.0, gt=0, description="Sampling temperature (1: the model's own distribution)")
+    top_p: Float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the top tokens with this much mass (1: off)")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0: no top-k filtering)")
+    max_new_tokens: int = Field(3, ge=1, description="Response length budget, in tokens (below model.max_seq_len)")
+    seed: int = Field(0, ge=0, description="Seed of the sampling")
 
 
-@dataclass(frozen=True)
-class ActorConfig(_Section):
+_SCHEDULE = "After warmup: constant, or cosine decay to min_lr_ratio x lr at the last optimizer step"
+
+
+class ActorConfig(_Model):
     """Policy optimization (the critic has its own section)."""
 
     _section = "actor"
-    lr: float = _knob(2e-3, gt=0)
-    warmup_steps: int = _knob(5, ge=0)  # linear warmup of the learning rate, in optimizer steps
-    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warmup; cosine decays to min_lr_ratio x lr
-    min_lr_ratio: float = _knob(0.0, ge=0, le=1)
-    beta2: float = _knob(0.999, gt=0, lt=1)  # AdamW second-moment decay
-    weight_decay: float = _knob(0.0, ge=0)
-    grad_clip: float | None = _knob(1.0, gt=0)  # max global grad norm; null: no clipping
-    micro_batch_size: int = _knob(64, ge=1)  # rows per forward/backward (gradient accumulation)
-    ppo_epochs: int = _knob(1, ge=1)  # passes over each step's batch
-    mini_batches: int = _knob(1, ge=1)  # optimizer steps per pass
-    clip_ratio_low: float = _knob(0.2, ge=0, lt=1)
-    clip_ratio_high: float = _knob(0.2, ge=0)
-    dual_clip_c: float | None = _knob(None, gt=1)  # null: no dual clip
-    loss_agg: AggMode = "token-mean"
-    entropy_coef: float = _knob(0.0, ge=0)
-    # ppo: clip (asymmetric with clip_ratio_high > low: DAPO's clip-higher); gspo: clip on the sequence ratio;
-    # gmpo: geometric mean of token ratios, clip_ratio_* are log-ratio bounds; cispo: clipped IS weight, no grad cut
-    policy_loss: PolicyLossKind = "ppo"
-    rollout_is_cap: float | None = _knob(None, gt=0)  # truncated IS: weight min(pi_old/pi_rollout, cap); null: off
+    lr: Float = Field(2e-3, gt=0, description="Peak learning rate of the policy's AdamW optimizer")
+    warmup_steps: int = Field(5, ge=0, description="Linear warmup of the learning rate, in optimizer steps")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description=_SCHEDULE)
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="End of the cosine schedule, as a fraction of lr")
+    beta2: Float = Field(0.999, gt=0, lt=1, description="AdamW second-moment decay (beta1 is 0.9)")
+    weight_decay: Float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    grad_clip: Float | None = Field(1.0, gt=0, description="Max global gradient norm; null: no clipping")
+    micro_batch_size: int = Field(64, ge=1, description="Rows per forward/backward (gradient accumulation)")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass")
+    clip_ratio_low: Float = Field(0.2, ge=0, lt=1, description="The ratio may fall to 1 - this (gmpo: log-ratio bound)")
+    clip_ratio_high: Float = Field(0.2, ge=0, description="The ratio may rise to 1 + this (> low: DAPO's clip-higher)")
+    dual_clip_c: Float | None = Field(None, gt=1, description="PPO dual clip: loss <= -A x c for A < 0; null: off")
+    loss_agg: AggMode = Field("token-mean", description="Loss aggregation over tokens and sequences (docs/algorithms)")
+    entropy_coef: Float = Field(0.0, ge=0, description="Entropy bonus: entropy_coef x entropy is subtracted")
+    policy_loss: PolicyLossKind = Field("ppo", description="ppo: clip; gspo: clip on the sequence ratio; gmpo: "
+                                        "geometric mean of token ratios; cispo: clipped IS weight, no gradient cut")
+    rollout_is_cap: Float | None = Field(None, gt=0, description="Truncated IS: weight min(pi_old/pi_rollout, cap); "
+                                         "null: off")
 
 
-@dataclass(frozen=True)
-class CriticConfig(_Section):
+class CriticConfig(_Model):
     """Value model optimization (PPO only). Every knob is the critic's own: nothing is taken from ``actor``."""
 
     _section = "critic"
-    lr: float = _knob(1e-3, gt=0)
-    warmup_steps: int = _knob(0, ge=0)  # linear warmup of the learning rate, in critic optimizer steps
-    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warmup; cosine decays to min_lr_ratio x lr
-    min_lr_ratio: float = _knob(0.0, ge=0, le=1)
-    beta2: float = _knob(0.999, gt=0, lt=1)  # AdamW second-moment decay
-    weight_decay: float = _knob(0.0, ge=0)
-    grad_clip: float | None = _knob(1.0, gt=0)
-    micro_batch_size: int = _knob(64, ge=1)
-    ppo_epochs: int = _knob(1, ge=1)  # passes over each step's batch
-    mini_batches: int = _knob(1, ge=1)  # critic optimizer steps per pass
-    value_clip: float | None = _knob(0.2, gt=0)  # null: unclipped value loss
-    loss_agg: AggMode = "token-mean"
+    lr: Float = Field(1e-3, gt=0, description="Peak learning rate of the critic's AdamW optimizer")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup of the learning rate, in critic optimizer steps")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description=_SCHEDULE)
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="End of the cosine schedule, as a fraction of lr")
+    beta2: Float = Field(0.999, gt=0, lt=1, description="AdamW second-moment decay (beta1 is 0.9)")
+    weight_decay: Float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    grad_clip: Float | None = Field(1.0, gt=0, description="Max global gradient norm; null: no clipping")
+    micro_batch_size: int = Field(64, ge=1, description="Rows per forward/backward (gradient accumulation)")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch")
+    mini_batches: int = Field(1, ge=1, description="Critic optimizer steps per pass")
+    value_clip: Float | None = Field(0.2, gt=0, description="Values move at most this far from the old ones in the "
+                                     "loss; null: unclipped")
+    loss_agg: AggMode = Field("token-mean", description="Value loss aggregation (as actor.loss_agg)")
 
 
-@dataclass(frozen=True)
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(_Model):
     """Advantage estimation and KL regularization."""
 
     _section = "algorithm"
-    # the step: grpo = critic-free (adv_estimator picks), ppo = critic + GAE, dapo = the critic-free step after
-    # DAPO's dynamic sampling (groups with all-equal rewards dropped, more prompts sampled until the batch is full)
-    name: Literal["grpo", "ppo", "dapo"] = "grpo"
-    # null: the step's own (grpo/dapo: grpo, ppo: gae); dr_grpo: no std division (pair with seq-mean-token-sum-norm);
-    # rloo; reinforce_pp: discounted token return, batch-whitened; reinforce_pp_baseline: minus group mean, whitened;
-    # remax: score minus the score of a greedy rollout of the same prompt (one more generate call per step)
-    adv_estimator: AdvEstimator | None = None
-    gamma: float = _knob(1.0, ge=0, le=1)  # PPO / GAE discount
-    lam: float = _knob(1.0, ge=0, le=1)  # PPO / GAE lambda
-    whiten_advantages: bool = True  # PPO: whiten GAE advantages over the batch
-    norm_adv_by_std: bool = True  # GRPO: divide by the group std (false: Dr. GRPO style)
-    adv_eps: float = _knob(1e-6, gt=0)  # GRPO: added to the group std
-    kl_coef: float = _knob(0.0, ge=0)  # 0: no KL term and no reference model
-    kl_reward_estimator: KLKind = "k1"  # KL in the reward (kl_in=reward): k1, whose policy gradient is the KL's
-    kl_loss_estimator: KLKind = "k3"  # KL as a loss term (kl_in=loss): k3, >= 0 and low variance
-    kl_in: Literal["loss", "reward"] = "loss"  # KL as a loss term (GRPO) or a reward penalty (PPO)
-    # adaptive KL (Ziegler et al. 2019): move kl_coef toward this k1 KL per token each step; null: fixed kl_coef
-    kl_target: float | None = _knob(None, gt=0)
-    kl_horizon: int = _knob(10000, ge=1)  # in samples: how fast the adaptive coefficient moves
-    # DAPO soft overlong penalty on the score: 0 up to max_new_tokens - buffer tokens, then down to -overlong_penalty
-    overlong_buffer: int | None = _knob(None, ge=1)  # null: off; critic-free steps with a per-sequence estimator
-    overlong_penalty: float = _knob(1.0, ge=0)
-    # DAPO dynamic sampling (algorithm.name=dapo): extra sampling rounds a step may launch to replace dropped groups;
-    # when they are used up the step trains on the groups it kept (metrics dynamic_sampling/*)
-    dynamic_sampling_max_rounds: int = _knob(3, ge=0)
+    name: Literal["grpo", "ppo", "dapo"] = Field("grpo", description="The step: grpo (critic-free), ppo (critic + "
+                                                 "GAE), dapo (grpo after DAPO's dynamic sampling)")
+    adv_estimator: AdvEstimator | None = Field(None, description="Advantage estimator; null: the step's own (grpo/"
+                                               "dapo: grpo, ppo: gae)")
+    gamma: Float = Field(1.0, ge=0, le=1, description="Discount of GAE (PPO) and REINFORCE++ returns")
+    lam: Float = Field(1.0, ge=0, le=1, description="GAE lambda (PPO)")
+    whiten_advantages: bool = Field(True, description="PPO: whiten the GAE advantages over the batch")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (false: Dr. GRPO style)")
+    adv_eps: Float = Field(1e-6, gt=0, description="GRPO: added to the group std")
+    kl_coef: Float = Field(0.0, ge=0, description="Weight of the KL to the reference; 0: no KL term, no reference")
+    kl_reward_estimator: KLKind = Field("k1", description="KL in the reward (kl_in=reward): k1, its gradient the KL's")
+    kl_loss_estimator: KLKind = Field("k3", description="KL as a loss term (kl_in=loss): k3, >= 0 and low variance")
+    kl_in: Literal["loss", "reward"] = Field("loss", description="KL as a loss term (GRPO) or a reward penalty (PPO)")
+    kl_target: Float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef toward this k1 KL per token; "
+                                    "null: fixed kl_coef")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL: how fast the coefficient moves, in samples")
+    overlong_buffer: int | None = Field(None, ge=1, description="DAPO overlong penalty on the last this-many tokens "
+                                        "of rollout.max_new_tokens; null: off")
+    overlong_penalty: Float = Field(1.0, ge=0, description="Score penalty at rollout.max_new_tokens (linear from 0)")
+    dynamic_sampling_max_rounds: int = Field(3, ge=0, description="DAPO: extra sampling rounds to replace dropped "
+                                             "groups")
 
 
-@dataclass(frozen=True)
-class RunnerConfig(_Section):
+class RunnerConfig(_Model):
     """The training loop: steps, overlap, streaming, checkpoints and outputs."""
 
     _section = "runner"
-    seed: int = _knob(0, ge=0)  # model init and global torch RNG
-    total_steps: int = _knob(200, ge=1)
-    max_bad_steps: int = _knob(3, ge=1)  # stop after this many consecutive steps with a non-finite loss/grad norm
-    max_staleness: int = _knob(0, ge=0, le=1)  # 1: step k+1's rollout overlaps step k's update
-    micro_batches_per_step: int = _knob(1, ge=1)  # stream each step through the stages in parts
-    checkpoint_every: int = _knob(0, ge=0)  # in steps; 0: no checkpoints
-    keep_checkpoints: int = _knob(3, ge=0)  # newest checkpoints kept in output_dir/checkpoints; 0: all
-    max_restarts: int = _knob(2, ge=0)  # a dead worker/node: restart from the last good checkpoint; 0: stop
-    restart_timeout_s: float = _knob(300.0, gt=0)  # how long a restart waits for the cluster to fit the pools again
-    output_dir: str = "outputs/run"
-    metrics: bool = True  # metrics.jsonl in output_dir
-    tensorboard: bool = False
-    plot: bool = False  # PNG curves of the metrics at the end (needs matplotlib)
-    trace: bool = False  # Perfetto / Chrome timeline trace of every stage
+    seed: int = Field(0, ge=0, description="Seed of model init and the global torch RNG")
+    total_steps: int = Field(200, ge=1, description="Training steps of the run")
+    max_bad_steps: int = Field(3, ge=1, description="Stop after this many consecutive non-finite loss/grad-norm steps")
+    max_staleness: int = Field(0, ge=0, le=1, description="1: step k+1's rollout overlaps step k's update")
+    micro_batches_per_step: int = Field(1, ge=1, description="Stream each step through the stages in parts")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint interval, in steps; 0: no checkpoints")
+    keep_checkpoints: int = Field(3, ge=0, description="Newest checkpoints kept in output_dir/checkpoints; 0: all")
+    max_restarts: int = Field(2, ge=0, description="Restarts from the last good checkpoint on a lost worker; 0: stop")
+    restart_timeout_s: Float = Field(300.0, gt=0, description="Seconds a restart waits for the pools to fit again")
+    output_dir: str = Field("outputs/run", description="Directory of metrics, checkpoints, config.json and traces")
+    metrics: bool = Field(True, description="Write metrics.jsonl in output_dir")
+    tensorboard: bool = Field(False, description="Also write TensorBoard events to output_dir/tensorboard")
+    plot: bool = Field(False, description="PNG curves of the metrics at the end (needs matplotlib)")
+    trace: bool = Field(False, description="Perfetto / Chrome timeline trace of every stage")
 
 
-@dataclass(frozen=True)
-class ResourcesConfig(_Section):
+class ResourcesConfig(_Model):
     """Worker pools and their placement."""
 
     _section = "resources"
-    actor_workers: int = _knob(1, ge=1)  # the critic and reference model use the same count
-    rollout_workers: int = _knob(1, ge=1)
-    reward_workers: int = _knob(1, ge=1)
-    placement: Literal["colocated", "split"] = "colocated"  # colocated: rollout shares actor processes
-    device: Literal["cpu", "cuda"] = "cpu"
+    actor_workers: int = Field(1, ge=1, description="Actor processes (DP ranks); also the critic's and the reference's")
+    rollout_workers: int = Field(1, ge=1, description="Rollout processes (= actor_workers when colocated)")
+    reward_workers: int = Field(1, ge=1, description="Reward (and advantage) processes")
+    placement: Literal["colocated", "split"] = Field("colocated", description="colocated: rollout shares actor "
+                                                     "processes; split: a pool of its own")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu (gloo) or cuda (NCCL, one GPU per actor worker)")
 
 
-@dataclass(frozen=True)
-class TaskConfig(_Section):
+class TaskConfig(_Model):
     """The task (prompts + reward), looked up by name; params go to its constructor."""
 
     _section = "task"
-    name: str = "digits"
-    params: dict[str, Any] = field(default_factory=dict)
+    name: str = Field("digits", description="Registered task (pipelines/tasks) that makes the prompts and the reward")
+    params: Params = Field(default_factory=dict, description="Arguments of the task's builder (keys it takes only)")
 
 
-@dataclass(frozen=True)
-class Config:
+def _holds(cls: type[_Model]) -> Any:
+    """A Config field holding section ``cls`` (an instance of it: a dict is not converted)."""
+    return Field(default_factory=cls, description=cls.__doc__)
+
+
+class Config(_Model):
     """A whole training job; checks the constraints that span sections on construction."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    runner: RunnerConfig = field(default_factory=RunnerConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    model: InstanceOf[ModelConfig] = _holds(ModelConfig)
+    data: InstanceOf[DataConfig] = _holds(DataConfig)
+    rollout: InstanceOf[RolloutConfig] = _holds(RolloutConfig)
+    actor: InstanceOf[ActorConfig] = _holds(ActorConfig)
+    critic: InstanceOf[CriticConfig] = _holds(CriticConfig)
+    algorithm: InstanceOf[AlgorithmConfig] = _holds(AlgorithmConfig)
+    runner: InstanceOf[RunnerConfig] = _holds(RunnerConfig)
+    resources: InstanceOf[ResourcesConfig] = _holds(ResourcesConfig)
+    task: InstanceOf[TaskConfig] = _holds(TaskConfig)
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            cls = _hints(Config)[f.name]
-            if not isinstance(getattr(self, f.name), cls):
-                raise ConfigError(f"{f.name}: expected a {cls.__name__}", f.name)
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        """Runs the cross-section checks once every section is valid."""
         self._check_cross_section()
+        return self
 
     def _check_task(self) -> None:
         """``task.name`` is registered (``pipelines.tasks``) and ``task.params`` has only keys that task takes."""
@@ -442,9 +401,9 @@ class Config:
                 f"resources.actor_workers ({self.resources.actor_workers})", "resources.rollout_workers")
 
 
-def _sections() -> dict[str, type[_Section]]:
+def _sections() -> dict[str, type[_Model]]:
     """Section name -> section class, in declaration order."""
-    return {f.name: _hints(Config)[f.name] for f in dataclasses.fields(Config)}
+    return {name: info.annotation for name, info in Config.model_fields.items()}
 
 
 # Keys that were renamed or split: the error says what to write instead.
@@ -464,11 +423,11 @@ def _unknown_key(section: str | None, key: str) -> ConfigError:
     if section is None:
         hint = _suggest(key, list(sections))
         return ConfigError(f"unknown section {key!r}{hint}; sections: {', '.join(sections)}", key)
-    names = [f.name for f in dataclasses.fields(sections[section])]
+    names = list(sections[section].model_fields)
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
     hint = f" (did you mean {section + '.' + close[0]!r}?)" if close else ""
     if not hint:
-        elsewhere = [s for s, cls in sections.items() if key in _hints(cls)]
+        elsewhere = [s for s, cls in sections.items() if key in cls.model_fields]
         hint = f" (did you mean {elsewhere[0] + '.' + key!r}?)" if elsewhere else ""
     path = f"{section}.{key}"
     return ConfigError(f"unknown key {path!r}{hint}; keys in {section!r}: {', '.join(names)}", path)
@@ -489,11 +448,7 @@ def config_from_dict(data: Mapping[str, Any] | None) -> Config:
         values = {} if values is None else values
         if not isinstance(values, Mapping):
             raise ConfigError(f"{name}: expected a mapping of keys, got {values!r}", name)
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in values:
-            if key not in names:
-                raise _unknown_key(name, str(key))
-        built[name] = cls(**values)
+        built[name] = cls(**{str(key): value for key, value in values.items()})  # unknown keys: did-you-mean
     return Config(**built)
 
 
@@ -510,19 +465,19 @@ def _parse_override(text: str, raw: dict[str, Any]) -> str:
     sections = _sections()
     if section not in sections:
         raise _unknown_key(None, section)
-    if name not in _hints(sections[section]):
+    if name not in sections[section].model_fields:
         raise _unknown_key(section, name)
-    tp = _hints(sections[section])[name]
+    annotation = sections[section].model_fields[name].annotation
+    tp = _optional(annotation)[0]
     if len(parts) > 2 and get_origin(tp) is not dict:
         path = f"{section}.{name}"
-        raise ConfigError(f"{path}: has type {_describe(tp)}, not a mapping", path)
+        raise ConfigError(f"{path}: has type {_describe(annotation)}, not a mapping", path)
     try:
         value = yaml.safe_load(value_text)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{key}: cannot parse {value_text!r} as YAML ({problem})", key) from None
-    takes_str = tp is str or (_is_union(tp) and str in get_args(tp))
-    if takes_str and value is not None and not isinstance(value, str):
+    if tp is str and value is not None and not isinstance(value, str):
         value = value_text.strip()
     target = raw
     for i, part in enumerate(parts[:-1]):
@@ -570,4 +525,23 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def config_to_dict(config: Config) -> dict[str, Any]:
     """Nested plain dict of ``config`` (YAML/JSON-safe), for saving alongside checkpoints."""
-    return dataclasses.asdict(config)
+    return config.model_dump()
+
+
+_M = TypeVar("_M", bound=_Model)
+
+
+def replace(config: _M, /, **changes: Any) -> _M:
+    """A copy of a section (or a whole :class:`Config`) with ``changes``, validated like a new one."""
+    return type(config)(**{**{name: getattr(config, name) for name in type(config).model_fields}, **changes})
+
+
+def config_help() -> str:
+    """Every section and key with its type, default and description (``orchestra train --help-config``)."""
+    lines = ["Job config keys (YAML sections, or section.key=value overrides):"]
+    for section, cls in _sections().items():
+        lines.append(f"\n{section}: {cls.__doc__}")
+        for name, info in cls.model_fields.items():
+            default = json.dumps(info.get_default(call_default_factory=True))
+            lines.append(f"  {section}.{name}: {_describe_field(info)}, default {default}\n      {info.description}")
+    return "\n".join(lines)
