@@ -155,6 +155,15 @@ def _read_state(directory: str, name: str, what: str, world_size: int | None = N
 
 
 # ---------------------------------------------------------------------------------------------------------- actor
+def _check_own_process(worker: Worker) -> None:
+    """FSDP shards over ranks with torch.distributed, which needs one process per rank: refuse a multi-rank group
+    whose ranks share a process (the in-process backend) instead of letting each rank train alone."""
+    if not worker.own_process and worker.world_size > 1:
+        raise RuntimeError(f"{type(worker).__name__} rank {worker.rank}: an FSDP engine of {worker.world_size} ranks "
+                           f"needs one process per rank (torch.distributed), but this group's ranks share one "
+                           f"process (the in-process backend). Use the Ray backend, or a 1-rank group in-process.")
+
+
 class ActorRolloutRefWorker(Worker):
     """Actor (FSDP, trainable) + rollout (plain model, synced from the actor) + optional frozen reference, per rank.
 
@@ -193,6 +202,7 @@ class ActorRolloutRefWorker(Worker):
             raise TypeError(f"sampling must be an engines.SamplingParams, got {type(self.sampling).__name__}")
         self.seed = int(seed)
         self.tokenizer = load_tokenizer(tokenizer)
+        _check_own_process(self)
         init_distributed(torch.device(self.config.device) if self.config.device else None)
 
         def factory() -> torch.nn.Module:
@@ -392,6 +402,7 @@ class CriticWorker(Worker):
         self.config = engine if engine is not None else EngineConfig()
         if not isinstance(self.config, EngineConfig):
             raise TypeError(f"engine must be an engines.EngineConfig, got {type(self.config).__name__}")
+        _check_own_process(self)
         init_distributed(torch.device(self.config.device) if self.config.device else None)
         self.critic = FSDPEngine(
             lambda: build_value_model(_own_config(model), seed=int(seed), path=model_path, attn_implementation=attn_implementation),

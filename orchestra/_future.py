@@ -14,9 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
-from . import _stats
+from . import _backend, _stats
 from ._batch import Batch
 from ._invocation import Invocation, components
 from ._wire import Output, PartInfo
@@ -38,7 +36,7 @@ class Part:
 
     async def get(self) -> Batch:
         """Fetch this part's rows into the controller (a private copy; counted in ``controller_stats()``)."""
-        b = await self.info.ref if isinstance(self.info.ref, ray.ObjectRef) else self.info.ref
+        b = await self.info.ref if _backend.is_ref(self.info.ref) else self.info.ref
         _stats.add_materialized(self.nbytes)
         return b.clone()
 
@@ -97,20 +95,22 @@ class DataFuture:
         return self.result().__await__()
 
     async def parts(self) -> AsyncIterator[Part]:
-        """Yield parts as they finish (not in row order: each Part says its slot and sequence number)."""
+        """Yield parts as they finish: each rank's in the order it produced them, ranks interleaved as they arrive
+        (not in row order overall: each Part says its slot and sequence number)."""
         inv = self._inv
         await inv.wait_submitted()
         slots = inv.slots
-        pending: dict[asyncio.Future, tuple[Any, int, int]] = {}
+        pending: dict[asyncio.Future, tuple[Any, int, int]] = {}  # at most one per slot: its next output
+        waiting: set[int] = set()  # slots with an output in pending
         seen = {i: 0 for i in range(len(slots))}
         try:
             while True:
                 watchers = [s.watch() for s in slots if s.collected and not s.done.done()]
                 for i, s in enumerate(slots):
-                    if s.collected:
-                        while seen[i] < len(s.outputs):
-                            pending[s.outputs[seen[i]]] = (s, i, seen[i])
-                            seen[i] += 1
+                    if s.collected and i not in waiting and seen[i] < len(s.outputs):
+                        pending[s.outputs[seen[i]]] = (s, i, seen[i])
+                        waiting.add(i)
+                        seen[i] += 1
                 if not pending and not watchers:
                     await inv.wait()  # surface errors of non-collector ranks
                     return
@@ -123,10 +123,9 @@ class DataFuture:
                 for s in slots:
                     if s.collected and s.done.done() and s.done.exception() is not None:
                         raise inv.fail(await inv.converted(s.done.exception(), s))
-                for d in done:
-                    if d not in pending:
-                        continue
+                for d in sorted((d for d in done if d in pending), key=lambda d: pending[d][1]):
                     slot, i, seq = pending.pop(d)
+                    waiting.discard(i)
                     if d.exception() is not None:
                         raise inv.fail(await inv.converted(d.exception(), slot))
                     out = d.result()

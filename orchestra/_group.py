@@ -9,8 +9,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
-import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from . import _runtime, _stats
 from ._batch import Batch
@@ -106,17 +104,8 @@ class _Shared:
                 await anyio.to_thread.run_sync(self.pool.release)
             raise closed_error(self.name, self.closed)
         world = len(slots)
-        res = self.pool.actor_resources()
-        actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(
-            host_class({role: cls for role, (cls, _, _) in self.roles.items()}))
-        self.hosts = [
-            actor_cls.options(
-                **res,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(s.placement_group, s.bundle_index),
-            ).remote(self.name, s.rank, world, s.local_rank,
-                     {"bundle_index": s.bundle_index, "placement_group": s.placement_group.id.hex()})
-            for s in slots
-        ]
+        host_cls = host_class({role: cls for role, (cls, _, _) in self.roles.items()})
+        self.hosts = self.pool.backend.spawn(self.pool, host_cls, slots, self.name, CONCURRENCY_GROUPS)
         try:
             ip, port = await self.hosts[0].address.remote()
             self.info = await asyncio.gather(*[
@@ -195,9 +184,9 @@ class _Shared:
         """Kill the actors and give the pool back (blocking Ray calls: run off the event loop when on one)."""
         for h in hosts:
             try:
-                ray.kill(h)
+                self.pool.backend.kill(h)
             except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
-                log.debug("group %r: ray.kill: %r", self.name, e)
+                log.debug("group %r: kill: %r", self.name, e)
         self.pool.release_ref()
 
 

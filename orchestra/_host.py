@@ -22,8 +22,9 @@ from typing import Any
 
 import ray
 
+from . import _backend
 from ._batch import Batch, balanced_sizes
-from ._errors import UPSTREAM_FAILED, WorkerError
+from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerError
 from ._wire import INLINE_BYTES, REFS_KWARG, SHARED_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
@@ -78,8 +79,8 @@ def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     if not refs:
         return args, ()
     try:
-        return args, tuple(ray.get(refs))
-    except ray.exceptions.RayError as e:
+        return args, tuple(_backend.get(refs))
+    except (ray.exceptions.RayError, _backend.RankDied, _backend.TaskFailed, OrchestraError) as e:
         raise WorkerError(f"an upstream call this one reads from failed: {type(e).__name__}",
                           exc_type=UPSTREAM_FAILED) from None
 
@@ -108,18 +109,41 @@ def _method(role: str, name: str, streaming: bool) -> Any:
     return ray.method(concurrency_group=COMPUTE)(m)
 
 
-class _Runtime:
-    """Lazily bound Ray runtime context (creating one per call costs more than the call it guards)."""
+class RayRuntime:
+    """What a host asks of the process it runs in, inside a Ray actor. The in-process backend gives hosts its own
+    (``orchestra._local``). The Ray runtime context is bound lazily: making one per call costs more than the call."""
 
-    _ctx = None
+    own_process = True  # RANK, WORLD_SIZE, MASTER_ADDR ... are this process's own environment
 
-    def is_canceled(self) -> bool:
+    def __init__(self) -> None:
+        self._ctx = None
+
+    def _context(self) -> Any:
         if self._ctx is None:
             self._ctx = ray.get_runtime_context()
-        return self._ctx.is_canceled()
+        return self._ctx
 
+    def task_id(self) -> str | None:
+        """The id of the call running now on this thread (what the controller cancels calls by)."""
+        return self._context().get_task_id()
 
-_RUNTIME = _Runtime()
+    def runtime_cancelled(self) -> bool:
+        """Whether Ray itself cancelled the call running now."""
+        return self._context().is_canceled()
+
+    def put(self, obj: Any) -> Any:
+        return ray.put(obj)
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def placement(self) -> tuple[list[Any], str | None]:
+        """(GPU ids, node id) of this process."""
+        try:
+            ctx = self._context()
+            return list(ctx.get_accelerator_ids().get("GPU", [])), ctx.get_node_id()
+        except Exception:  # pragma: no cover - outside Ray
+            return [], None
 
 
 class CallCancelled(Exception):
@@ -200,7 +224,9 @@ class _Events:
 class Host:
     """Ray actor hosting the roles of one rank (several roles when colocated)."""
 
-    def __init__(self, group: str, rank: int, world_size: int, local_rank: int, placement: dict[str, Any]) -> None:
+    def __init__(self, group: str, rank: int, world_size: int, local_rank: int, placement: dict[str, Any],
+                 runtime: Any = None) -> None:
+        self.runtime = runtime if runtime is not None else RayRuntime()
         self.group, self.rank, self.world_size, self.local_rank = group, rank, world_size, local_rank
         self.placement = placement
         self.roles: dict[str, Worker] = {}
@@ -210,7 +236,6 @@ class Host:
         self.cancelled_calls = _CancelledCalls()
         self._watching = threading.Event()
         self._inline_parts = 0  # results stored inline so far (names them for traces)
-        self._ctx = None
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self.tracing = False
         self.events = _Events()
@@ -228,7 +253,7 @@ class Host:
     @ray.method(concurrency_group=CONTROL)
     def address(self) -> tuple[str, int]:
         """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT."""
-        ip = ray.util.get_node_ip_address()
+        ip = self.runtime.node_ip()
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -237,9 +262,11 @@ class Host:
     @ray.method(concurrency_group=COMPUTE)
     def setup(self, env: dict[str, str], roles: dict[str, tuple[type, tuple, dict]]) -> dict[str, Any]:
         """Set the distributed environment, then build each role's Worker (in the compute thread)."""
-        os.environ.update(env)
+        if self.runtime.own_process:  # in-process ranks share one environment: Worker.rank etc. say who they are
+            os.environ.update(env)
         for role, (cls, args, kwargs) in roles.items():
-            ctx = _Context(self.group, role, self.rank, self.world_size, self.local_rank, self.is_cancelled)
+            ctx = _Context(self.group, role, self.rank, self.world_size, self.local_rank, self.is_cancelled,
+                           own_process=self.runtime.own_process)
             try:
                 obj = cls.__new__(cls)
                 obj._orc = ctx
@@ -255,15 +282,10 @@ class Host:
     def describe(self) -> dict[str, Any]:
         import torch
 
-        try:
-            ctx = ray.get_runtime_context()
-            gpu_ids = ctx.get_accelerator_ids().get("GPU", [])
-            node = ctx.get_node_id()
-        except Exception:  # pragma: no cover - outside Ray
-            gpu_ids, node = [], None
+        gpu_ids, node = self.runtime.placement()
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return {
-            "rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+            "rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "node_ip": self.runtime.node_ip(),
             "node_id": node, **self.placement, "gpu_ids": list(gpu_ids), "device": device, "roles": list(self.roles),
             "meshes": {role: {n: dataclasses.asdict(m) for n, m in c.meshes.items()}
                        for role, c in self.contexts.items()},
@@ -292,12 +314,9 @@ class Host:
     def is_cancelled(self) -> bool:
         """Whether the call running now on the compute lane was cancelled (by the controller, by its Ray task id,
         or through Ray). Free while nothing was ever cancelled on this rank."""
-        if self.cancelled_calls:
-            if self._ctx is None:
-                self._ctx = ray.get_runtime_context()
-            if self._ctx.get_task_id() in self.cancelled_calls:
-                return True
-        return _RUNTIME.is_canceled()
+        if self.cancelled_calls and self.runtime.task_id() in self.cancelled_calls:
+            return True
+        return self.runtime.runtime_cancelled()
 
     @ray.method(concurrency_group=CONTROL)
     def stats(self, role: str | None = None) -> dict[str, dict[str, float]]:
@@ -481,8 +500,8 @@ class Host:
         piece read from the object store (shared memory other readers see) is copied unless ``zero_copy``."""
         plan = [ov for lo, hi in wanted for ov in overlapping([p.rows for p in parts], lo, hi)]
         need = sorted({i for i, _, _ in plan})
-        remote = [i for i in need if isinstance(parts[i].ref, ray.ObjectRef)]
-        fetched = dict(zip(remote, ray.get([parts[i].ref for i in remote]))) if remote else {}
+        remote = [i for i in need if _backend.is_ref(parts[i].ref)]
+        fetched = dict(zip(remote, _backend.get([parts[i].ref for i in remote]))) if remote else {}
         for i in need:
             counters["parts_in"] += 1
             counters["rows_in"] += parts[i].rows
@@ -499,7 +518,7 @@ class Host:
             return Batch.concat(pieces)
         if not parts:
             return Batch.from_dict({})
-        first = ray.get(parts[0].ref) if isinstance(parts[0].ref, ray.ObjectRef) else parts[0].ref
+        first = _backend.get([parts[0].ref])[0] if _backend.is_ref(parts[0].ref) else parts[0].ref
         return first.slice(0, 0)
 
     def _store(self, result: Any, pad: int, counters: dict) -> Output:
@@ -521,7 +540,7 @@ class Host:
                 self._inline_parts += 1
                 parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}"))
             else:
-                parts.append(PartInfo(ray.put(piece), len(piece), size))
+                parts.append(PartInfo(self.runtime.put(piece), len(piece), size))
             counters["parts_out"] += 1
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size

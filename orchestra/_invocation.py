@@ -25,7 +25,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from . import _replies, _stats
+from . import _backend, _replies, _stats
 from ._batch import Batch, balanced_sizes
 from ._errors import (
     UPSTREAM_FAILED,
@@ -153,6 +153,7 @@ class Invocation:
                 self._send(plan, self._prepare(plan, _describe_batches(plan)), None)
             except BaseException as e:
                 self._fail_submit(e)
+                shared.live.discard(self)  # nothing was sent: no call of this group is left running
                 raise
             finally:
                 gate.release(self._ticket)
@@ -508,9 +509,9 @@ class Invocation:
             return self.result_value
         per_slot = await self.outputs()
         infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
-        refs = [p.ref for p in infos if isinstance(p.ref, ray.ObjectRef)]
+        refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
         fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
-        by_info = {id(p): (next(fetched) if isinstance(p.ref, ray.ObjectRef) else p.ref) for p in infos}
+        by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
         _stats.add_materialized(sum(p.nbytes for p in infos))
 
         def joined(batches: list[Batch]) -> Batch:
@@ -572,8 +573,8 @@ class Invocation:
 
 
 def _task_id(ref: Any) -> str:
-    """The Ray task id behind a call ref (a generator's is that of its completion ref)."""
-    if isinstance(ref, ray.ObjectRefGenerator):
+    """The task id behind a call ref (a generator's is that of its completion ref)."""
+    if hasattr(ref, "completed"):
         ref = ref.completed()
     return ref.task_id().hex()
 
@@ -642,7 +643,7 @@ class _ArgBuilder:
         self._index: dict[Any, int] = {}
 
     def add(self, o: Any) -> Any:
-        if isinstance(o, ray.ObjectRef):
+        if _backend.is_ref(o):
             i = self._index.get(o)
             if i is None:
                 i = self._index[o] = len(self.refs)
@@ -656,7 +657,7 @@ def _put(b: Batch, plan: Plan, what: str, rank: int | None = None) -> PartInfo:
     if nbytes < INLINE_BYTES:
         return PartInfo(b, len(b), nbytes)
     try:
-        ref = ray.put(b)
+        ref = plan.group.pool.backend.put(b)
     except Exception as e:
         raise _unserializable(plan, what, rank, b, e) from None
     _stats.add_put(nbytes)
@@ -686,10 +687,12 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
 
 # -- all or nothing: every rank's arguments serialize before any rank is sent anything -------------------------------
 class _DryRun(cloudpickle.CloudPickler):
-    """Pickles to nowhere, skipping what Ray serializes by its own means (refs, tensors, numeric arrays)."""
+    """Pickles to nowhere, skipping what the backend serializes by its own means (refs, tensors, numeric arrays, and
+    the in-process backend's handles, which travel by reference)."""
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, (ray.ObjectRef, torch.Tensor)) or (isinstance(obj, np.ndarray) and obj.dtype != object):
+        if (isinstance(obj, torch.Tensor) or _backend.is_ref(obj) or getattr(type(obj), "_orc_in_process", False)
+                or (isinstance(obj, np.ndarray) and obj.dtype != object)):
             return 0
         return None
 
@@ -756,7 +759,12 @@ def _as_output(x: Any, rank: int) -> Output:
 
 
 def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None) -> BaseException:
-    """Turn a Ray error into orchestra's: the worker's own WorkerError, or WorkerDiedError for a dead actor."""
+    """Turn a backend's error into orchestra's: the worker's own WorkerError, or WorkerDiedError for a dead rank."""
+    if isinstance(e, _backend.RankDied):
+        return _died(e, group, endpoint, rank)
+    if isinstance(e, _backend.TaskFailed):
+        cause = e.cause
+        return WorkerError(str(e), group=group, rank=rank, endpoint=endpoint, exc_type=type(cause or e).__name__)
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = getattr(e, "cause", None)
         if isinstance(cause, WorkerError):

@@ -37,7 +37,7 @@ _pool: ThreadPoolExecutor | None = None
 def batched(refs: list[Any]) -> list[asyncio.Future] | None:
     """Futures on the running loop for ``refs`` (one call's replies), resolved together; None when the per-ref
     path is as good (fewer than ``MIN_BATCH`` refs) or every reply thread is busy (batching never queues a call)."""
-    if len(refs) < MIN_BATCH or not _take_thread():
+    if len(refs) < MIN_BATCH or not all(isinstance(r, ray.ObjectRef) for r in refs) or not _take_thread():
         return None
     loop = asyncio.get_running_loop()
     pairs = [(r, loop.create_future()) for r in refs]

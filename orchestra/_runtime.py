@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from . import _replies
+from . import _backend, _replies
 
 __all__ = ["init", "shutdown", "run", "register"]
 
@@ -70,15 +70,35 @@ class _Session:
 
 
 def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus: int | None = None,
-         **ray_kwargs: Any) -> _Session:
+         backend: str = "ray", **ray_kwargs: Any) -> _Session:
     """Connect to Ray: a private local cluster on loopback, with token authentication, unless ``address`` names
     one. Idempotent. Use as ``with orc.init(): ...`` to shut down at exit.
+
+    ``backend="local"`` starts no cluster: every rank of every group made afterwards runs in this process
+    (threads; see ``orchestra._local``) with the same call semantics — for tests that run in seconds and for
+    ``breakpoint()`` inside an endpoint. ``num_cpus`` (default: this machine's) is what its pools reserve from.
 
     Workers of a local cluster inherit this process's import path, so Worker classes defined in your scripts and
     tests import there. With an ``address``, Ray's ``runtime_env`` ships the code instead: the current directory
     as ``working_dir`` and the ``orchestra`` / ``engines`` / ``pipelines`` packages as ``py_modules`` (pass your
     own ``runtime_env`` keys to change either). Returns the session (``session["CPU"]`` etc. are the cluster's resources).
     """
+    if backend == "local":
+        if address is not None or ray_kwargs:
+            raise ValueError(f"orc.init(backend='local') starts no cluster; it takes num_cpus and num_gpus only, got "
+                             f"{'address, ' if address is not None else ''}{sorted(ray_kwargs)}")
+        current = _backend.current()
+        if current.name != "local":
+            from ._local import LocalBackend
+
+            current = LocalBackend(num_cpus=num_cpus, num_gpus=num_gpus)
+            _backend.register(current)
+            _backend.set_current(current)
+        return _Session(current.resources())
+    if backend != "ray":
+        raise ValueError(f"orc.init(backend={backend!r}): choose 'ray' (default) or 'local'")
+    if _backend.current().name != "ray":  # back from the in-process backend: new pools use Ray
+        _backend.set_current(None)
     if ray.is_initialized():
         return _Session(ray.cluster_resources())
     for k, v in _ENV.items():
@@ -128,10 +148,15 @@ def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus:
 
 def shutdown() -> None:
     """Close every group (their calls in flight fail with ``GroupClosedError``), then disconnect from (and, if
-    ``init`` started it, stop) the Ray cluster."""
-    for g in list(_groups):
-        g.close("orchestra was shut down")
+    ``init`` started it, stop) the Ray cluster; the in-process backend ends too."""
+    groups = list(_groups)
+    for g in groups:
+        hosts = g.close("orchestra was shut down")
+        if not g.pool.backend.own_process:  # in-process ranks have no cluster to end them: stop their threads
+            g.finish_close(hosts)
     _groups.clear()
+    _backend.unregister("local")
+    _backend.set_current(None)
     if ray.is_initialized():
         if not _replies.quiesce():
             log.warning("orchestra: a reply thread was still waiting on Ray at shutdown")

@@ -88,8 +88,9 @@ class _Context:
     """Per-process facts a Worker reads: set by the host before the user's __init__ runs."""
 
     def __init__(self, group: str, role: str, rank: int, world_size: int, local_rank: int,
-                 is_cancelled: Callable[[], bool] | None = None) -> None:
+                 is_cancelled: Callable[[], bool] | None = None, own_process: bool = True) -> None:
         self.group, self.role, self.rank, self.world_size, self.local_rank = group, role, rank, world_size, local_rank
+        self.own_process = own_process
         self.meshes: dict[str, MeshInfo] = {}
         self.is_cancelled = is_cancelled or (lambda: False)
 
@@ -100,6 +101,8 @@ class Worker:
     ``self.rank``, ``self.world_size`` and ``self.local_rank`` (and the RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT environment variables) are set before ``__init__`` runs, so ``torch.distributed`` initializes
     with no arguments. Endpoints run in the process's single compute thread, in the order calls arrive.
+    Under the in-process backend (``orc.init(backend="local")``) the ranks share one process: the environment
+    variables are not set per rank and ``own_process`` is False (see ``orchestra._local``).
     """
 
     _orc: _Context
@@ -118,6 +121,12 @@ class Worker:
     def local_rank(self) -> int:
         """This rank's index among the ranks of the group on the same node."""
         return self._orc.local_rank
+
+    @property
+    def own_process(self) -> bool:
+        """False when the ranks share one process (the in-process backend): ``torch.distributed`` and the RANK /
+        WORLD_SIZE environment cannot then be per rank, so a multi-rank collective cannot run."""
+        return self._orc.own_process
 
     @property
     def role(self) -> str:

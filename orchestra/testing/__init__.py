@@ -5,10 +5,12 @@ Installed with the package (entry point ``pytest11: orchestra``), so no conftest
 ``orc_cluster`` (session: a private local cluster, or the one already started), ``make_group`` (function, async:
 ``await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``; every group it made is closed at the end of the
 test, and the test fails if calls, tasks or actors were left behind) and ``orc_sequencer``. Options:
-``--orc-backend=ray|local`` (``local`` is not built yet) and ``--orc-num-cpus``.
+``--orc-backend=ray|local`` (``local``: every rank in the test process, see ``orchestra._local``) and
+``--orc-num-cpus``.
 
 Helpers: ``Sequencer`` (order events across ranks without sleeps), ``FailOnCue`` + ``fail_rank`` (one rank's next
-call of an endpoint raises), ``kill_rank`` (SIGKILL one rank and wait until the group reports it).
+call of an endpoint raises), ``kill_rank`` (SIGKILL one rank — in-process: end it as a death — and wait until the
+group reports it).
 
 This module does not import pytest (the fixtures live in ``orchestra.testing._plugin``, registered when pytest
 configures): worker processes import it to unpickle a Sequencer or a Worker mixing in ``FailOnCue``.
@@ -40,7 +42,7 @@ def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("orchestra", "orchestra test cluster")
     group.addoption("--orc-backend", choices=("ray", "local"), default=None,
                     help="where make_group's ranks run: 'ray' (a local Ray cluster; default) or 'local' (the "
-                         "in-process backend: not built yet)")
+                         "in-process backend: every rank in the test process, no Ray; seconds per test file)")
     group.addoption("--orc-num-cpus", type=float, default=None,
                     help="logical CPUs of the private local cluster orc_cluster starts (default 4)")
     parser.addini("orc_backend", "default of --orc-backend", default="ray")
@@ -48,7 +50,7 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def pytest_configure(config: Any) -> None:
-    """Register the fixtures (importing pytest only now) and reject a backend that does not exist yet."""
+    """Register the fixtures (importing pytest only now) and reject bad options."""
     from . import _plugin
 
     _plugin.check_options(config)

@@ -14,8 +14,12 @@ import signal
 import time
 from typing import Any
 
+import threading
+
+import anyio
 import ray
 
+from .. import _backend
 from .._errors import WorkerDiedError
 from .._group import WorkerGroup
 from .._worker import Worker, endpoint, endpoints_of
@@ -81,6 +85,55 @@ class _SequencerState:
         return self.next
 
 
+class _ThreadSequencerState:
+    """The in-process backend's Sequencer state: the same protocol as ``_SequencerState``, for threads. Passed to
+    in-process ranks by reference (never copied), as a Ray actor handle would be."""
+
+    _orc_in_process = True
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.entered: set[int] = set()
+        self.broken: str | None = None
+        self.cond = threading.Condition()
+
+    def enter(self, pos: int, timeout: float) -> tuple[str, str]:
+        with self.cond:
+            if pos in self.entered:
+                return "error", f"position {pos} was entered twice; each position is used once"
+            self.entered.add(pos)
+            if not self.cond.wait_for(lambda: self.broken is not None or self.next == pos, timeout):
+                return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
+                                 f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} "
+                                 f"never run or never exit?")
+            if self.broken is not None:
+                return "error", f"the sequence is broken: {self.broken}"
+            return "ok", ""
+
+    def exit(self, pos: int, error: str | None) -> tuple[str, str]:
+        with self.cond:
+            if self.broken is not None:
+                return "error", f"the sequence is broken: {self.broken}"
+            if pos != self.next:
+                return "error", f"position {pos} exited while the sequence is at position {self.next}"
+            if error is not None:
+                self.broken = f"position {pos} raised {error}"
+            else:
+                self.next += 1
+            self.cond.notify_all()
+            return "ok", ""
+
+    def position(self) -> int:
+        with self.cond:
+            return self.next
+
+    def close(self) -> None:
+        with self.cond:
+            if self.broken is None:
+                self.broken = "the sequencer was closed"
+            self.cond.notify_all()
+
+
 class Sequencer:
     """Runs blocks of code in a fixed global order across processes: ``with seq(i): ...`` (in a Worker) or
     ``async with seq(i): ...`` (in the test or an async endpoint) enters only after every position below ``i``
@@ -89,15 +142,22 @@ class Sequencer:
     Backed by a small Ray actor, so a Sequencer can be passed to endpoints as an argument and used by every rank.
     A block that raises breaks the sequence: every waiting and later position fails with ``SequencerError``
     instead of waiting forever; so does a position still waiting after ``timeout`` seconds (a bound on a broken
-    test, never what decides a passing one). Make one with ``Sequencer()`` after Ray is up (or use the
-    ``orc_sequencer`` fixture); ``close()`` ends its actor.
+    test, never what decides a passing one). Make one with ``Sequencer()`` after ``orc.init()`` (or use the
+    ``orc_sequencer`` fixture); ``close()`` ends its actor. Under the in-process backend (``backend="local"``,
+    the default after ``orc.init(backend="local")``) it is a thread-safe object in this process instead.
     """
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = 60.0, *, backend: str | None = None) -> None:
+        self.timeout = float(timeout)
+        name = backend or _backend.current().name
+        if name == "local":
+            self._local: _ThreadSequencerState | None = _ThreadSequencerState()
+            self._actor = None
+            return
         if not ray.is_initialized():
             raise RuntimeError("Sequencer() needs a running cluster: call orc.init() first (or use the orc_cluster "
                                "fixture)")
-        self.timeout = float(timeout)
+        self._local = None
         self._actor = ray.remote(num_cpus=0)(_SequencerState).remote()
 
     def __call__(self, position: int) -> _Turn:
@@ -108,11 +168,16 @@ class Sequencer:
 
     def position(self) -> int:
         """The position that may run now (blocking round trip)."""
+        if self._local is not None:
+            return self._local.position()
         return ray.get(self._actor.position.remote())
 
     def close(self) -> None:
-        """End the sequencer's actor."""
-        ray.kill(self._actor)
+        """End the sequencer's actor (in-process: break the sequence, so no one waits on it)."""
+        if self._local is not None:
+            self._local.close()
+        else:
+            ray.kill(self._actor)
 
     def __repr__(self) -> str:
         return f"<Sequencer timeout={self.timeout:g}>"
@@ -128,18 +193,34 @@ class _Turn:
             raise SequencerError(status[1])
 
     def __enter__(self) -> None:
-        self._check(ray.get(self.seq._actor.enter.remote(self.pos, self.seq.timeout)))
+        local = self.seq._local
+        if local is not None:
+            self._check(local.enter(self.pos, self.seq.timeout))
+        else:
+            self._check(ray.get(self.seq._actor.enter.remote(self.pos, self.seq.timeout)))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
-        self._check(ray.get(self.seq._actor.exit.remote(self.pos, err)))
+        local = self.seq._local
+        if local is not None:
+            self._check(local.exit(self.pos, err))
+        else:
+            self._check(ray.get(self.seq._actor.exit.remote(self.pos, err)))
 
     async def __aenter__(self) -> None:
-        self._check(await self.seq._actor.enter.remote(self.pos, self.seq.timeout))
+        local = self.seq._local
+        if local is not None:  # a blocking wait: in a worker thread, never on the event loop
+            self._check(await anyio.to_thread.run_sync(local.enter, self.pos, self.seq.timeout, abandon_on_cancel=True))
+        else:
+            self._check(await self.seq._actor.enter.remote(self.pos, self.seq.timeout))
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
-        self._check(await self.seq._actor.exit.remote(self.pos, err))
+        local = self.seq._local
+        if local is not None:
+            self._check(local.exit(self.pos, err))
+        else:
+            self._check(await self.seq._actor.exit.remote(self.pos, err))
 
 
 # ------------------------------------------------------------------------------------------------- fail on cue
@@ -208,8 +289,11 @@ async def kill_rank(group: WorkerGroup, rank: int, timeout: float = 60.0) -> Wor
 
     remove = group.on_death(on_death)
     try:
-        here = ray.get_runtime_context().get_node_id()
-        if info.get("node_id") in (None, here):
+        backend = group.pool.backend
+        if not backend.own_process:  # in-process: the rank dies as the controller sees a process die
+            backend.kill(group.actors[rank])
+            info["pid"] = f"{info['pid']}, in-process"
+        elif info.get("node_id") in (None, ray.get_runtime_context().get_node_id()):
             _kill_pid(int(info["pid"]))
         else:  # the rank runs on another node: send the signal from there
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

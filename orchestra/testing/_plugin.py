@@ -19,13 +19,11 @@ log = logging.getLogger("orchestra")
 
 # Bounds on waits that only a leak exceeds: a passing test never waits for them.
 LEAK_WAIT_S = 30.0
-LOCAL_BACKEND_MISSING = "--orc-backend=local: the in-process backend is not built yet (issue 10 item 3)"
 
 
 def check_options(config: pytest.Config) -> None:
-    """Reject ``--orc-backend=local`` (not built) and a bad ``--orc-num-cpus`` at start-up, before any test runs."""
-    if backend(config) == "local":
-        raise pytest.UsageError(LOCAL_BACKEND_MISSING)
+    """Reject a bad ``--orc-backend`` or ``--orc-num-cpus`` at start-up, before any test runs."""
+    backend(config)
     num_cpus(config)
 
 
@@ -54,17 +52,24 @@ def num_cpus(config: pytest.Config) -> float:
 @pytest.fixture(scope="session")
 def orc_cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, float]]:
     """The session's cluster: a private local Ray cluster (loopback, token auth) with ``--orc-num-cpus`` CPUs, shut
-    down at the end; or, when Ray is already initialized (the user started one), that cluster, left running.
-    Yields its resources (``{"CPU": 4.0, ...}``)."""
+    down at the end; or, when Ray is already initialized (the user started one), that cluster, left running. With
+    ``--orc-backend=local``, the in-process backend instead (no Ray). Yields its resources (``{"CPU": 4.0, ...}``)."""
     import ray
 
     import orchestra as orc
 
+    n = num_cpus(pytestconfig)
+    if backend(pytestconfig) == "local":
+        session = orc.init(backend="local", num_cpus=n)
+        try:
+            yield dict(session.resources)
+        finally:
+            orc.shutdown()
+        return
     if ray.is_initialized():
         log.info("orc_cluster: reusing the Ray cluster already started; it is not shut down at the end")
         yield dict(ray.cluster_resources())
         return
-    n = num_cpus(pytestconfig)
     session = orc.init(num_cpus=int(n) if float(n).is_integer() else n)
     try:
         yield dict(session.resources)
@@ -147,7 +152,8 @@ async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], boun
     """Close every group ``factory`` made; return what was left behind: pools still held, orchestra tasks still
     running (waited for up to ``bound`` s), actors still alive after close (each given ``bound`` s to die).
     A failing ``aclose()`` raises (after the other groups were closed)."""
-    import ray
+    from orchestra import WorkerDiedError
+    from orchestra._invocation import convert_error
 
     errors: list[BaseException] = []
     for m in factory.made:
@@ -175,10 +181,12 @@ async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], boun
         # the host's watch call never returns while the process lives, and fails once it is dead
         try:
             await asyncio.wait_for(asyncio.wrap_future(actor.watch.remote().future()), bound)
-        except ray.exceptions.ActorDiedError:
-            return None
         except asyncio.TimeoutError:
             return f"{group!r} rank {rank}: its actor is still alive {bound:g} s after the group closed"
+        except Exception as e:  # noqa: BLE001 - a death is what is expected; anything else is reported
+            if isinstance(convert_error(e, group.name, "watch", rank), WorkerDiedError):
+                return None
+            return f"{group!r} rank {rank}: its watch call failed without a death after close: {e!r}"
         return f"{group!r} rank {rank}: its actor answered after the group closed"
 
     found = await asyncio.gather(*[dies(m.group, r, a) for m in factory.made for r, a in enumerate(m.actors)])

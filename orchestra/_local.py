@@ -1,0 +1,422 @@
+"""The in-process backend (``orc.init(backend="local")``): every rank of every group runs in the controller's
+process, so a test starts in milliseconds and ``breakpoint()`` inside an endpoint works.
+
+Each rank is the same ``Host`` a Ray actor runs, served by three threads — its lanes: compute (endpoint bodies,
+one at a time, in the order calls were sent), control (ping, stats, cancellation; answers while compute is busy)
+and watch (the supervision call). What crosses the boundary is serialized as Ray would serialize it: a call's
+arguments are pickled when it is sent (so an unpicklable argument fails at once, and a caller's later writes do not
+reach the call), replies and yields are pickled once when produced, and a stored object (``put``) is one shared
+copy that every reader sees, like Ray's shared memory. ``kill`` is a process death as the controller sees it: the
+rank's queued, running and later calls fail with ``RankDied`` (a ``WorkerDiedError`` for the caller), its
+supervision call fails, and a running endpoint that polls ``Worker.cancelled()`` stops (a thread cannot be
+killed: one that never polls runs to its end, its result dropped).
+
+What differs from Ray on purpose: ranks share one process, so ``os.environ`` is not set per rank (read
+``self.rank`` / ``self.world_size``) and a ``torch.distributed`` process group cannot span ranks; GPUs are not
+assigned. Use the Ray backend for collectives and real jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import io
+import itertools
+import logging
+import os
+import pickle
+import queue
+import threading
+from typing import Any
+
+from ray import cloudpickle
+
+from ._backend import Backend, RankDied, Slot, TaskFailed
+from ._errors import OrchestraError, PlacementError
+
+__all__ = ["LocalBackend", "LocalRef"]
+
+log = logging.getLogger("orchestra")
+
+_ids = itertools.count()
+_thread = threading.local()  # .task: the id of the call the current lane thread runs
+
+
+def _new_id() -> str:
+    return f"{os.getpid():x}{next(_ids):012x}"
+
+
+class _TaskId:
+    __slots__ = ("_hex",)
+
+    def __init__(self, h: str) -> None:
+        self._hex = h
+
+    def hex(self) -> str:
+        return self._hex
+
+
+# -- serialization: what Ray would copy is copied; in-process handles travel by reference -------------------------
+class _Pickler(cloudpickle.CloudPickler):
+    def __init__(self, file: io.BytesIO, kept: list[Any]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.kept = kept
+
+    def persistent_id(self, obj: Any) -> Any:
+        if getattr(type(obj), "_orc_in_process", False):  # refs, actor handles, in-process sequencer state
+            self.kept.append(obj)
+            return len(self.kept) - 1
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, kept: list[Any]) -> None:
+        super().__init__(file)
+        self.kept = kept
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.kept[pid]
+
+
+def _dumps(obj: Any) -> tuple[bytes, list[Any]]:
+    buf, kept = io.BytesIO(), []
+    _Pickler(buf, kept).dump(obj)
+    return buf.getvalue(), kept
+
+
+def _loads(data: tuple[bytes, list[Any]]) -> Any:
+    return _Unpickler(io.BytesIO(data[0]), data[1]).load()
+
+
+def copy(obj: Any) -> Any:
+    """``obj`` as a reader in another process would get it: a deep copy through pickle."""
+    return _loads(_dumps(obj))
+
+
+# -- references -----------------------------------------------------------------------------------------------------
+class LocalRef:
+    """An in-process object reference: awaitable, ``future()``, ``task_id()``, ``get()`` (blocking)."""
+
+    _orc_ref = True
+    _orc_in_process = True
+    __slots__ = ("_fut", "_task", "_shared", "_id")
+
+    def __init__(self, task: str, fut: concurrent.futures.Future | None = None, shared: bool = False) -> None:
+        self._task = task
+        self._fut = fut if fut is not None else concurrent.futures.Future()
+        self._shared = shared  # a put object: one copy all readers see (replies are copied per get, as Ray does)
+        self._id = _new_id()
+
+    def future(self) -> concurrent.futures.Future:
+        return self._fut
+
+    def task_id(self) -> _TaskId:
+        return _TaskId(self._task)
+
+    def hex(self) -> str:
+        return self._id
+
+    def get(self, timeout: float | None = None) -> Any:
+        value = self._fut.result(timeout)
+        return value if self._shared else copy(value)
+
+    def __await__(self) -> Any:
+        return asyncio.wrap_future(self._fut).__await__()
+
+    def __repr__(self) -> str:
+        return f"LocalRef({self._id})"
+
+
+class _End:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class LocalGenerator:
+    """The refs a streaming call yields, as an async iterator on the loop that sent the call."""
+
+    _orc_in_process = True
+
+    def __init__(self, completed: LocalRef) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._completed = completed
+        self._ended = False
+
+    def completed(self) -> LocalRef:
+        """A ref resolved when the whole call has ended (its task id names the call for cancellation)."""
+        return self._completed
+
+    def _push(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        except RuntimeError:  # the controller's loop is closed: nobody is left to read the stream
+            log.debug("orchestra local backend: stream item dropped, its event loop is closed")
+
+    def __aiter__(self) -> LocalGenerator:
+        return self
+
+    async def __anext__(self) -> LocalRef:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._q.get()
+        if isinstance(item, _End):
+            self._ended = True
+            if item.error is not None:
+                raise item.error
+            raise StopAsyncIteration
+        return item
+
+
+# -- ranks ----------------------------------------------------------------------------------------------------------
+class _Job:
+    __slots__ = ("task", "name", "payload", "ref", "gen")
+
+    def __init__(self, task: str, name: str, payload: Any, ref: LocalRef, gen: LocalGenerator | None) -> None:
+        self.task, self.name, self.payload, self.ref, self.gen = task, name, payload, ref, gen
+
+
+def _resolve(fut: concurrent.futures.Future, value: Any = None, error: BaseException | None = None) -> None:
+    try:
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:  # already failed by kill(): the late outcome is dropped
+        pass
+
+
+class _Runtime:
+    """What a Host asks of its process, in-process (see ``orchestra._host.RayRuntime``)."""
+
+    own_process = False
+
+    def __init__(self, actor: LocalActor) -> None:
+        self._actor = actor
+
+    def task_id(self) -> str | None:
+        return getattr(_thread, "task", None)
+
+    def runtime_cancelled(self) -> bool:
+        return self._actor._dead is not None
+
+    def put(self, obj: Any) -> Any:
+        return self._actor._backend.put(obj)
+
+    def node_ip(self) -> str:
+        return "127.0.0.1"
+
+    def placement(self) -> tuple[list[Any], str | None]:
+        return [], LocalBackend.NODE_ID
+
+
+class _Method:
+    _orc_in_process = True
+    __slots__ = ("_actor", "_name", "_lane", "_streaming")
+
+    def __init__(self, actor: LocalActor, name: str, lane: str, streaming: bool = False) -> None:
+        self._actor, self._name, self._lane, self._streaming = actor, name, lane, streaming
+
+    def options(self, *, num_returns: Any = None, **_ignored: Any) -> _Method:
+        return _Method(self._actor, self._name, self._lane, num_returns == "streaming")
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._actor._submit(self._name, self._lane, args, kwargs, self._streaming)
+
+
+class LocalActor:
+    """One rank: a Host served by one thread per lane. ``handle.method.remote(...)`` as on a Ray actor handle."""
+
+    _orc_in_process = True
+
+    def __init__(self, backend: LocalBackend, host_cls: type, args: tuple, name: str,
+                 lanes: dict[str, int]) -> None:
+        self._backend, self._name = backend, name
+        self._dead: str | None = None
+        self._lock = threading.Lock()
+        self._running: dict[str, _Job] = {}
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._host = host_cls(*args, runtime=_Runtime(self))
+        for lane in lanes:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self._queues[lane] = q
+            t = threading.Thread(target=self._serve, args=(lane, q), name=f"orchestra-local:{name}:{lane}",
+                                 daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        fn = getattr(type(self._host), name, None)
+        if fn is None or not callable(fn):
+            raise AttributeError(f"{type(self._host).__name__} has no method {name!r}")
+        lane = getattr(fn, "__ray_concurrency_group__", None) or "compute"
+        return _Method(self, name, lane)
+
+    def __repr__(self) -> str:
+        return f"<LocalActor {self._name}{' (dead)' if self._dead else ''}>"
+
+    def _submit(self, name: str, lane: str, args: tuple, kwargs: dict, streaming: bool) -> Any:
+        task = _new_id()
+        payload = _dumps((args, kwargs))  # now, as Ray does: a bad argument fails here; later writes do not reach it
+        ref = LocalRef(task)
+        gen = LocalGenerator(ref) if streaming else None
+        job = _Job(task, name, payload, ref, gen)
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._queues[lane].put(job)
+        if dead is not None:
+            self._fail(job, RankDied(f"{self._name}: {dead}"))
+        return gen if streaming else ref
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        _resolve(job.ref.future(), error=error)
+        if job.gen is not None:
+            job.gen._push(_End(error))
+
+    def _serve(self, lane: str, q: queue.SimpleQueue) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            with self._lock:
+                if self._dead is not None:
+                    dead = self._dead
+                else:
+                    dead = None
+                    self._running[lane] = job
+            if dead is not None:
+                self._fail(job, RankDied(f"{self._name}: {dead}"))
+                continue
+            _thread.task = job.task
+            try:
+                self._run(job)
+            finally:
+                _thread.task = None
+                with self._lock:
+                    self._running.pop(lane, None)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            args, kwargs = _loads(job.payload)
+            # as Ray does: a ref passed as an argument itself (not nested in one) arrives as its value
+            if any(isinstance(a, LocalRef) for a in (*args, *kwargs.values())):
+                args = tuple(a.get() if isinstance(a, LocalRef) else a for a in args)
+                kwargs = {k: (v.get() if isinstance(v, LocalRef) else v) for k, v in kwargs.items()}
+            method = getattr(self._host, job.name)
+            if job.gen is None:
+                _resolve(job.ref.future(), copy(method(*args, **kwargs)))
+                return
+            it = method(*args, **kwargs)
+            try:
+                for item in it:
+                    if self._dead is not None:
+                        break
+                    out = LocalRef(job.task)
+                    out.future().set_result(copy(item))
+                    job.gen._push(out)
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+            if self._dead is None:
+                job.gen._push(_End(None))
+            _resolve(job.ref.future(), None)
+        except OrchestraError as e:  # the host's WorkerError: crosses the boundary as itself (a copy)
+            self._fail(job, copy(e))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, as Ray's RayTaskError would be
+            self._fail(job, TaskFailed(f"{type(e).__name__}: {e}", cause=e))
+
+    def _kill(self, why: str) -> None:
+        """The rank dies: every queued, running and later call fails with RankDied; its lanes stop."""
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = why
+            running = list(self._running.values())
+            pending = []
+            for q in self._queues.values():
+                while True:
+                    try:
+                        job = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None:
+                        pending.append(job)
+                q.put(None)  # the lane thread exits after the job it runs now
+        err = RankDied(f"{self._name}: {why}")
+        for job in [*running, *pending]:
+            self._fail(job, err)
+        self._host._watching.set()  # frees the watch lane's thread
+
+
+class LocalBackend(Backend):
+    """Every rank in this process. ``num_cpus`` (default: this machine's) is what pools reserve from."""
+
+    name = "local"
+    own_process = False
+    NODE_ID = "local"
+
+    def __init__(self, num_cpus: float | None = None, num_gpus: int | None = None) -> None:
+        self._total = {"CPU": float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))}
+        if num_gpus:
+            self._total["GPU"] = float(num_gpus)
+        self._used = {k: 0.0 for k in self._total}
+        self._lock = threading.Lock()
+
+    def resources(self) -> dict[str, float]:
+        return dict(self._total)
+
+    def _need(self, pool: Any) -> dict[str, float]:
+        return {k: v * pool.world_size for k, v in pool.bundle().items()}
+
+    def check_fits(self, pool: Any) -> None:
+        problems = [f"{k}: need {v:g}, in-process backend has {self._total.get(k, 0.0):g}"
+                    for k, v in self._need(pool).items() if self._total.get(k, 0.0) + 1e-9 < v]
+        if problems:
+            raise PlacementError(pool.fit_message(problems))
+
+    async def reserve(self, pool: Any, held: list[Any]) -> list[Slot]:
+        need = self._need(pool)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + pool.placement_timeout
+        while True:  # resources other pools hold are waited for, as Ray's placement groups wait
+            with self._lock:
+                if all(self._used.get(k, 0.0) + v <= self._total.get(k, 0.0) + 1e-9 for k, v in need.items()):
+                    for k, v in need.items():
+                        self._used[k] = self._used.get(k, 0.0) + v
+                    held.append(need)
+                    break
+                avail = {k: self._total[k] - self._used.get(k, 0.0) for k in self._total}
+            if loop.time() >= deadline:
+                raise PlacementError(pool.fit_message(
+                    [f"resources not free after {pool.placement_timeout:g} s; the in-process backend has {avail} "
+                     f"available"]))
+            await asyncio.sleep(0.02)
+        return [Slot(r, None, r, "127.0.0.1", self.NODE_ID, r) for r in range(pool.world_size)]
+
+    def unreserve(self, held: list[Any], pool_name: str) -> None:
+        with self._lock:
+            for need in held:
+                for k, v in need.items():
+                    self._used[k] = max(0.0, self._used.get(k, 0.0) - v)
+
+    def spawn(self, pool: Any, host_cls: type, slots: list[Slot], group: str,
+              concurrency_groups: dict[str, int]) -> list[Any]:
+        return [LocalActor(self, host_cls, (group, s.rank, len(slots), s.local_rank,
+                                            {"bundle_index": s.bundle_index, "placement_group": None}),
+                           f"{group}[{s.rank}]", concurrency_groups)
+                for s in slots]
+
+    def kill(self, handle: Any) -> None:
+        handle._kill("the rank was killed")
+
+    def put(self, obj: Any) -> LocalRef:
+        ref = LocalRef(_new_id(), shared=True)
+        ref.future().set_result(copy(obj))
+        return ref

@@ -1,0 +1,133 @@
+"""Workers of the backend contract tests (importable by Ray workers through PYTHONPATH, and in-process)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from orchestra import Batch, Worker, endpoint
+from orchestra import dispatch as D
+from orchestra.testing import FailOnCue, Sequencer
+
+
+class Echo(FailOnCue, Worker):
+    """Row transforms, values, a generator, a cancellable hold and a writer of its own inputs."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.seen = 0  # data calls that ran here
+        self.outcomes: list[str] = []
+
+    @endpoint(D.shard(), requires=["x"])
+    def scale_x(self, batch: Batch) -> Batch:
+        self.seen += 1
+        return Batch.from_dict({"y": batch["x"] * self.scale, "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(D.shard())
+    def echo(self, batch: Batch) -> Batch:
+        self.seen += 1
+        return batch
+
+    @endpoint(D.shard())
+    def plus_one(self, batch: Batch) -> Batch:
+        self.seen += 1
+        return Batch.from_dict({"z": batch["x"] + 1})
+
+    @endpoint(D.shard())
+    def write_in_place(self, batch: Batch) -> Batch:
+        """Writes into its input (allowed: inputs are private) and returns it."""
+        batch["x"].add_(1000)
+        return batch.select("x")
+
+    @endpoint(D.shard())
+    def total(self, batch: Batch) -> int:
+        return int(batch["x"].sum())
+
+    @endpoint(D.shard(pad=True))
+    def padded(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"n": torch.full((len(batch),), len(batch))})
+
+    @endpoint(D.shard())
+    def gen(self, batch: Batch, pieces: int = 2):
+        for piece in batch.chunk(pieces):
+            yield piece
+
+    @endpoint(D.broadcast())
+    def set_scale(self, s: float) -> float:
+        self.scale = s
+        return s
+
+    @endpoint
+    def whoami(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "role": self.role}
+
+    @endpoint
+    async def async_add(self, v: int) -> int:
+        return v + self.rank
+
+    @endpoint
+    def take(self, obj: object) -> str:
+        self.seen += 1
+        return type(obj).__name__
+
+    @endpoint
+    def seen_calls(self) -> int:
+        return self.seen
+
+    @endpoint
+    def fail_here(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"refused on rank {rank}")
+        return self.rank
+
+    @endpoint(D.shard())
+    def fail_shard(self, batch: Batch) -> Batch:
+        raise KeyError("no rows today")
+
+    @endpoint
+    def hold_until_cancelled(self, seq: Sequencer, bound: float = 120.0) -> int:
+        """Pass sequencer position ``rank`` (so the test knows every rank is running), then poll ``cancelled()``
+        until the controller cancels the call. ``bound`` only ends a broken test."""
+        with seq(self.rank):
+            pass
+        end = time.monotonic() + bound
+        while not self.cancelled():
+            if time.monotonic() > end:
+                self.outcomes.append("bound")
+                return -1
+            time.sleep(0.002)
+        self.outcomes.append("cancelled")
+        return self.rank
+
+    @endpoint
+    def take_outcomes(self) -> list[str]:
+        out, self.outcomes = self.outcomes, []
+        return out
+
+
+class Meshed(Worker):
+    """DP=1 x TP=2: both ranks read the same rows; rank 0 alone reports."""
+
+    def __init__(self) -> None:
+        self.register_mesh("tp", dp_rank=0, dp_size=1, is_collector=self.rank == 0)
+
+    @endpoint(D.shard(mesh="tp"))
+    def compute(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
+
+
+class Critic(Worker):
+    @endpoint
+    def whoami(self) -> dict:
+        return {"rank": self.rank, "role": self.role}
+
+
+class BadInit(Worker):
+    def __init__(self, bad_rank: int) -> None:
+        if self.rank == bad_rank:
+            raise RuntimeError(f"rank {self.rank} cannot start")
+
+    @endpoint
+    def ping_me(self) -> int:
+        return self.rank

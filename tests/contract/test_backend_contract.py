@@ -1,0 +1,226 @@
+"""What a group call means, checked on both backends (conftest's ``backend`` fixture): dispatch, forwarding,
+streaming, results, errors, cancellation, deadlines, supervision, integrity, describe and stats."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from contract_workers import BadInit, Critic, Echo, Meshed
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, WorkerGroup
+from orchestra.testing import fail_rank, kill_rank
+
+
+def xs(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n)})
+
+
+# -- dispatch and results ---------------------------------------------------------------------------------------------
+async def test_shard_splits_rows_in_order_over_ranks(make_group):
+    g = await make_group(Echo, 2.0, ranks=3)
+    out = await g.scale_x(xs(7))
+    assert out["y"].tolist() == [0, 2, 4, 6, 8, 10, 12]
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    padded = await g.padded(xs(7))
+    assert len(padded) == 7 and padded["n"].tolist() == [3] * 7  # every rank got 3 rows (2 of them padding)
+
+
+async def test_broadcast_and_async_endpoints_return_one_value_per_rank(make_group):
+    g = await make_group(Echo, ranks=2)
+    assert await g.whoami() == [{"rank": 0, "world_size": 2, "role": "Echo"},
+                                {"rank": 1, "world_size": 2, "role": "Echo"}]
+    assert await g.set_scale(3.0) == [3.0, 3.0]
+    assert await g.async_add(10) == [10, 11]
+    assert (await g.scale_x(xs(2)))["y"].tolist() == [0, 3]
+
+
+async def test_mesh_ranks_of_one_replica_read_the_same_rows_and_one_reports(make_group):
+    g = await make_group(Meshed, ranks=2)
+    out = await g.compute(xs(5))
+    assert out["x"].tolist() == [0, 1, 2, 3, 4] and out["rank"].tolist() == [0] * 5
+
+
+async def test_colocated_roles_share_each_rank(backend):
+    pool = ResourcePool(process_on_nodes=[2], cpus_per_worker=0.1, backend=backend)
+    views = WorkerGroup.colocate(pool, {"actor": Echo, "critic": Critic}, actor={"scale": 2.0})
+    try:
+        actor, critic = views["actor"], views["critic"]
+        assert await critic.whoami() == [{"rank": 0, "role": "critic"}, {"rank": 1, "role": "critic"}]
+        assert (await actor.scale_x(xs(2)))["y"].tolist() == [0, 2]
+        a, c = await actor.describe(), await critic.describe()
+        assert [d["pid"] for d in a] == [d["pid"] for d in c]
+        assert all(d["roles"] == ["actor", "critic"] for d in a)
+    finally:
+        await views["actor"].aclose()
+
+
+# -- forwarding and streaming -----------------------------------------------------------------------------------------
+async def test_forwarded_future_is_read_worker_to_worker_by_overlapping_parts(make_group):
+    a = await make_group(Echo, ranks=3, group_name="up")
+    b = await make_group(Echo, ranks=2, group_name="down")
+    orc.reset_controller_stats()
+    down = b.plus_one(a.echo(xs(10)))  # producer rows 4,3,3 -> consumer rows [0,5) and [5,10)
+    out = await down
+    assert out["z"].tolist() == list(range(1, 11))
+    st = [s["plus_one"] for s in await b.stats()]
+    assert [s["parts_in"] for s in st] == [2, 2]
+    assert [s["rows_in"] for s in st] == [7, 6]
+    assert [s["rows_used"] for s in st] == [5, 5]
+    assert orc.controller_stats()["bytes_materialized"] == out.nbytes  # never the upstream payload
+
+
+async def test_union_of_futures_joins_columns_row_by_row(make_group):
+    a = await make_group(Echo, 2.0, ranks=2)
+    base = a.echo(xs(5))
+    joined = await (a.scale_x(base) | a.plus_one(base))
+    assert set(joined.keys()) == {"y", "rank", "z"}
+    assert joined["y"].tolist() == [0, 2, 4, 6, 8] and joined["z"].tolist() == [1, 2, 3, 4, 5]
+
+
+async def test_generator_parts_arrive_in_order_and_stream_into_the_next_call(make_group):
+    g = await make_group(Echo, ranks=2)
+    fut = g.gen(xs(8), pieces=2)
+    parts = [p async for p in fut]  # in arrival order: each rank's in the order it yielded them
+    assert sorted((p.slot, p.seq, p.rank, p.rows) for p in parts) == [(0, 0, 0, 2), (0, 1, 0, 2), (1, 0, 1, 2),
+                                                                       (1, 1, 1, 2)]
+    assert [p.seq for p in parts if p.rank == 0] == [0, 1] and [p.seq for p in parts if p.rank == 1] == [0, 1]
+    assert (await fut)["x"].tolist() == list(range(8))
+    mapped = await g.plus_one.options(stream=True)(g.gen(xs(8), pieces=2))
+    assert sorted(mapped["z"].tolist()) == list(range(1, 9))
+
+
+# -- integrity -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [8, 40_000])  # inline in the call, and stored once for every reader
+async def test_a_writing_reader_changes_nothing_another_reader_or_the_caller_sees(make_group, n):
+    g = await make_group(Echo, ranks=2)
+    mine = xs(n)
+    written = await g.write_in_place(mine)
+    assert written["x"].tolist()[:3] == [1000, 1001, 1002]
+    assert torch.equal(mine["x"], torch.arange(n))  # the caller's batch
+    up = g.echo(xs(n))
+    await g.write_in_place(up)
+    assert torch.equal((await up)["x"], torch.arange(n))  # the producer's stored result
+    assert sum(await g.total(up)) == sum(range(n))  # a later reader of the same parts
+
+
+async def test_a_call_that_cannot_be_sent_to_one_rank_runs_on_none(make_group):
+    g = await make_group(Echo, ranks=2)
+    with pytest.raises(orc.DispatchError, match="argument 0"):
+        await g.take(threading.Lock())
+    objs: list = [1, 2, 3, threading.Lock()]  # rank 1's rows cannot be serialized
+    with pytest.raises(orc.DispatchError, match="rank 1") as info:
+        await g.echo(Batch.from_dict({"x": torch.arange(4), "obj": objs}))
+    assert "'obj'" in str(info.value)
+    assert await g.seen_calls() == [0, 0]
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+async def test_a_worker_error_names_group_rank_and_endpoint(make_group):
+    g = await make_group(Echo, ranks=2, group_name="named")
+    with pytest.raises(orc.WorkerError) as info:
+        await g.fail_here(1)
+    e = info.value
+    assert (e.group, e.rank, e.endpoint, e.exc_type) == ("named", 1, "fail_here", "ValueError")
+    assert "refused on rank 1" in str(e) and "fail_here" in e.remote_traceback
+    assert await g.fail_here(5) == [0, 1]  # the group still works
+
+
+async def test_an_upstream_failure_is_reported_as_the_upstreams_own(make_group):
+    a = await make_group(Echo, ranks=2, group_name="producer")
+    b = await make_group(Echo, ranks=2, group_name="consumer")
+    with pytest.raises(orc.WorkerError) as info:
+        await b.plus_one(a.fail_shard(xs(4)))
+    assert info.value.group == "producer" and info.value.endpoint == "fail_shard"
+    assert info.value.exc_type == "KeyError"
+
+
+async def test_fail_rank_makes_one_ranks_next_call_fail(make_group):
+    g = await make_group(Echo, ranks=2)
+    await fail_rank(g, 1, "scale_x", "injected here")
+    with pytest.raises(orc.WorkerError) as info:
+        await g.scale_x(xs(4))
+    assert info.value.rank == 1 and info.value.exc_type == "InjectedFailure"
+    assert (await g.scale_x(xs(4)))["y"].tolist() == [0, 1, 2, 3]
+
+
+async def test_an_init_error_names_the_rank(backend):
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.1, backend=backend), BadInit, 1)
+    try:
+        with pytest.raises(orc.WorkerError) as info:
+            await g.ready()
+        assert info.value.rank == 1 and info.value.endpoint == "__init__" and "cannot start" in str(info.value)
+    finally:
+        await g.aclose()
+
+
+async def test_a_pool_that_cannot_fit_is_refused_with_what_it_needs(backend):
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=10_000, backend=backend), Echo)
+    try:
+        with pytest.raises(orc.PlacementError, match="CPU: need 20000"):
+            await g.ready()
+    finally:
+        await g.aclose()
+
+
+# -- cancellation, deadlines, shutdown and death -------------------------------------------------------------------
+async def test_cancel_ends_the_call_on_every_rank(make_group, seq):
+    g = await make_group(Echo, ranks=2)
+    fut = g.hold_until_cancelled(seq)
+    async with seq(2):  # ranks 0 and 1 passed positions 0 and 1: the call runs on both
+        pass
+    fut.cancel()
+    with pytest.raises(orc.CallCancelledError):
+        await fut
+    assert await g.take_outcomes() == [["cancelled"], ["cancelled"]]
+    assert g.calls_in_flight() == []
+
+
+async def test_a_deadline_names_the_running_ranks_and_cancels_them(make_group, seq):
+    g = await make_group(Echo, ranks=2)
+    with pytest.raises(orc.CallTimeoutError) as info:
+        await g.hold_until_cancelled.options(timeout=0.5)(seq)
+    assert list(info.value.pending_ranks) == [0, 1]
+    assert await g.take_outcomes() == [["cancelled"], ["cancelled"]]
+
+
+async def test_closing_a_group_fails_its_calls_in_flight(make_group, seq):
+    g = await make_group(Echo, ranks=2)
+    fut = g.hold_until_cancelled(seq)
+    async with seq(2):
+        pass
+    await g.aclose()
+    with pytest.raises(orc.GroupClosedError):
+        await fut
+    with pytest.raises(orc.GroupClosedError):
+        g.whoami()
+
+
+async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group, seq):
+    g = await make_group(Echo, ranks=2)
+    fut = g.hold_until_cancelled(seq)
+    async with seq(2):
+        pass
+    err = await kill_rank(g, 1)
+    assert isinstance(err, orc.WorkerDiedError) and err.rank == 1
+    with pytest.raises(orc.WorkerDiedError) as info:
+        await fut
+    assert info.value.rank == 1
+    with pytest.raises(orc.WorkerDiedError):
+        g.whoami()
+    assert [h["alive"] for h in g.health()] == [True, False]
+
+
+# -- introspection ---------------------------------------------------------------------------------------------------
+async def test_describe_and_stats(make_group):
+    g = await make_group(Echo, ranks=2)
+    info = await g.describe()
+    assert [d["rank"] for d in info] == [0, 1] and all(d["roles"] == ["Echo"] for d in info)
+    assert all({"pid", "node_ip", "node_id", "device", "meshes"} <= set(d) for d in info)
+    await g.reset_stats()
+    await g.scale_x(xs(5))
+    st = [s["scale_x"] for s in await g.stats()]
+    assert [s["calls"] for s in st] == [1, 1] and [s["rows_out"] for s in st] == [3, 2]
+    assert await g.ping() == [0, 1]
