@@ -152,7 +152,7 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     sampling = SamplingParams(n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     use_gpu = r.device == "cuda"
-    actor_pool = ResourcePool(process_on_nodes=[r.actor_workers], use_gpu=use_gpu, name="actor")
+    actor_pool = ResourcePool(process_on_nodes=[r.actor_workers], use_gpu=use_gpu, name="actor", backend=r.backend)
     actor_init = dict(model=model, seed=seed, engine=engine_config(cfg, cfg.actor, total, seed), sampling=sampling,
                       tokenizer=tok, with_ref=cfg.algorithm.kl_coef > 0)
     roles: dict[str, type] = {"actor": ActorRolloutRefWorker}
@@ -167,11 +167,12 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     if r.placement == "split":
         from engines.rollout_worker import RolloutWorker
 
-        rollout_pool = ResourcePool(process_on_nodes=[r.rollout_workers], use_gpu=use_gpu, name="rollout")
+        rollout_pool = ResourcePool(process_on_nodes=[r.rollout_workers], use_gpu=use_gpu, name="rollout",
+                                    backend=r.backend)
         rollout = WorkerGroup(rollout_pool, RolloutWorker, model=model, seed=seed, sampling=sampling, tokenizer=tok,
                               group_name="rollout")
         pools.append(rollout_pool)
-    reward_pool = ResourcePool(process_on_nodes=[r.reward_workers], name="reward")
+    reward_pool = ResourcePool(process_on_nodes=[r.reward_workers], name="reward", backend=r.backend)
     reward_views = WorkerGroup.colocate(reward_pool, {"reward": RewardWorker, "advantage": AdvantageWorker},
                                        group_name="reward",
                                        reward=dict(reward=task.reward_fn, tokenizer=tok, **task.reward_kwargs))

@@ -279,6 +279,8 @@ class ResourcesConfig(_Model):
     placement: Literal["colocated", "split"] = Field("colocated", description="colocated: rollout shares actor "
                                                      "processes; split: a pool of its own")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu (gloo) or cuda (NCCL, one GPU per actor worker)")
+    backend: Literal["ray", "local"] = Field("ray", description="ray: a process per worker; local: every worker in "
+                                             "this process (tests, debugging; one worker per pool)")
 
 
 class TaskConfig(_Model):
@@ -330,6 +332,13 @@ class Config(_Model):
         estimator = alg.adv_estimator or ("gae" if alg.name == "ppo" else "grpo")
         critic_free = alg.name in CRITIC_FREE_STEPS
         self._check_task()
+        res = self.resources
+        if res.backend == "local":  # FSDP ranks need a process each (torch.distributed)
+            for key in ("actor_workers", "rollout_workers"):
+                if getattr(res, key) != 1:
+                    raise ConfigError(f"resources.{key}: bad value {getattr(res, key)!r}; resources.backend=local runs "
+                                      f"every worker in this process, where an FSDP engine cannot span ranks: use 1 "
+                                      f"(or resources.backend=ray)", f"resources.{key}")
         if alg.name == "ppo" and estimator != "gae":
             raise ConfigError(
                 f"algorithm.adv_estimator: bad value {estimator!r}; PPO computes GAE advantages with its critic "

@@ -117,7 +117,8 @@ class Runner:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         _seed_everything(cfg.runner.seed)
-        orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
+        if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
+            orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
         self.cluster = build_cluster(cfg, self.task)
         failed = False
         try:

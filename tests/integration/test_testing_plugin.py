@@ -124,10 +124,11 @@ async def test_leaves_a_call_running(make_group):
 
 
 @pytest.mark.slow
-def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running(tmp_path):
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running(tmp_path, backend):
     """A fresh pytest (its own cluster, strict asyncio mode: no project config) over a copy of tests/plugin_user
     with one assertion made wrong, plus a test that leaves a call running: the untouched test passes, both others
-    fail, with the assertion's own message and the call's name."""
+    fail, with the assertion's own message and the call's name — on the Ray backend and on the in-process one."""
     src = ROOT / "tests" / "plugin_user"
     shutil.copy(src / "user_workers.py", tmp_path / "user_workers.py")
     text = (src / "test_user_worker.py").read_text()
@@ -137,8 +138,8 @@ def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running
     (tmp_path / "test_leak.py").write_text(LEAKY)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-num-cpus=2",
-                           "-o", "timeout=240", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+                           f"--orc-backend={backend}", "-o", "timeout=240", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "2 failed, 1 passed" in out, out
@@ -146,8 +147,17 @@ def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running
     assert "calls still in flight when the test ended: ['Waiter.wait']" in out, out
 
 
-def test_the_local_backend_is_refused_until_it_exists(tmp_path):
+def test_a_users_test_file_passes_in_process_without_ray(tmp_path):
+    """The user's file, unchanged, with ``--orc-backend=local``: it passes and no Ray cluster is started."""
+    src = ROOT / "tests" / "plugin_user"
+    for name in ("user_workers.py", "test_user_worker.py"):
+        shutil.copy(src / name, tmp_path / name)
+    (tmp_path / "test_no_ray.py").write_text(
+        "import pytest\nimport ray\n\n\n@pytest.mark.asyncio\nasync def test_ray_was_never_started(make_group):\n"
+        "    assert not ray.is_initialized()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-backend=local",
-                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
-    assert "the in-process backend is not built yet (issue 10 item 3)" in proc.stderr
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "3 passed" in out, out
