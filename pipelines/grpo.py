@@ -43,15 +43,17 @@ async def _get(x: DataFuture | Batch) -> Batch:
     return x if isinstance(x, Batch) else await x
 
 
-async def critic_free_update(ctx: StepContext, rollouts: DataFuture | Batch, scores: DataFuture | Batch
-                             ) -> dict[str, float]:
+async def critic_free_update(ctx: StepContext, rollouts: DataFuture | Batch, scores: DataFuture | Batch,
+                             streamed: bool | None = None) -> dict[str, float]:
     """Advantages from ``scores`` (the reward stage's output for ``rollouts``) and one actor update. ``rollouts``
-    is the runner's streamed future (GRPO) or rows already chosen by the controller (DAPO's kept groups)."""
+    is the runner's streamed future (GRPO; its stages map over parts as they arrive) or a finished set of rows
+    (DAPO's kept groups, gathered on a worker: ``streamed=False``, each stage reads its shard of them)."""
     cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
     estimator = alg.adv_estimator or "grpo"
     beta = kl_coef(ctx)  # fixed, or the adaptive controller's (algorithm.kl_target)
     kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"  # the config allows it for reinforce_pp only
-    streamed = not isinstance(rollouts, Batch)
+    if streamed is None:
+        streamed = not isinstance(rollouts, Batch)
     opts: dict[str, Any] = {"stream": True} if streamed else {}
 
     def stage(name: str, fut: DataFuture) -> DataFuture:

@@ -4,9 +4,9 @@ A Ray cluster costs seconds to start, and every rank of every group is a fresh w
 (2-4 s each on a quiet 2-core box, 10 s and more on a loaded one), so no test on Ray fits a one-minute tier. The
 rule: a test that uses the orchestra plugin's ``orc_cluster`` fixture (every test under ``tests/integration`` through
 its autouse fixture, and every ``make_group`` test) or a multi-node cluster (``tests/cluster``) is slow. Tests that
-spawn processes of their own (``engines._dist.spawn``) carry ``@pytest.mark.slow`` themselves. When the in-process
-backend (``--orc-backend=local``, issue 10 item 3) exists, the tests that run on it need no cluster and leave this
-rule by themselves.
+spawn processes of their own (``engines._dist.spawn``) carry ``@pytest.mark.slow`` themselves. Tests on the in-process
+backend need no cluster and stay in the fast tier (``tests/contract``: the ``local`` runs; its conftest marks the
+``ray`` runs slow).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 from orchestra import Batch
 from pipelines.config import load_config
 from pipelines.dapo import dapo_step
-from pipelines.dynamic_sampling import groups_to_train, left_pad_prompts, next_round_prompts
+from pipelines.dynamic_sampling import gather_groups, groups_to_train, left_pad_prompts, next_round_prompts
 from pipelines.grpo import grpo_step
 from pipelines.stage import StepContext
 from step_fakes import FakeFuture
@@ -53,6 +53,8 @@ def _cluster(calls):
     c.advantage = C()
     c.advantage.response_lengths = ep("advantage.response_lengths", lengths)
     c.advantage.moments = ep("advantage.moments", lambda b: {"sum": 0.0, "sumsq": 1.0, "count": 1.0})
+    c.advantage.gather_groups = ep("advantage.gather_groups", lambda *rounds, picks, pad_id: gather_groups(
+        [_value(r) for r in rounds], picks, pad_id))
     return c
 
 
