@@ -51,9 +51,10 @@ class RankDied(Exception):
 class TaskFailed(Exception):
     """An in-process host method raised something other than a ``WorkerError`` (Ray's ``RayTaskError``)."""
 
-    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+    def __init__(self, message: str, cause: BaseException | None = None, remote_traceback: str = "") -> None:
         super().__init__(message)
         self.cause = cause
+        self.remote_traceback = remote_traceback
 
 
 class Backend(ABC):

@@ -763,8 +763,8 @@ def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None)
     if isinstance(e, _backend.RankDied):
         return _died(e, group, endpoint, rank)
     if isinstance(e, _backend.TaskFailed):
-        cause = e.cause
-        return WorkerError(str(e), group=group, rank=rank, endpoint=endpoint, exc_type=type(cause or e).__name__)
+        return WorkerError(str(e), group=group, rank=rank, endpoint=endpoint, remote_traceback=e.remote_traceback,
+                           exc_type=type(e.cause or e).__name__)
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = getattr(e, "cause", None)
         if isinstance(cause, WorkerError):

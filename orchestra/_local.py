@@ -27,6 +27,7 @@ import os
 import pickle
 import queue
 import threading
+import traceback
 from typing import Any
 
 from ray import cloudpickle
@@ -330,7 +331,8 @@ class LocalActor:
         except OrchestraError as e:  # the host's WorkerError: crosses the boundary as itself (a copy)
             self._fail(job, copy(e))
         except BaseException as e:  # noqa: BLE001 - handed to the caller, as Ray's RayTaskError would be
-            self._fail(job, TaskFailed(f"{type(e).__name__}: {e}", cause=e))
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            self._fail(job, TaskFailed(f"{type(e).__name__}: {e}", cause=e, remote_traceback=tb))
 
     def _kill(self, why: str) -> None:
         """The rank dies: every queued, running and later call fails with RankDied; its lanes stop."""
