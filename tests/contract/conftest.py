@@ -3,7 +3,9 @@ process per rank) and ``local`` (every rank in this process) — through the ``b
 drift. The ``ray`` runs need the session's Ray cluster and are marked ``slow``; the ``local`` runs need no cluster
 and are part of the fast tier. With ``--orc-backend=local`` (no Ray in the session) the ``ray`` runs are skipped.
 
-``make_group`` is the orchestra plugin's fixture (same leak checks) with the pool's backend set to the test's.
+``make_group`` is the orchestra plugin's fixture (same leak checks) with the pool's backend set to the test's; tests
+whose subject is not a group's own life share ``bed``: Echo groups of 2 and 3 ranks and a 2-rank Meshed group per
+backend, started once (a Ray group costs seconds to start). A test that changes a bed group's state puts it back.
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ async def make_group(backend: str) -> AsyncIterator[_plugin.GroupFactory]:
     problems = await _plugin.close_and_check(factory, before)
     if problems:
         pytest.fail("make_group: left behind after the test:\n  - " + "\n  - ".join(problems), pytrace=False)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def bed(backend: str) -> AsyncIterator[dict[str, Any]]:
+    """``{"e2": Echo x2, "e3": Echo x3, "mesh": Meshed x2}`` on this backend (scale 1.0), ready."""
+    from contract_workers import Echo, Meshed
+
+    from orchestra import ResourcePool, WorkerGroup
+
+    def pool(n: int) -> ResourcePool:
+        return ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01, backend=backend)
+
+    groups = {"e2": WorkerGroup(pool(2), Echo, group_name="e2"), "e3": WorkerGroup(pool(3), Echo, group_name="e3"),
+              "mesh": WorkerGroup(pool(2), Meshed, group_name="mesh")}
+    try:
+        await asyncio.gather(*[g.ready() for g in groups.values()])
+        yield groups
+    finally:
+        for g in groups.values():
+            await g.aclose()
 
 
 @pytest.fixture

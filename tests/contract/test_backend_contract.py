@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from contract_workers import BadInit, Critic, Echo, Meshed
+from contract_workers import BadInit, Critic, Echo
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
@@ -19,27 +19,28 @@ def xs(n: int) -> Batch:
 
 
 # -- dispatch and results ---------------------------------------------------------------------------------------------
-async def test_shard_splits_rows_in_order_over_ranks(make_group):
-    g = await make_group(Echo, 2.0, ranks=3)
+async def test_shard_splits_rows_in_order_over_ranks(bed):
+    g = bed["e3"]
     out = await g.scale_x(xs(7))
-    assert out["y"].tolist() == [0, 2, 4, 6, 8, 10, 12]
+    assert out["y"].tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert out["rank"].tolist() == [0, 0, 0, 1, 1, 2, 2]
     padded = await g.padded(xs(7))
     assert len(padded) == 7 and padded["n"].tolist() == [3] * 7  # every rank got 3 rows (2 of them padding)
 
 
-async def test_broadcast_and_async_endpoints_return_one_value_per_rank(make_group):
-    g = await make_group(Echo, ranks=2)
-    assert await g.whoami() == [{"rank": 0, "world_size": 2, "role": "Echo"},
-                                {"rank": 1, "world_size": 2, "role": "Echo"}]
+async def test_broadcast_and_async_endpoints_return_one_value_per_rank(bed):
+    g = bed["e2"]
+    assert await g.whoami() == [{"rank": 0, "world_size": 2, "role": "e2"}, {"rank": 1, "world_size": 2, "role": "e2"}]
     assert await g.set_scale(3.0) == [3.0, 3.0]
-    assert await g.async_add(10) == [10, 11]
-    assert (await g.scale_x(xs(2)))["y"].tolist() == [0, 3]
+    try:
+        assert await g.async_add(10) == [10, 11]
+        assert (await g.scale_x(xs(2)))["y"].tolist() == [0, 3]
+    finally:
+        await g.set_scale(1.0)
 
 
-async def test_mesh_ranks_of_one_replica_read_the_same_rows_and_one_reports(make_group):
-    g = await make_group(Meshed, ranks=2)
-    out = await g.compute(xs(5))
+async def test_mesh_ranks_of_one_replica_read_the_same_rows_and_one_reports(bed):
+    out = await bed["mesh"].compute(xs(5))
     assert out["x"].tolist() == [0, 1, 2, 3, 4] and out["rank"].tolist() == [0] * 5
 
 
@@ -58,9 +59,9 @@ async def test_colocated_roles_share_each_rank(backend):
 
 
 # -- forwarding and streaming -----------------------------------------------------------------------------------------
-async def test_forwarded_future_is_read_worker_to_worker_by_overlapping_parts(make_group):
-    a = await make_group(Echo, ranks=3, group_name="up")
-    b = await make_group(Echo, ranks=2, group_name="down")
+async def test_forwarded_future_is_read_worker_to_worker_by_overlapping_parts(bed):
+    a, b = bed["e3"], bed["e2"]
+    await b.reset_stats()
     orc.reset_controller_stats()
     down = b.plus_one(a.echo(xs(10)))  # producer rows 4,3,3 -> consumer rows [0,5) and [5,10)
     out = await down
@@ -72,16 +73,17 @@ async def test_forwarded_future_is_read_worker_to_worker_by_overlapping_parts(ma
     assert orc.controller_stats()["bytes_materialized"] == out.nbytes  # never the upstream payload
 
 
-async def test_union_of_futures_joins_columns_row_by_row(make_group):
-    a = await make_group(Echo, 2.0, ranks=2)
+async def test_union_of_futures_joins_columns_row_by_row(bed):
+    a, b = bed["e2"], bed["e3"]
     base = a.echo(xs(5))
-    joined = await (a.scale_x(base) | a.plus_one(base))
+    joined = await (a.scale_x(base) | b.plus_one(base))
     assert set(joined.keys()) == {"y", "rank", "z"}
-    assert joined["y"].tolist() == [0, 2, 4, 6, 8] and joined["z"].tolist() == [1, 2, 3, 4, 5]
+    assert joined["y"].tolist() == [0, 1, 2, 3, 4] and joined["z"].tolist() == [1, 2, 3, 4, 5]
+    assert (await b.echo(base | a.plus_one(base)))["z"].tolist() == [1, 2, 3, 4, 5]  # a union read by another call
 
 
-async def test_generator_parts_arrive_in_order_and_stream_into_the_next_call(make_group):
-    g = await make_group(Echo, ranks=2)
+async def test_generator_parts_arrive_in_order_and_stream_into_the_next_call(bed):
+    g = bed["e2"]
     fut = g.gen(xs(8), pieces=2)
     parts = [p async for p in fut]  # in arrival order: each rank's in the order it yielded them
     assert sorted((p.slot, p.seq, p.rank, p.rows) for p in parts) == [(0, 0, 0, 2), (0, 1, 0, 2), (1, 0, 1, 2),
@@ -94,8 +96,8 @@ async def test_generator_parts_arrive_in_order_and_stream_into_the_next_call(mak
 
 # -- integrity -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [8, 40_000])  # inline in the call, and stored once for every reader
-async def test_a_writing_reader_changes_nothing_another_reader_or_the_caller_sees(make_group, n):
-    g = await make_group(Echo, ranks=2)
+async def test_a_writing_reader_changes_nothing_another_reader_or_the_caller_sees(bed, n):
+    g = bed["e2"]
     mine = xs(n)
     written = await g.write_in_place(mine)
     assert written["x"].tolist()[:3] == [1000, 1001, 1002]
@@ -106,39 +108,39 @@ async def test_a_writing_reader_changes_nothing_another_reader_or_the_caller_see
     assert sum(await g.total(up)) == sum(range(n))  # a later reader of the same parts
 
 
-async def test_a_call_that_cannot_be_sent_to_one_rank_runs_on_none(make_group):
-    g = await make_group(Echo, ranks=2)
+async def test_a_call_that_cannot_be_sent_to_one_rank_runs_on_none(bed):
+    g = bed["e2"]
+    before = await g.seen_calls()
     with pytest.raises(orc.DispatchError, match="argument 0"):
         await g.take(threading.Lock())
     objs: list = [1, 2, 3, threading.Lock()]  # rank 1's rows cannot be serialized
     with pytest.raises(orc.DispatchError, match="rank 1") as info:
         await g.echo(Batch.from_dict({"x": torch.arange(4), "obj": objs}))
     assert "'obj'" in str(info.value)
-    assert await g.seen_calls() == [0, 0]
+    assert await g.seen_calls() == before
 
 
 # -- errors ----------------------------------------------------------------------------------------------------------
-async def test_a_worker_error_names_group_rank_and_endpoint(make_group):
-    g = await make_group(Echo, ranks=2, group_name="named")
+async def test_a_worker_error_names_group_rank_and_endpoint(bed):
+    g = bed["e2"]
     with pytest.raises(orc.WorkerError) as info:
         await g.fail_here(1)
     e = info.value
-    assert (e.group, e.rank, e.endpoint, e.exc_type) == ("named", 1, "fail_here", "ValueError")
+    assert (e.group, e.rank, e.endpoint, e.exc_type) == ("e2", 1, "fail_here", "ValueError")
     assert "refused on rank 1" in str(e) and "fail_here" in e.remote_traceback
     assert await g.fail_here(5) == [0, 1]  # the group still works
 
 
-async def test_an_upstream_failure_is_reported_as_the_upstreams_own(make_group):
-    a = await make_group(Echo, ranks=2, group_name="producer")
-    b = await make_group(Echo, ranks=2, group_name="consumer")
+async def test_an_upstream_failure_is_reported_as_the_upstreams_own(bed):
+    a, b = bed["e3"], bed["e2"]
     with pytest.raises(orc.WorkerError) as info:
         await b.plus_one(a.fail_shard(xs(4)))
-    assert info.value.group == "producer" and info.value.endpoint == "fail_shard"
+    assert info.value.group == "e3" and info.value.endpoint == "fail_shard"
     assert info.value.exc_type == "KeyError"
 
 
-async def test_fail_rank_makes_one_ranks_next_call_fail(make_group):
-    g = await make_group(Echo, ranks=2)
+async def test_fail_rank_makes_one_ranks_next_call_fail(bed):
+    g = bed["e2"]
     await fail_rank(g, 1, "scale_x", "injected here")
     with pytest.raises(orc.WorkerError) as info:
         await g.scale_x(xs(4))
@@ -166,8 +168,8 @@ async def test_a_pool_that_cannot_fit_is_refused_with_what_it_needs(backend):
 
 
 # -- cancellation, deadlines, shutdown and death -------------------------------------------------------------------
-async def test_cancel_ends_the_call_on_every_rank(make_group, seq):
-    g = await make_group(Echo, ranks=2)
+async def test_cancel_ends_the_call_on_every_rank(bed, seq):
+    g = bed["e2"]
     fut = g.hold_until_cancelled(seq)
     async with seq(2):  # ranks 0 and 1 passed positions 0 and 1: the call runs on both
         pass
@@ -178,8 +180,8 @@ async def test_cancel_ends_the_call_on_every_rank(make_group, seq):
     assert g.calls_in_flight() == []
 
 
-async def test_a_deadline_names_the_running_ranks_and_cancels_them(make_group, seq):
-    g = await make_group(Echo, ranks=2)
+async def test_a_deadline_names_the_running_ranks_and_cancels_them(bed, seq):
+    g = bed["e2"]
     with pytest.raises(orc.CallTimeoutError) as info:
         await g.hold_until_cancelled.options(timeout=0.5)(seq)
     assert list(info.value.pending_ranks) == [0, 1]
@@ -214,10 +216,10 @@ async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group
 
 
 # -- introspection ---------------------------------------------------------------------------------------------------
-async def test_describe_and_stats(make_group):
-    g = await make_group(Echo, ranks=2)
+async def test_describe_and_stats(bed):
+    g = bed["e2"]
     info = await g.describe()
-    assert [d["rank"] for d in info] == [0, 1] and all(d["roles"] == ["Echo"] for d in info)
+    assert [d["rank"] for d in info] == [0, 1] and all(d["roles"] == ["e2"] for d in info)
     assert all({"pid", "node_ip", "node_id", "device", "meshes"} <= set(d) for d in info)
     await g.reset_stats()
     await g.scale_x(xs(5))
