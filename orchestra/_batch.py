@@ -8,6 +8,7 @@ non-tensor columns, padding that remembers its pad count, a zero-copy wire forma
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -85,6 +86,13 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(tensors)
     out = torch.from_numpy(np.concatenate(arrays))
     return out.view(first.dtype) if view is not None else out
+
+
+def _own(arr: np.ndarray) -> np.ndarray:
+    """``arr`` with its elements deep-copied when they are Python objects (numbers and strings are immutable)."""
+    if arr.dtype != object or all(type(x) in (str, int, float, bool, bytes, type(None)) for x in arr.flat):
+        return arr
+    return copy.deepcopy(arr)
 
 
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
@@ -301,7 +309,8 @@ class Batch:
 
     @staticmethod
     def concat(batches: Iterable[Batch]) -> Batch:
-        """Rows of all batches in order; meta is taken from the first. Columns must match."""
+        """Rows of all batches in order, sharing nothing writable with them (one batch is returned as is); meta is
+        (a copy of) the first one's. Columns must match."""
         batches = list(batches)
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
@@ -319,8 +328,8 @@ class Batch:
         leaves = [k for k, _ in first._td.items(include_nested=True, leaves_only=True)]
         td = TensorDict({k: _cat([b._td.get(k) for b in batches]) for k in leaves}, batch_size=[n],
                         device=first._td.device)
-        nt = {k: np.concatenate([b._nt[k] for b in batches]) for k in first._nt}
-        return Batch(td, nt, first.meta, _validate=False)
+        nt = {k: _own(np.concatenate([b._nt[k] for b in batches])) for k in first._nt}
+        return Batch(td, nt, copy.deepcopy(first.meta), _validate=False)
 
     def select(self, *keys: str) -> Batch:
         """A batch with only the named columns (views)."""
@@ -387,8 +396,9 @@ class Batch:
         return out
 
     def clone(self) -> Batch:
-        """A private, writable copy of every column."""
-        return Batch(self._td.clone(), {k: v.copy() for k, v in self._nt.items()}, dict(self.meta),
+        """A private, writable copy of every column and of meta, down to the objects in object columns (a row's
+        dict written by its reader is not another reader's row)."""
+        return Batch(self._td.clone(), {k: _own(v.copy()) for k, v in self._nt.items()}, copy.deepcopy(self.meta),
                      _pad=self._pad, _validate=False)
 
     def to(self, device: str | torch.device) -> Batch:

@@ -85,6 +85,11 @@ def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
                           exc_type=UPSTREAM_FAILED) from None
 
 
+def _rows_in(args: tuple, kwargs: dict) -> int:
+    """Rows of the (padded) data input of a call: its Batch arguments, which a union made row-aligned."""
+    return next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
+
+
 def host_class(roles: dict[str, type]) -> type:
     """A Host subclass with one actor method per (role, endpoint), so a call carries only its own arguments."""
     methods: dict[str, Any] = {}
@@ -349,11 +354,17 @@ class Host:
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
+            rows_in = _rows_in(args, kwargs) if pad else None
             t0 = time.perf_counter()
             try:
                 result = self._aloop().run_until_complete(fn(*args, **kwargs)) if spec.is_async else fn(*args, **kwargs)
             finally:
                 counters["seconds"] += time.perf_counter() - t0
+            if pad and (not isinstance(result, Batch) or len(result) != rows_in):
+                got = f"{len(result)} rows" if isinstance(result, Batch) else type(result).__name__
+                raise ValueError(f"endpoint returned {got} for an input of {rows_in} rows ({pad} of them padding); "
+                                 f"an endpoint with padded input (shard(pad=True) or pad()) must return one row per "
+                                 f"input row, so that the padding rows can be dropped")
             out = self._store(result, pad, counters)
             if fetched is not None:
                 self._event(role, name, start, time.time(), fetched, out)
@@ -525,10 +536,7 @@ class Host:
         """Put a Batch result into the object store as bounded-size parts; other values travel inline."""
         if not isinstance(result, Batch):
             return result
-        if pad:
-            if len(result) < pad:
-                raise ValueError(f"endpoint returned {len(result)} rows but its input had {pad} padding rows; a padded "
-                                 f"shard endpoint must return one row per input row")
+        if pad:  # one row per input row (checked in _call): the last ``pad`` rows are the padding's
             result = result.slice(0, len(result) - pad)
         n, nbytes = len(result), result.nbytes
         pieces = max(1, min(n, part_count(nbytes))) if n else 1

@@ -13,6 +13,7 @@ Before any rank is sent anything, every rank's arguments are built and checked f
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
 import logging
 import pickle
@@ -169,13 +170,19 @@ class Invocation:
                 await gate.turn(ticket)
                 plan = await spec.dispatch.split(self.plan)
                 self._bind_collect(plan)
-                async with anyio.create_task_group() as tg:
-                    if plan.stream:
-                        await self._submit_stream(plan, tg, lambda: gate.release(ticket))
-                    else:
-                        calls = self._prepare(plan, await self._describe_all(plan))
-                        self._send(plan, calls, tg)
-                        gate.release(ticket)
+                calls = None if plan.stream else self._prepare(plan, await self._describe_all(plan))
+                try:
+                    async with anyio.create_task_group() as tg:
+                        if calls is None:
+                            await self._submit_stream(plan, tg, lambda: gate.release(ticket))
+                        else:
+                            self._send(plan, calls, tg)
+                            gate.release(ticket)
+                except BaseExceptionGroup as eg:  # one failure (the usual case) is raised as itself
+                    sole = _sole(eg)
+                    if sole is None:
+                        raise
+                    raise sole from None
         except TimeoutError as e:  # this call's deadline — or an upstream's CallTimeoutError, which stays its own
             err = e if isinstance(e, CallTimeoutError) else self._timeout_error(self._running_ranks())
             self._fail_submit(err)
@@ -504,15 +511,17 @@ class Invocation:
         return [[_as_output(o.result(), s.rank) for o in s.outputs] for s in self.slots if s.collected]
 
     async def result(self) -> Any:
-        """The materialized value (private copies: writing into it changes nothing another reader sees)."""
-        if self.result_value is not _UNSET:
-            return self.result_value
-        per_slot = await self.outputs()
-        infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
-        refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
-        fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
-        by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
-        _stats.add_materialized(sum(p.nbytes for p in infos))
+        """The materialized value, a private copy for each await: writing into it changes nothing another reader
+        (or a later await) sees. Parts are fetched once; each await joins its own copy of them."""
+        if self.result_value is _UNSET:
+            per_slot = await self.outputs()
+            infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
+            refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
+            fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
+            by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
+            _stats.add_materialized(sum(p.nbytes for p in infos))
+            self.result_value = (per_slot, by_info)  # kept unwritten: never handed out
+        per_slot, by_info = self.result_value
 
         def joined(batches: list[Batch]) -> Batch:
             if not batches:
@@ -528,12 +537,11 @@ class Invocation:
             if outs and all(o.is_batch for o in outs):
                 values.append(joined([by_info[id(p)] for o in outs for p in o.parts]))
             elif len(outs) == 1:
-                values.append(outs[0].value)
+                values.append(copy.deepcopy(outs[0].value))
             else:
-                values.append([o.value if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
+                values.append([copy.deepcopy(o.value) if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
                                for o in outs])
-        self.result_value = self.collect(values) if self.collect else values
-        return self.result_value
+        return self.collect(values) if self.collect else values
 
     # -- cancellation ---------------------------------------------------------------------------------------------
     def fail(self, error: BaseException) -> BaseException:
@@ -570,6 +578,19 @@ class Invocation:
         if self._ticket is not None:  # a root task cancelled before its first step never reaches its finally
             self.shared.gate.release(self._ticket)
         self.shared.live.discard(self)
+
+
+def _sole(eg: BaseExceptionGroup) -> BaseException | None:
+    """The one exception inside ``eg`` (nested groups flattened), or None when there are several."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [eg]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    return leaves[0] if len(leaves) == 1 else None
 
 
 def _task_id(ref: Any) -> str:
@@ -688,10 +709,20 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
 # -- all or nothing: every rank's arguments serialize before any rank is sent anything -------------------------------
 class _DryRun(cloudpickle.CloudPickler):
     """Pickles to nowhere, skipping what the backend serializes by its own means (refs, tensors, numeric arrays, and
-    the in-process backend's handles, which travel by reference)."""
+    — for in-process ranks only — the in-process backend's references and handles, which travel by reference)."""
+
+    def __init__(self, file: io.BytesIO, in_process_ok: bool) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.in_process_ok = in_process_ok
 
     def persistent_id(self, obj: Any) -> Any:
-        if (isinstance(obj, torch.Tensor) or _backend.is_ref(obj) or getattr(type(obj), "_orc_in_process", False)
+        if getattr(type(obj), "_orc_in_process", False):
+            if self.in_process_ok:
+                return 0
+            raise TypeError(f"{obj!r} belongs to the in-process backend (backend='local'): a future, reference or "
+                            f"Sequencer of in-process ranks cannot reach ranks in other processes. Await it and pass "
+                            f"the value, or run both groups on one backend")
+        if (isinstance(obj, torch.Tensor) or _backend.is_ref(obj)
                 or (isinstance(obj, np.ndarray) and obj.dtype != object)):
             return 0
         return None
@@ -702,8 +733,8 @@ class _DryRun(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def _dry_run(value: Any) -> None:
-    _DryRun(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+def _dry_run(value: Any, in_process_ok: bool = False) -> None:
+    _DryRun(io.BytesIO(), in_process_ok).dump(value)
 
 
 _SIMPLE = (int, float, str, bytes, bool, type(None), ray.ObjectRef, torch.Tensor)
@@ -718,12 +749,18 @@ def _only_tensors(v: Any) -> bool:
 def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:
     """Raise DispatchError naming the rank, argument and column of the first value that cannot be serialized."""
     checked: set[int] = set()
-    for r, (args, kwargs, _refs) in calls.items():
+    in_process_ok = not plan.group.pool.backend.own_process
+    for r, (args, kwargs, refs) in calls.items():
+        if not in_process_ok and any(getattr(type(x), "_orc_in_process", False) for x in refs):
+            try:
+                _dry_run(refs)
+            except Exception as e:  # noqa: BLE001 - re-raised as DispatchError naming where
+                raise _unserializable(plan, "a forwarded future", r, refs, e) from None
         for name, v in [*((i, a) for i, a in enumerate(args)), *kwargs.items()]:
             if isinstance(v, _SIMPLE) or id(v) in checked or _only_tensors(v):
                 continue
             try:
-                _dry_run(v)
+                _dry_run(v, in_process_ok)
             except Exception as e:  # noqa: BLE001 - re-raised as DispatchError naming where
                 raise _unserializable(plan, f"argument {name!r}" if isinstance(name, str) else f"argument {name}",
                                       r, v, e) from None

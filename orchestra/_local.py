@@ -5,15 +5,16 @@ Each rank is the same ``Host`` a Ray actor runs, served by three threads — its
 one at a time, in the order calls were sent), control (ping, stats, cancellation; answers while compute is busy)
 and watch (the supervision call). What crosses the boundary is serialized as Ray would serialize it: a call's
 arguments are pickled when it is sent (so an unpicklable argument fails at once, and a caller's later writes do not
-reach the call), replies and yields are pickled once when produced, and a stored object (``put``) is one shared
-copy that every reader sees, like Ray's shared memory. ``kill`` is a process death as the controller sees it: the
-rank's queued, running and later calls fail with ``RankDied`` (a ``WorkerDiedError`` for the caller), its
-supervision call fails, and a running endpoint that polls ``Worker.cancelled()`` stops (a thread cannot be
-killed: one that never polls runs to its end, its result dropped).
+reach the call); replies, yields and stored objects (``put``) are pickled when produced, and every read of a
+reference unpickles a copy of its own. ``kill`` is a process death as the controller sees it: the rank's queued,
+running and later calls fail with ``RankDied`` (a ``WorkerDiedError`` for the caller), its supervision call fails,
+and a running endpoint that polls ``Worker.cancelled()`` stops (a thread cannot be killed: one that never polls
+runs to its end, its result dropped).
 
-What differs from Ray on purpose: ranks share one process, so ``os.environ`` is not set per rank (read
-``self.rank`` / ``self.world_size``) and a ``torch.distributed`` process group cannot span ranks; GPUs are not
-assigned. Use the Ray backend for collectives and real jobs.
+What differs from Ray on purpose: ranks share one process, so ``os.environ``, the global random generators
+(``torch.manual_seed``, ``numpy.random``, ``random``) and module or class globals are shared by every rank (seed
+and keep state per rank on ``self``, e.g. a ``torch.Generator``), and a ``torch.distributed`` process group cannot
+span ranks; GPUs are not assigned. Use the Ray backend for collectives and real jobs.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ def _loads(data: tuple[bytes, list[Any]]) -> Any:
     return _Unpickler(io.BytesIO(data[0]), data[1]).load()
 
 
+def _describe(e: BaseException) -> str:
+    """``str(e)`` (its type is reported separately), or a placeholder when ``__str__`` itself fails."""
+    try:
+        return str(e) or type(e).__name__
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error itself
+        return f"<{type(e).__name__}: str() failed>"
+
+
 def copy(obj: Any) -> Any:
     """``obj`` as a reader in another process would get it: a deep copy through pickle."""
     return _loads(_dumps(obj))
@@ -96,20 +105,41 @@ def copy(obj: Any) -> Any:
 
 # -- references -----------------------------------------------------------------------------------------------------
 class LocalRef:
-    """An in-process object reference: awaitable, ``future()``, ``task_id()``, ``get()`` (blocking)."""
+    """An in-process object reference: awaitable, ``future()``, ``task_id()``, ``get()`` (blocking).
+
+    It holds the object pickled (as Ray's object store holds it serialized) and every read unpickles a fresh copy,
+    so no reader — the controller awaiting it, a rank fetching it — can change what another reader gets. (Ray
+    shares the numeric buffers of large objects between readers on one node; copying them too only removes that
+    hazard, which the core guards against anyway.)"""
 
     _orc_ref = True
     _orc_in_process = True
-    __slots__ = ("_fut", "_task", "_shared", "_id")
+    __slots__ = ("_src", "_task", "_id")
 
-    def __init__(self, task: str, fut: concurrent.futures.Future | None = None, shared: bool = False) -> None:
+    def __init__(self, task: str) -> None:
         self._task = task
-        self._fut = fut if fut is not None else concurrent.futures.Future()
-        self._shared = shared  # a put object: one copy all readers see (replies are copied per get, as Ray does)
+        self._src: concurrent.futures.Future = concurrent.futures.Future()  # resolves to the pickled payload
         self._id = _new_id()
 
+    def _set(self, obj: Any) -> None:
+        """Store ``obj`` (pickled now: later writes to it do not reach readers)."""
+        _resolve(self._src, _dumps(obj))
+
     def future(self) -> concurrent.futures.Future:
-        return self._fut
+        """A future of a fresh copy of the object (each call its own copy)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(src: concurrent.futures.Future) -> None:
+            if out.cancelled():  # the reader went away
+                return
+            try:
+                value = _loads(src.result())
+            except BaseException as e:  # noqa: BLE001 - the call's failure, handed to this reader
+                _resolve(out, error=e)
+            else:
+                _resolve(out, value)
+        self._src.add_done_callback(done)
+        return out
 
     def task_id(self) -> _TaskId:
         return _TaskId(self._task)
@@ -118,11 +148,10 @@ class LocalRef:
         return self._id
 
     def get(self, timeout: float | None = None) -> Any:
-        value = self._fut.result(timeout)
-        return value if self._shared else copy(value)
+        return _loads(self._src.result(timeout))
 
     def __await__(self) -> Any:
-        return asyncio.wrap_future(self._fut).__await__()
+        return asyncio.wrap_future(self.future()).__await__()
 
     def __repr__(self) -> str:
         return f"LocalRef({self._id})"
@@ -276,7 +305,7 @@ class LocalActor:
         return gen if streaming else ref
 
     def _fail(self, job: _Job, error: BaseException) -> None:
-        _resolve(job.ref.future(), error=error)
+        _resolve(job.ref._src, error=error)
         if job.gen is not None:
             job.gen._push(_End(error))
 
@@ -284,6 +313,9 @@ class LocalActor:
         while True:
             job = q.get()
             if job is None:
+                loop = self._host._loop if lane == "compute" else None
+                if loop is not None and not loop.is_closed():  # async endpoints' loop, owned by this thread
+                    loop.close()
                 return
             with self._lock:
                 if self._dead is not None:
@@ -311,7 +343,7 @@ class LocalActor:
                 kwargs = {k: (v.get() if isinstance(v, LocalRef) else v) for k, v in kwargs.items()}
             method = getattr(self._host, job.name)
             if job.gen is None:
-                _resolve(job.ref.future(), copy(method(*args, **kwargs)))
+                job.ref._set(method(*args, **kwargs))
                 return
             it = method(*args, **kwargs)
             try:
@@ -319,7 +351,7 @@ class LocalActor:
                     if self._dead is not None:
                         break
                     out = LocalRef(job.task)
-                    out.future().set_result(copy(item))
+                    out._set(item)
                     job.gen._push(out)
             finally:
                 close = getattr(it, "close", None)
@@ -327,12 +359,12 @@ class LocalActor:
                     close()
             if self._dead is None:
                 job.gen._push(_End(None))
-            _resolve(job.ref.future(), None)
+            job.ref._set(None)
         except OrchestraError as e:  # the host's WorkerError: crosses the boundary as itself (a copy)
             self._fail(job, copy(e))
         except BaseException as e:  # noqa: BLE001 - handed to the caller, as Ray's RayTaskError would be
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            self._fail(job, TaskFailed(f"{type(e).__name__}: {e}", cause=e, remote_traceback=tb))
+            self._fail(job, TaskFailed(_describe(e), cause=e, remote_traceback=tb))
 
     def _kill(self, why: str) -> None:
         """The rank dies: every queued, running and later call fails with RankDied; its lanes stop."""
@@ -419,6 +451,6 @@ class LocalBackend(Backend):
         handle._kill("the rank was killed")
 
     def put(self, obj: Any) -> LocalRef:
-        ref = LocalRef(_new_id(), shared=True)
-        ref.future().set_result(copy(obj))
+        ref = LocalRef(_new_id())
+        ref._set(obj)
         return ref

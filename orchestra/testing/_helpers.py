@@ -155,8 +155,8 @@ class Sequencer:
             self._actor = None
             return
         if not ray.is_initialized():
-            raise RuntimeError("Sequencer() needs a running cluster: call orc.init() first (or use the orc_cluster "
-                               "fixture)")
+            raise RuntimeError("Sequencer() needs a running Ray cluster: call orc.init() first (or use the orc_cluster "
+                               "fixture); for groups of the in-process backend use Sequencer(backend='local')")
         self._local = None
         self._actor = ray.remote(num_cpus=0)(_SequencerState).remote()
 

@@ -53,6 +53,31 @@ class Echo(FailOnCue, Worker):
         for piece in batch.chunk(pieces):
             yield piece
 
+    @endpoint(D.shard(pad=True))
+    def padded_short(self, batch: Batch) -> Batch:
+        """Wrong on purpose: one row fewer than it was given."""
+        return batch.slice(0, len(batch) - 1)
+
+    @endpoint
+    def make_value(self) -> dict:
+        return {"k": "orig", "lst": [1]}
+
+    @endpoint
+    def take_value(self, v: object) -> object:
+        return v
+
+    @endpoint(D.shard())
+    def scribble(self, batch: Batch) -> int:
+        """Writes into the nested parts of its input: a meta list and the dicts of an object column."""
+        batch.meta["tags"].append(f"rank{self.rank}")
+        for row in batch["obj"]:
+            row["mark"] = "written"
+        return len(batch)
+
+    @endpoint(D.shard())
+    def marks(self, batch: Batch) -> list:
+        return [list(batch.meta["tags"]), sum(1 for row in batch["obj"] if "mark" in row)]
+
     @endpoint(D.broadcast())
     def set_scale(self, s: float) -> float:
         self.scale = s

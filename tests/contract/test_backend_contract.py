@@ -108,6 +108,51 @@ async def test_a_writing_reader_changes_nothing_another_reader_or_the_caller_see
     assert sum(await g.total(up)) == sum(range(n))  # a later reader of the same parts
 
 
+@pytest.mark.parametrize("n", [8, 20_000])
+async def test_nested_meta_and_object_rows_written_by_a_reader_stay_its_own(bed, n):
+    g = bed["e2"]
+    data = Batch.from_dict({"x": torch.arange(n), "obj": [{"i": i} for i in range(n)]}, meta={"tags": ["orig"]})
+    up = g.echo(data)
+    assert sum(await g.scribble(up)) == n
+    assert await g.marks(up) == [[["orig"], 0], [["orig"], 0]]  # a later reader of the same parts
+    mine = await up
+    assert mine.meta["tags"] == ["orig"] and not any("mark" in r for r in mine["obj"])
+    mine.meta["tags"].append("caller")  # the caller writes into its awaited value ...
+    mine["obj"][0]["mark"] = "caller"
+    assert await g.marks(up) == [[["orig"], 0], [["orig"], 0]]  # ... and no reader sees it
+    again = await up  # nor does a second await
+    assert again.meta["tags"] == ["orig"] and "mark" not in again["obj"][0]
+    assert data.meta["tags"] == ["orig"] and not any("mark" in r for r in data["obj"])
+
+
+async def test_an_awaited_value_changed_by_the_caller_is_not_what_a_later_reader_gets(bed):
+    g = bed["e2"]
+    fut = g.make_value()
+    values = await fut
+    values[0]["k"] = "changed by the caller"
+    values[0]["lst"].append(99)
+    assert await g.take_value(fut) == [[{"k": "orig", "lst": [1]}] * 2] * 2
+    assert (await fut)[0] == {"k": "orig", "lst": [1]}
+
+
+async def test_a_padded_endpoint_must_return_a_row_per_input_row(bed):
+    with pytest.raises(orc.WorkerError, match="one row per input row") as info:
+        await bed["e3"].padded_short(xs(7))
+    assert info.value.endpoint == "padded_short"
+
+
+async def test_a_future_of_an_in_process_group_is_refused_by_a_ray_group(bed, backend):
+    if backend != "ray":
+        pytest.skip("needs a Ray group to send to")
+    async with WorkerGroup(ResourcePool([1], backend="local"), Echo, group_name="inproc") as local:
+        fut = local.echo(xs(4))
+        with pytest.raises(orc.DispatchError, match="in-process") as info:
+            await bed["e2"].plus_one(fut)
+        assert "e2" in str(info.value) and "plus_one" in str(info.value)
+        await fut
+    assert bed["e2"].calls_in_flight() == []
+
+
 async def test_a_call_that_cannot_be_sent_to_one_rank_runs_on_none(bed):
     g = bed["e2"]
     before = await g.seen_calls()
