@@ -95,6 +95,10 @@ def test_init_local_takes_no_cluster_arguments():
 
 
 async def test_init_local_makes_new_pools_in_process_until_shutdown():
+    import ray
+
+    if ray.is_initialized():  # the full suite's session cluster: orc.shutdown() would stop it for later tests
+        pytest.skip("orc.shutdown() would stop the Ray cluster this session's other tests use")
     session = orc.init(backend="local", num_cpus=3)
     try:
         assert session["CPU"] == 3.0
