@@ -13,7 +13,6 @@ Before any rank is sent anything, every rank's arguments are built and checked f
 from __future__ import annotations
 
 import asyncio
-import copy
 import io
 import logging
 import pickle
@@ -109,13 +108,6 @@ def components(x: Any) -> list[Any]:
     return list(x._orc_sources)
 
 
-class _Unset:
-    pass
-
-
-_UNSET = _Unset()
-
-
 class Invocation:
     """One group call: plan, gate ticket, per-rank slots, background tasks, deadline and terminal state."""
 
@@ -134,7 +126,7 @@ class Invocation:
                                             if isinstance(c, Invocation)]
         self.collect: Callable[[list[Any]], Any] | None = None
         self.concat_all = False
-        self.result_value: Any = _UNSET
+        self._awaited = False  # a first await took the replies as received; later ones fetch their own copies
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
         self._scan = 0  # slots before this index are finished (see _check_done)
@@ -512,16 +504,20 @@ class Invocation:
 
     async def result(self) -> Any:
         """The materialized value, a private copy for each await: writing into it changes nothing another reader
-        (or a later await) sees. Parts are fetched once; each await joins its own copy of them."""
-        if self.result_value is _UNSET:
+        (or a later await) sees. The first await uses the replies as they arrived; a later one fetches them again
+        from the backend (a fresh deserialization), as any other reader would."""
+        if not self._awaited:
+            self._awaited = True
             per_slot = await self.outputs()
-            infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
-            refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
-            fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
-            by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
-            _stats.add_materialized(sum(p.nbytes for p in infos))
-            self.result_value = (per_slot, by_info)  # kept unwritten: never handed out
-        per_slot, by_info = self.result_value
+        else:
+            await self.wait()
+            per_slot = [[_as_output(o, s.rank) for o in await asyncio.gather(*s.refs)]
+                        for s in self.slots if s.collected]
+        infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
+        refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
+        fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
+        by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
+        _stats.add_materialized(sum(p.nbytes for p in infos))
 
         def joined(batches: list[Batch]) -> Batch:
             if not batches:
@@ -537,9 +533,9 @@ class Invocation:
             if outs and all(o.is_batch for o in outs):
                 values.append(joined([by_info[id(p)] for o in outs for p in o.parts]))
             elif len(outs) == 1:
-                values.append(copy.deepcopy(outs[0].value))
+                values.append(outs[0].value)
             else:
-                values.append([copy.deepcopy(o.value) if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
+                values.append([o.value if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
                                for o in outs])
         return self.collect(values) if self.collect else values
 
@@ -716,12 +712,10 @@ class _DryRun(cloudpickle.CloudPickler):
         self.in_process_ok = in_process_ok
 
     def persistent_id(self, obj: Any) -> Any:
-        if getattr(type(obj), "_orc_in_process", False):
+        if _in_process(obj):
             if self.in_process_ok:
                 return 0
-            raise TypeError(f"{obj!r} belongs to the in-process backend (backend='local'): a future, reference or "
-                            f"Sequencer of in-process ranks cannot reach ranks in other processes. Await it and pass "
-                            f"the value, or run both groups on one backend")
+            raise _cannot_leave_process(obj)
         if (isinstance(obj, torch.Tensor) or _backend.is_ref(obj)
                 or (isinstance(obj, np.ndarray) and obj.dtype != object)):
             return 0
@@ -731,6 +725,17 @@ class _DryRun(cloudpickle.CloudPickler):
         if isinstance(obj, Batch):  # tensor columns travel as raw buffers: only the other columns can fail
             return tuple, ((obj.non_tensors, obj.meta),)
         return super().reducer_override(obj)
+
+
+def _in_process(obj: Any) -> bool:
+    """An object of the in-process backend (a reference, handle or Sequencer state) that travels by reference."""
+    return getattr(type(obj), "_orc_in_process", False)
+
+
+def _cannot_leave_process(obj: Any) -> TypeError:
+    return TypeError(f"{obj!r} belongs to the in-process backend (backend='local'): a future, reference or Sequencer "
+                     f"of in-process ranks cannot reach ranks in other processes. Await it and pass the value, or run "
+                     f"both groups on one backend")
 
 
 def _dry_run(value: Any, in_process_ok: bool = False) -> None:
@@ -751,11 +756,9 @@ def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:
     checked: set[int] = set()
     in_process_ok = not plan.group.pool.backend.own_process
     for r, (args, kwargs, refs) in calls.items():
-        if not in_process_ok and any(getattr(type(x), "_orc_in_process", False) for x in refs):
-            try:
-                _dry_run(refs)
-            except Exception as e:  # noqa: BLE001 - re-raised as DispatchError naming where
-                raise _unserializable(plan, "a forwarded future", r, refs, e) from None
+        stray = None if in_process_ok else next((x for x in refs if _in_process(x)), None)
+        if stray is not None:
+            raise _unserializable(plan, "a forwarded future", r, refs, _cannot_leave_process(stray))
         for name, v in [*((i, a) for i, a in enumerate(args)), *kwargs.items()]:
             if isinstance(v, _SIMPLE) or id(v) in checked or _only_tensors(v):
                 continue

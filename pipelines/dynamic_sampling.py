@@ -37,7 +37,7 @@ class SampledGroups:
     and reward columns (row-aligned, prompt-major, ``rollout.n`` rows a group), every sampled row's score, and the
     ``dynamic_sampling/*`` metrics."""
 
-    rollouts: DataFuture | Batch
+    rollouts: DataFuture
     scores: Batch
     sampled_scores: Tensor
     metrics: dict[str, float]

@@ -43,8 +43,8 @@ async def _get(x: DataFuture | Batch) -> Batch:
     return x if isinstance(x, Batch) else await x
 
 
-async def critic_free_update(ctx: StepContext, rollouts: DataFuture | Batch, scores: DataFuture | Batch,
-                             streamed: bool | None = None) -> dict[str, float]:
+async def critic_free_update(ctx: StepContext, rollouts: DataFuture, scores: DataFuture | Batch,
+                             streamed: bool = True) -> dict[str, float]:
     """Advantages from ``scores`` (the reward stage's output for ``rollouts``) and one actor update. ``rollouts``
     is the runner's streamed future (GRPO; its stages map over parts as they arrive) or a finished set of rows
     (DAPO's kept groups, gathered on a worker: ``streamed=False``, each stage reads its shard of them)."""
@@ -52,8 +52,6 @@ async def critic_free_update(ctx: StepContext, rollouts: DataFuture | Batch, sco
     estimator = alg.adv_estimator or "grpo"
     beta = kl_coef(ctx)  # fixed, or the adaptive controller's (algorithm.kl_target)
     kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"  # the config allows it for reinforce_pp only
-    if streamed is None:
-        streamed = not isinstance(rollouts, Batch)
     opts: dict[str, Any] = {"stream": True} if streamed else {}
 
     def stage(name: str, fut: DataFuture) -> DataFuture:

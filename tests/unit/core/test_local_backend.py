@@ -4,7 +4,11 @@ what a death does to queued calls, how placement waits, and how the backend is c
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,20 +98,30 @@ def test_init_local_takes_no_cluster_arguments():
         orc.init(backend="threads")
 
 
-async def test_init_local_makes_new_pools_in_process_until_shutdown():
-    import ray
+INIT_LOCAL = """
+import asyncio
+import orchestra as orc
+from orchestra import ResourcePool, WorkerGroup, _backend
+from test_local_backend import Keeper
 
-    if ray.is_initialized():  # the full suite's session cluster: orc.shutdown() would stop it for later tests
-        pytest.skip("orc.shutdown() would stop the Ray cluster this session's other tests use")
+async def main():
     session = orc.init(backend="local", num_cpus=3)
-    try:
-        assert session["CPU"] == 3.0
-        pool = ResourcePool([1])
-        assert pool.backend.name == "local"
-        async with WorkerGroup(pool, Keeper) as g:
-            assert (await g.describe())[0]["node_id"] == "local"
-    finally:
-        orc.shutdown()
-    from orchestra import _backend
-
+    assert session["CPU"] == 3.0
+    pool = ResourcePool([1])
+    assert pool.backend.name == "local"
+    async with WorkerGroup(pool, Keeper) as g:
+        assert (await g.describe())[0]["node_id"] == "local"
+    orc.shutdown()
     assert _backend.current().name == "ray"
+    print("ok")
+
+asyncio.run(main())
+"""
+
+
+def test_init_local_makes_new_pools_in_process_until_shutdown():
+    """In a process of its own: ``orc.shutdown()`` here would also stop a Ray cluster this session's other tests
+    use."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", INIT_LOCAL], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
