@@ -64,6 +64,8 @@ class EngineConfig:
     lr / weight_decay / betas / eps: AdamW (weight decay applies to every parameter).
     lr_schedule: "constant" or "cosine" (to ``min_lr_ratio * lr`` at ``total_steps``), both
         after a linear warmup of ``warmup_steps`` (step s uses ``lr * (s + 1) / warmup_steps``).
+    schedule_start: optimizer steps taken before the schedule starts (a warm start's, each given its own
+        ``lr`` in ``train_step``): step ``schedule_start`` is the schedule's step 0.
     grad_clip: max global grad norm; None or <= 0 disables clipping (the norm is still reported).
     micro_batch_size: rows per forward/backward in ``train_step``.
     forward_micro_batch_size: rows per forward in ``compute_log_prob``/``compute_values``
@@ -87,6 +89,7 @@ class EngineConfig:
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
+    schedule_start: int = 0
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
     micro_batch_size: int = 8
@@ -112,10 +115,14 @@ class EngineConfig:
             raise ValueError(f"forward_micro_batch_size must be >= 1 or None, got {self.forward_micro_batch_size}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule_start < 0:
+            raise ValueError(f"schedule_start must be >= 0, got {self.schedule_start}")
 
 
 def lr_factor(config: EngineConfig, step: int) -> float:
-    """Multiplier of ``config.lr`` for optimizer step ``step`` (0-based): warmup, then schedule."""
+    """Multiplier of ``config.lr`` for optimizer step ``step`` (0-based, counted from ``config.schedule_start``):
+    warmup, then schedule."""
+    step = max(0, step - config.schedule_start)
     w = config.warmup_steps
     if w > 0 and step < w:
         return (step + 1) / w
@@ -368,8 +375,10 @@ class FSDPEngine:
         *,
         temperature: float = 1.0,
         with_entropy: bool = True,
+        lr: float | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over this rank's rows (collective: all ranks call it).
+        """One optimizer step over this rank's rows (collective: all ranks call it); ``lr`` replaces the
+        schedule's rate for this step (a warm start's own rate).
 
         ``loss_fn(outputs, micro_batch)`` gets ``outputs`` with ``log_probs`` [b, R] and ``entropy``
         [b, R] (causal LM; entropy if ``with_entropy``) or ``values`` [b, R] (value model), with
@@ -399,7 +408,10 @@ class FSDPEngine:
         n_global = int(n_local.item())
 
         self.model.train()
-        lr = self.lr
+        if lr is None:
+            lr = self.lr
+        elif not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"train_step: lr must be a finite number > 0, got {lr}")
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)

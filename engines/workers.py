@@ -318,12 +318,13 @@ class ActorRolloutRefWorker(Worker):
     # -- training ---------------------------------------------------------------------------------------------------
     @endpoint(D.shard(mesh="actor") | D.metrics())
     def update_actor(self, batch: Batch, loss_fn: LossFn, ppo_epochs: int = 1, mini_batches: int = 1,
-                     temperature: float | None = None) -> dict[str, float]:
+                     temperature: float | None = None, lr: float | None = None) -> dict[str, float]:
         """``ppo_epochs`` x ``mini_batches`` optimizer steps of ``loss_fn`` on this rank's rows (collective);
-        bumps the weights version. Returns ``actor/*`` metrics averaged over the steps."""
+        bumps the weights version. ``lr``: this call's own rate instead of the schedule's (a warm start's).
+        Returns ``actor/*`` metrics averaged over the steps."""
         t = self._temperature(temperature)
         metrics = _train(self.actor, batch, loss_fn, ppo_epochs, mini_batches, "actor", "update_actor",
-                         temperature=t)
+                         temperature=t, lr=lr)
         self._version += 1
         metrics["actor/weights_version"] = float(self._version)
         return metrics

@@ -32,14 +32,16 @@ def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
             "tie_word_embeddings": m.tie_embeddings}
 
 
-def engine_config(cfg: Config, section: ActorConfig | CriticConfig, total_steps: int, seed: int) -> Any:
-    """An ``engines.EngineConfig`` from the actor's or the critic's own section (every knob explicit)."""
+def engine_config(cfg: Config, section: ActorConfig | CriticConfig, total_steps: int, seed: int,
+                  schedule_start: int = 0) -> Any:
+    """An ``engines.EngineConfig`` from the actor's or the critic's own section (every knob explicit);
+    ``schedule_start``: optimizer steps before the LR schedule starts (the task's warm start)."""
     from engines import EngineConfig
 
     return EngineConfig(lr=section.lr, weight_decay=section.weight_decay, warmup_steps=section.warmup_steps,
                         lr_schedule=section.lr_schedule, min_lr_ratio=section.min_lr_ratio,
                         betas=(0.9, section.beta2), total_steps=total_steps, grad_clip=section.grad_clip,
-                        micro_batch_size=section.micro_batch_size, seed=seed,
+                        micro_batch_size=section.micro_batch_size, seed=seed, schedule_start=schedule_start,
                         device="cuda" if cfg.resources.device == "cuda" else "cpu")
 
 
@@ -147,14 +149,15 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     r = cfg.resources
     tok = task.tokenizer()
     model = model_overrides(cfg, tok.vocab_size)
-    total = optimizer_steps(cfg, cfg.actor) + task.warm_start_steps
+    total = optimizer_steps(cfg, cfg.actor)
     seed = cfg.runner.seed
     sampling = SamplingParams(n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     use_gpu = r.device == "cuda"
     actor_pool = ResourcePool(process_on_nodes=[r.actor_workers], use_gpu=use_gpu, name="actor", backend=r.backend)
-    actor_init = dict(model=model, seed=seed, engine=engine_config(cfg, cfg.actor, total, seed), sampling=sampling,
-                      tokenizer=tok, with_ref=cfg.algorithm.kl_coef > 0)
+    actor_engine = engine_config(cfg, cfg.actor, total, seed, schedule_start=task.warm_start_steps)
+    actor_init = dict(model=model, seed=seed, engine=actor_engine, sampling=sampling, tokenizer=tok,
+                      with_ref=cfg.algorithm.kl_coef > 0)
     roles: dict[str, type] = {"actor": ActorRolloutRefWorker}
     init: dict[str, dict] = {"actor": actor_init}
     if cfg.algorithm.name == "ppo":

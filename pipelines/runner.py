@@ -352,11 +352,24 @@ class Runner:
                 "staleness": self.actor_version - 1 - cur.version, "time": time.time()}
 
     async def _warm_start(self) -> None:
-        """Format-only supervised steps (random answers) before RL, when the task asks for them."""
-        rows = self.cfg.data.prompts_per_step * self.cfg.rollout.n
-        for s in range(self.task.warm_start_steps):
-            batch = self.task.warm_start_batch(s, rows, self.cfg.runner.seed, self.cfg.rollout.max_new_tokens)
-            await self.cluster.actor.update_actor(batch, loss_fn=SFTLoss())
+        """The task's supervised warm start before RL (``TaskSpec.warm_start_batch``), at its own constant rate."""
+        rows, steps = self.cfg.data.prompts_per_step * self.cfg.rollout.n, self.task.warm_start_steps
+        lr = self.task.warm_start_lr or self.cfg.actor.lr  # constant; the actor's schedule starts after
+        bar = _progress(steps, 0, "warm start") if self.progress else None
+        t0, metrics = time.time(), {}
+        try:
+            for s in range(steps):
+                batch = self.task.warm_start_batch(s, rows, self.cfg.runner.seed, self.cfg.rollout.max_new_tokens)
+                metrics = await self.cluster.actor.update_actor(batch, loss_fn=SFTLoss(), lr=lr)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics.get('actor/loss', float('nan')):.3f}")
+        finally:
+            if bar is not None:
+                bar.close()
+        log.info("warm start (%s answers): %d supervised steps of %d rows at lr %g in %.1f s, last loss %.4f",
+                 self.task.warm_start_answers, steps, rows, lr, time.time() - t0,
+                 metrics.get("actor/loss", float("nan")))
         self.actor_version = 0  # RL starts from the warm-started weights as version 0
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -432,10 +445,10 @@ def _set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
 
 
-def _progress(total: int, start: int) -> Any:
+def _progress(total: int, start: int, desc: str = "train") -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True)
 
 
 def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True,

@@ -7,6 +7,7 @@ generate their prompts in code, so no download); any task can instead read promp
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,12 +20,16 @@ from orchestra import Batch
 from .config import Config, ConfigError
 from .data import load_prompts
 
-__all__ = ["TaskSpec", "get_task", "prompt_batch"]
+__all__ = ["WARM_START_ANSWERS", "TaskSpec", "get_task", "prompt_batch"]
+
+WARM_START_ANSWERS = ("random", "correct")  # format-only warm start, or supervised on the right answers
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A task: prompt records (``prompt``/``answer``), the reward function and its kwargs, and the warm start."""
+    """A task: prompt records (``prompt``/``answer``), the reward function and its kwargs, and the warm start:
+    ``warm_start_steps`` supervised steps before RL on ``warm_start_answers`` (``random`` or ``correct``), at a
+    constant ``warm_start_lr`` (None: ``actor.lr``); the actor's LR schedule (warmup, cosine) starts after them."""
 
     name: str
     records: list[dict]
@@ -32,6 +37,19 @@ class TaskSpec:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     warm_start_steps: int = 0
     answer_pool: tuple[str, ...] = ()
+    warm_start_answers: str = "random"
+    warm_start_lr: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.warm_start_answers not in WARM_START_ANSWERS:
+            raise ValueError(f"warm_start_answers must be one of {WARM_START_ANSWERS}, got "
+                             f"{self.warm_start_answers!r}")
+        if self.warm_start_lr is not None and not (math.isfinite(self.warm_start_lr) and self.warm_start_lr > 0):
+            raise ValueError(f"warm_start_lr must be a finite number > 0 (or null: actor.lr), got {self.warm_start_lr}")
+        if self.warm_start_steps < 0:
+            raise ValueError(f"warm_start_steps must be >= 0, got {self.warm_start_steps}")
+        if self.warm_start_steps and self.warm_start_answers == "random" and not self.answer_pool:
+            raise ValueError("a format warm start (warm_start_answers=random) needs the task's answer_pool")
 
     @staticmethod
     def tokenizer() -> Any:
@@ -41,11 +59,17 @@ class TaskSpec:
         return CharTokenizer()
 
     def warm_start_batch(self, step: int, rows: int, seed: int, max_new_tokens: int) -> Batch:
-        """Supervised rows teaching the answer FORMAT only: each prompt followed by a random (mostly wrong) answer
-        from the task's answer pool, then eos. Teaches "emit a number and stop", not arithmetic."""
+        """Supervised rows for the warm start before RL. ``warm_start_answers="random"``: each prompt followed by a
+        random (mostly wrong) answer from the task's answer pool, then eos, which teaches the answer FORMAT only
+        ("emit a number and stop"), not arithmetic. ``"correct"``: each prompt followed by its right answer, a
+        short supervised fine-tuning that leaves a partly competent policy for RL to improve, as RL post-training
+        starts from an SFT model."""
         rng = random.Random(seed * 1_000_003 + 7919 + step)
         recs = [self.records[rng.randrange(len(self.records))] for _ in range(rows)]
-        answers = [rng.choice(self.answer_pool) for _ in recs]
+        if self.warm_start_answers == "correct":
+            answers = [str(r["answer"]) for r in recs]
+        else:
+            answers = [rng.choice(self.answer_pool) for _ in recs]
         return prompt_batch(recs, self.tokenizer(), responses=answers, max_new_tokens=max_new_tokens)
 
 

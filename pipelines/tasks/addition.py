@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = ["addition_reward", "build_addition", "count_carries", "make_addition_task"]
 
-PARAMS = ("num_digits", "min_carries", "num_prompts", "seed", "format_bonus", "digit_credit", "warm_start_steps")
+PARAMS = (
+    "num_digits", "min_carries", "num_prompts", "seed", "format_bonus", "digit_credit", "warm_start_steps",
+    "warm_start_answers", "warm_start_lr",
+)
 _MAX_TRIES = 1000  # rejection sampling per record (min_carries <= num_digits always succeeds much sooner)
 
 
@@ -111,4 +114,6 @@ def build_addition(params: Mapping[str, Any]) -> TaskSpec:
     addition_reward([], [], **kwargs)  # checks the reward knobs now, not on the reward workers
     pool = tuple(sorted({r["answer"] for r in make_addition_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="addition", records=records, reward_fn=addition_reward, reward_kwargs=kwargs,
-                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool)
+                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool,
+                    warm_start_answers=str(params.get("warm_start_answers", "random")),
+                    warm_start_lr=None if params.get("warm_start_lr") is None else float(params["warm_start_lr"]))

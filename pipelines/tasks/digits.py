@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 __all__ = ["build_digits", "digit_accuracy", "digit_reward", "make_digit_task", "write_digit_task_jsonl"]
 
-PARAMS = ("max_operand", "min_operand", "ops", "modulo", "num_prompts", "format_bonus", "warm_start_steps", "seed")
+PARAMS = (
+    "max_operand", "min_operand", "ops", "modulo", "num_prompts", "format_bonus", "warm_start_steps",
+    "warm_start_answers", "warm_start_lr", "seed",
+)
 
 
 def _apply(a: int, op: str, b: int, modulo: int | None) -> int:
@@ -122,4 +125,6 @@ def build_digits(params: Mapping[str, Any]) -> TaskSpec:
     pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="digits", records=records, reward_fn=digit_reward,
                     reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.1))},
-                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool)
+                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool,
+                    warm_start_answers=str(params.get("warm_start_answers", "random")),
+                    warm_start_lr=None if params.get("warm_start_lr") is None else float(params["warm_start_lr"]))

@@ -148,6 +148,22 @@ def test_lr_schedule():
         EngineConfig(lr_schedule="cosine")
 
 
+def test_schedule_start_and_a_steps_own_lr():
+    """A warm start's steps run at their own rate and do not use up the schedule: with ``schedule_start=3`` the
+    warmup and cosine begin at optimizer step 3."""
+    c = EngineConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.1, schedule_start=3)
+    plain = EngineConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    assert [lr_factor(c, s + 3) for s in range(8)] == [lr_factor(plain, s) for s in range(8)]
+    with pytest.raises(ValueError, match="schedule_start"):
+        EngineConfig(schedule_start=-1)
+    eng = FSDPEngine(model_factory(0), EngineConfig(lr=1e-3, warmup_steps=4, schedule_start=1))
+    batch = make_batch(B=2)
+    assert eng.train_step(batch, token_mean_loss, lr=5e-2)["lr"] == pytest.approx(5e-2)  # the warm start's rate
+    assert eng.train_step(batch, token_mean_loss)["lr"] == pytest.approx(1e-3 / 4)  # the schedule's step 0
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        eng.train_step(batch, token_mean_loss, lr=float("nan"))
+
+
 def test_errors_and_cpu_offload():
     eng = FSDPEngine(model_factory(0), EngineConfig())
     batch = make_batch(B=2)

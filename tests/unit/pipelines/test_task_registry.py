@@ -137,3 +137,33 @@ def test_addition_task_spec_from_config():
     tok = spec.tokenizer()
     for r in spec.records:
         tok.encode(r["prompt"] + r["answer"])
+
+
+@pytest.mark.parametrize("task", ["digits", "addition"])
+def test_warm_start_answers_random_or_correct(task):
+    """``warm_start_answers=random`` teaches the format with pool answers; ``correct`` is supervised on the right
+    answers (a partly trained policy for RL to start from). The same step and seed give the same rows."""
+    base = [f"task.name={task}", "rollout.max_new_tokens=4", "algorithm.kl_coef=0"]
+    correct = get_task(load_config(None, [*base, "task.params={warm_start_steps: 3, warm_start_answers: correct}"]))
+    random_ = get_task(load_config(None, [*base, "task.params={warm_start_steps: 3}"]))
+    assert (correct.warm_start_steps, correct.warm_start_answers, random_.warm_start_answers) == (3, "correct", "random")
+    tok = correct.tokenizer()
+    by_prompt = {r["prompt"]: r["answer"] for r in correct.records}
+    for spec, right in ((correct, True), (random_, False)):
+        batch = spec.warm_start_batch(step=1, rows=64, seed=0, max_new_tokens=4)
+        prompts = [tok.decode(row.tolist()) for row in batch["prompts"]]
+        texts = [tok.decode(tok.truncate_at_eos(row.tolist())) for row in batch["responses"]]
+        hits = [by_prompt[p] == t for p, t in zip(prompts, texts)]
+        assert all(hits) if right else sum(hits) < 32  # random pool answers are mostly wrong
+        assert all(t in spec.answer_pool for t in texts)
+        again = spec.warm_start_batch(step=1, rows=64, seed=0, max_new_tokens=4)
+        assert (again["responses"] == batch["responses"]).all()
+    with pytest.raises(ConfigError, match="warm_start_answers must be one of"):
+        get_task(load_config(None, [*base, "task.params={warm_start_answers: right}"]))
+
+
+def test_warm_start_with_a_kl_term_is_a_config_error():
+    # the reference model keeps the initial weights: a KL to it would pull the warm-started policy back
+    with pytest.raises(ConfigError, match="task.params.warm_start_steps.*reference model holds the initial"):
+        load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 5}"])
+    load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 0}"])
