@@ -115,7 +115,10 @@ class Runner:
         if self._resume_from is None:
             self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        now = config_to_dict(cfg)
+        if self._resume_from is not None:
+            _warn_config_changes(self.out / "config.json", now)
+        (self.out / "config.json").write_text(json.dumps(now, indent=2))
         _seed_everything(cfg.runner.seed)
         if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
             orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
@@ -424,6 +427,30 @@ class Runner:
         self.kl_ctl = make_kl_controller(self.cfg)  # a checkpoint from before kl_target was set: start anew
         if self.kl_ctl is not None and "kl_ctl" in state:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
+
+
+def _warn_config_changes(path: Path, now: dict[str, Any]) -> None:
+    """On resume: log every key whose value differs from the interrupted run's ``config.json``, since the
+    continuation is then not the run that was interrupted (``runner.total_steps`` moves the LR schedule's end)."""
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("--resume: cannot read the interrupted run's %s (%s); config changes are not checked", path, e)
+        return
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+    old, new = flat(before), flat(json.loads(json.dumps(now)))  # tuples compare as the lists JSON gives back
+    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+               if old.get(k) != new.get(k)]
+    if changed:
+        log.warning("--resume with a changed config (steps after the checkpoint are not those the interrupted run "
+                    "would have taken%s): %s",
+                    "; the LR schedule's end moves with runner.total_steps"
+                    if any(c.startswith("runner.total_steps:") for c in changed) else "", "; ".join(changed))
 
 
 def _seed_everything(seed: int) -> None:

@@ -71,3 +71,17 @@ async def test_recipe_resumes_exactly(tmp_path, example):
     for a, b in zip(full[2:], resumed):
         keys = [k for k in a if not k.startswith(skip) and "seconds" not in k]
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+async def test_resume_with_a_changed_config_says_what_changed(tmp_path, caplog):
+    """A resumed run with other settings is not the interrupted run continued: the runner logs each changed key
+    (here ``runner.total_steps``, which moves the cosine schedule's end)."""
+    common = ["runner.checkpoint_every=1", "resources.backend=local", "resources.actor_workers=1",
+              "resources.rollout_workers=1", f"runner.output_dir={tmp_path}"]
+    await _run("remax_digits.yaml", [*common, "runner.total_steps=1"])
+    cfg = load_config(ROOT / "examples" / "remax_digits.yaml", [*TINY, *common, "runner.total_steps=2"])
+    with caplog.at_level("WARNING", logger="orchestra"):
+        await Runner(cfg, resume=True, progress=False).run()
+    msgs = [r.getMessage() for r in caplog.records if "--resume with a changed config" in r.getMessage()]
+    assert len(msgs) == 1 and "runner.total_steps: 1 -> 2" in msgs[0] and "LR schedule" in msgs[0]
+    assert "actor.lr" not in msgs[0]  # only what changed
