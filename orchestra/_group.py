@@ -82,7 +82,9 @@ class _Shared:
         self.live: weakref.WeakSet = weakref.WeakSet()  # invocations not yet finished
         self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
         self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
-        self._watches: list[asyncio.Future] = []
+        self._watch_refs: list[Any] = []  # one never-returning supervision call per rank
+        self._watches: list[asyncio.Future] = []  # those refs wrapped for the loop the group is used from
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
         pool.acquire()
         _runtime.register(self)
 
@@ -127,10 +129,37 @@ class _Shared:
     def _watch(self) -> None:
         """Supervision: one never-returning call per rank; Ray fails it when the process dies, and the done
         callback (no task) fails the group's calls in flight and tells whoever registered ``on_death``."""
-        for rank, h in enumerate(self.hosts):
-            w = asyncio.wrap_future(h.watch.remote().future())
+        self._watch_refs = [h.watch.remote() for h in self.hosts]
+        self._wrap_watches(asyncio.get_running_loop())
+
+    def _wrap_watches(self, loop: asyncio.AbstractEventLoop) -> None:
+        for rank, ref in enumerate(self._watch_refs):
+            w = asyncio.wrap_future(ref.future(), loop=loop)
             w.add_done_callback(lambda f, rank=rank: self._rank_exited(rank, f))
             self._watches.append(w)
+        self._watch_loop = loop
+
+    def _live_calls(self) -> list[Any]:
+        """The calls in flight that can still be ended: not those of an event loop that is closed (nobody can
+        await them any more; their ranks' work ends with the ranks)."""
+        return [inv for inv in list(self.live) if not inv.loop.is_closed()]
+
+    def follow_loop(self) -> None:
+        """Move supervision to the running loop when the group is used from another one than before (a script's
+        second ``asyncio.run``): the same supervision calls, their completion delivered here; the old loop's
+        wrappers are cancelled on it (or die with it, when it is closed)."""
+        if not self._watch_refs or self.closed is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # sync code: nothing to deliver to
+            return
+        if loop is self._watch_loop:
+            return
+        for w in self._watches:
+            _cancel_on_its_loop(w)
+        self._watches = []
+        self._wrap_watches(loop)
 
     def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
         if f.cancelled():
@@ -147,7 +176,7 @@ class _Shared:
                               exc_type="WorkerDied")
         self.dead[rank] = err
         log.warning("group %r: rank %d died", self.name, rank)
-        for inv in list(self.live):  # a group with a dead rank cannot finish any call: fail them now
+        for inv in self._live_calls():  # a group with a dead rank cannot finish any call: fail them now
             inv.fail(WorkerDiedError(err.message, group=inv.group, rank=rank, endpoint=inv.endpoint,
                                      exc_type="WorkerDied"))
         for cb in list(self.death_callbacks):
@@ -162,6 +191,7 @@ class _Shared:
             raise t.exception()  # the start-up error (e.g. a rank's __init__ failed), for every awaiter
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
+        self.follow_loop()
         await asyncio.shield(self.start())
 
     def close(self, why: str = "shutdown() was called") -> list[Any]:
@@ -172,11 +202,12 @@ class _Shared:
         if self._start is not None and not self._start.done() and self._start is not _current_task():
             self._start.cancel()
         err = closed_error(self.name, why)
-        for inv in list(self.live):
+        for inv in self._live_calls():
             inv.cancel(err)
         for w in self._watches:
-            w.cancel()
+            _cancel_on_its_loop(w)
         self._watches.clear()
+        self._watch_refs = []
         hosts, self.hosts = self.hosts, []
         return hosts
 
@@ -188,6 +219,21 @@ class _Shared:
             except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
                 log.debug("group %r: kill: %r", self.name, e)
         self.pool.release_ref()
+
+
+def _cancel_on_its_loop(f: asyncio.Future) -> None:
+    """Cancel ``f`` on the loop it belongs to: here, or scheduled there; nothing when that loop is closed."""
+    loop = f.get_loop()
+    if loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        f.cancel()
+    else:
+        loop.call_soon_threadsafe(f.cancel)
 
 
 def _current_task() -> asyncio.Task | None:
@@ -354,6 +400,7 @@ class WorkerGroup:
 
     async def aclose(self) -> None:
         """``shutdown()`` for async code: the blocking Ray calls run in a worker thread."""
+        self._shared.follow_loop()
         hosts = self._shared.close()
         if hosts or self._shared.pool.holds_refs():
             await anyio.to_thread.run_sync(self._shared.finish_close, hosts)
@@ -456,6 +503,7 @@ class _Endpoint:
         shared = g._shared
         if shared.closed is not None:
             raise closed_error(g.name, shared.closed)
+        shared.follow_loop()
         if shared.dead:
             rank, err = min(shared.dead.items())
             raise WorkerDiedError(f"{err.message} (noticed before this call was sent; nothing was sent)",

@@ -260,6 +260,33 @@ async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group
     assert [h["alive"] for h in g.health()] == [True, False]
 
 
+def test_a_group_used_from_a_later_event_loop_still_sees_a_death(backend):
+    """A script may start a group in one ``asyncio.run`` and use it in the next: supervision follows the loop the
+    group is used from, so a death there still fails the group's calls (not only the dead rank's own)."""
+    import asyncio
+
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend=backend), Echo,
+                    group_name="loops")
+
+    async def first() -> list:
+        await g.ready()
+        return await g.ping()
+
+    async def second() -> None:
+        try:
+            assert await g.ping() == [0, 1]
+            err = await kill_rank(g, 1, timeout=20)
+            assert isinstance(err, orc.WorkerDiedError) and err.rank == 1
+            assert [h["alive"] for h in g.health()] == [True, False]
+            with pytest.raises(orc.WorkerDiedError):
+                g.whoami()
+        finally:
+            await g.aclose()
+
+    assert asyncio.run(first()) == [0, 1]
+    asyncio.run(second())
+
+
 # -- introspection ---------------------------------------------------------------------------------------------------
 async def test_describe_and_stats(bed):
     g = bed["e2"]
