@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -59,7 +60,8 @@ def run(names: list[str], seeds: list[int], steps: int, out: Path) -> None:
 
 def summarize(out: Path, threshold: float, png: Path | None, reward_threshold: float = 0.2) -> dict[str, Any]:
     """Steps to the exact-match ``threshold`` and to the ``reward_threshold`` (10-step means), final values, wall
-    time and responses sampled of every run under ``out``; optional PNG of both curves."""
+    time and responses sampled of every run under ``out`` (``<algorithm>_s<seed>``), the same per algorithm over
+    its seeds; optional PNG of both curves (one colour per algorithm, a line per seed)."""
     walls = json.loads((out / "walls.json").read_text()) if (out / "walls.json").exists() else {}
     rows: dict[str, Any] = {}
     curves: dict[str, tuple[list[int], list[float], list[float]]] = {}
@@ -78,11 +80,29 @@ def summarize(out: Path, threshold: float, png: Path | None, reward_threshold: f
         groups = sum(r.get("dynamic_sampling/groups", per_step) for r in recs)  # DAPO samples extra rounds
         rows[d.name] = {"steps": len(recs), "first_step_at_threshold": reached,
                         "first_step_at_reward_threshold": reached_r,
+                        "start_solved": round(statistics.fmean(r["reward/solved"] for r in recs[:WINDOW]), 4),
                         "final_solved_10step_mean": round(solved[-1], 4),
                         "final_reward_10step_mean": round(reward[-1], 4),
                         "wall_s": round(walls.get(d.name, recs[-1]["time"] - recs[0]["time"]), 1),
                         "responses_sampled": int(groups) * cfg["rollout"]["n"]}
         curves[d.name] = (steps, solved, reward)
+    by_alg: dict[str, list[str]] = {}
+    for tag in rows:
+        by_alg.setdefault(tag.rsplit("_s", 1)[0], []).append(tag)
+    algorithms: dict[str, Any] = {}
+    for alg, tags in by_alg.items():
+        runs = [rows[t] for t in tags]
+        hit = [r["first_step_at_threshold"] for r in runs]
+        algorithms[alg] = {
+            "seeds": len(runs),
+            "first_step_at_threshold": hit,
+            "final_solved_10step_mean": [r["final_solved_10step_mean"] for r in runs],
+            "final_solved_mean_over_seeds": round(statistics.fmean(r["final_solved_10step_mean"] for r in runs), 4),
+            "final_reward_mean_over_seeds": round(statistics.fmean(r["final_reward_10step_mean"] for r in runs), 4),
+            "start_solved_mean_over_seeds": round(statistics.fmean(r["start_solved"] for r in runs), 4),
+            "wall_s": [r["wall_s"] for r in runs],
+            "responses_sampled_per_run": round(statistics.fmean(r["responses_sampled"] for r in runs)),
+        }
     if png is not None and curves:
         import matplotlib
 
@@ -90,22 +110,28 @@ def summarize(out: Path, threshold: float, png: Path | None, reward_threshold: f
         import matplotlib.pyplot as plt
 
         fig, (ax_r, ax_s) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-        for name, (steps, solved, reward) in curves.items():
-            ax_r.plot(steps, reward, label=name)
-            ax_s.plot(steps, solved, label=name)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, (alg, tags) in enumerate(sorted(by_alg.items())):
+            color = colors[i % len(colors)]
+            for j, tag in enumerate(sorted(tags)):  # one line per seed, the algorithm's colour
+                steps, solved, reward = curves[tag]
+                label = f"{alg} ({len(tags)} seeds)" if j == 0 else None
+                ax_r.plot(steps, reward, color=color, lw=1.0, alpha=0.8, label=label)
+                ax_s.plot(steps, solved, color=color, lw=1.0, alpha=0.8, label=label)
         ax_r.axhline(reward_threshold, color="grey", lw=0.8, ls="--")
         ax_s.axhline(threshold, color="grey", lw=0.8, ls="--")
         for ax, what in ((ax_r, "reward/mean"), (ax_s, "exact match (reward/solved)")):
-            ax.set_xlabel("step")
+            ax.set_xlabel("RL step (after the warm start)")
             ax.set_ylabel(f"{what}, {WINDOW}-step mean")
             ax.grid(alpha=0.3)
-            ax.legend(loc="upper left")
-        fig.suptitle("two-digit addition (examples/study_addition.yaml): same budget, seed 0")
+            ax.legend(loc="upper left", fontsize=8)
+        seeds = sorted({t.rsplit("_s", 1)[1] for t in rows})
+        fig.suptitle(f"two-digit addition (examples/study_addition.yaml): same budget, seeds {', '.join(seeds)}")
         fig.tight_layout()
         png.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(png)
         plt.close(fig)
-    return {"threshold": threshold, "runs": rows}
+    return {"threshold": threshold, "reward_threshold": reward_threshold, "algorithms": algorithms, "runs": rows}
 
 
 def main() -> None:
