@@ -140,8 +140,11 @@ class _Shared:
         self._watch_loop = loop
 
     def _live_calls(self) -> list[Any]:
-        """The calls in flight that can still be ended: not those of an event loop that is closed (nobody can
-        await them any more; their ranks' work ends with the ranks)."""
+        """The calls in flight that can still be ended; those of an event loop that is closed are dropped from
+        ``live`` (nobody can await them any more; their ranks' work ends with the ranks)."""
+        gone = [inv for inv in list(self.live) if inv.loop.is_closed()]
+        for inv in gone:
+            self.live.discard(inv)
         return [inv for inv in list(self.live) if not inv.loop.is_closed()]
 
     def follow_loop(self) -> None:
@@ -368,6 +371,7 @@ class WorkerGroup:
         """Per rank, what supervision knows now (no round trip): ``{"rank", "alive", "error"}``. A death is seen
         within about a second of the process exiting, whatever the controller is awaiting."""
         shared = self._shared
+        shared.follow_loop()
         return [{"rank": r, "alive": shared.closed is None and r not in shared.dead and shared.is_ready(),
                  "error": str(shared.dead[r]) if r in shared.dead else shared.closed}
                 for r in range(self.world_size)]
@@ -375,11 +379,12 @@ class WorkerGroup:
     def calls_in_flight(self) -> list[str]:
         """``"group.endpoint"`` of every call not yet finished or ended on this group's actors (every colocated
         role's), sorted; empty when nothing is left running. For tests that check no call was left behind."""
-        return sorted(f"{inv.group}.{inv.endpoint}" for inv in list(self._shared.live))
+        return sorted(f"{inv.group}.{inv.endpoint}" for inv in self._shared._live_calls())
 
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's
         calls in flight have already failed with WorkerDiedError then. Returns a function that unregisters it."""
+        self._shared.follow_loop()  # deaths are delivered to the loop registering it
         self._shared.death_callbacks.append(callback)
 
         def remove() -> None:

@@ -122,6 +122,8 @@ class Invocation:
         self.timeout = timeout
         self.deadline = None if timeout is None else self.loop.time() + timeout
         self.error: BaseException | None = None  # terminal: cancel, timeout, shutdown
+        self.ended: asyncio.Future = self.loop.create_future()  # fails with ``error`` when the call is ended early
+        self.ended.add_done_callback(_retrieve)
         self.upstreams: list[Invocation] = [c for a in plan.data_args() for c in components(a)
                                             if isinstance(c, Invocation)]
         self.collect: Callable[[list[Any]], Any] | None = None
@@ -486,16 +488,42 @@ class Invocation:
                 pending |= {o for s in self.slots for o in s.outputs if not o.done()}
                 if not pending:
                     return
-                if len(pending) == 1 and self.deadline is None:  # the common one-rank case
-                    await asyncio.wait(pending)
-                    continue
-                done, _ = await asyncio.wait(pending, timeout=self.remaining(), return_when=asyncio.FIRST_EXCEPTION)
-                if not done:
+                if not await self._wait_some(pending):
                     raise self.fail(self._timeout_error(self._running_ranks()))
         except asyncio.CancelledError:
             if not self.finished():
                 self.cancel(CallCancelledError(f"{self.where()}: the task awaiting this call was cancelled"))
             raise
+
+    async def _wait_some(self, pending: set[asyncio.Future]) -> bool:
+        """Until every future of ``pending`` is done, one of them fails, or the call is ended early (a sibling
+        rank died, shutdown, cancel: this wakes even while a rank still blocks, e.g. in a collective whose peer
+        is gone). False when the deadline passed first. ``asyncio.wait(FIRST_EXCEPTION)`` plus the early end."""
+        waiter = self.loop.create_future()
+        left = len(pending)
+
+        def on_done(f: asyncio.Future) -> None:
+            nonlocal left
+            if f is not self.ended:
+                left -= 1
+            if not waiter.done() and (f is self.ended or left == 0
+                                      or (not f.cancelled() and f.exception() is not None)):
+                waiter.set_result(True)
+
+        for f in pending:
+            f.add_done_callback(on_done)
+        self.ended.add_done_callback(on_done)
+        remaining = self.remaining()
+        timer = None if remaining is None else self.loop.call_later(
+            remaining, lambda: waiter.done() or waiter.set_result(False))
+        try:
+            return await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for f in pending:
+                f.remove_done_callback(on_done)
+            self.ended.remove_done_callback(on_done)
 
     async def outputs(self) -> list[list[Output]]:
         """Per collected slot, its output headers (waiting for every rank to finish)."""
@@ -557,6 +585,8 @@ class Invocation:
         self._end()
 
     def _end(self) -> None:
+        if not self.ended.done():
+            self.ended.set_exception(self.error or CallCancelledError(f"{self.where()}: the call was ended"))
         if self._root is not None and not self._root.done():
             self._root.cancel()
         hosts = self.shared.hosts

@@ -126,6 +126,17 @@ class Echo(FailOnCue, Worker):
         return self.rank
 
     @endpoint
+    def hold_like_a_collective(self, seq: Sequencer) -> int:
+        """Every rank passes position ``rank``; then rank 0 blocks without looking at ``cancelled()`` (as a rank
+        in a collective whose peer died) until the test passes position ``world_size + 1``; the others return."""
+        with seq(self.rank):
+            pass
+        if self.rank == 0:
+            with seq(self.world_size + 2):
+                pass
+        return self.rank
+
+    @endpoint
     def take_outcomes(self) -> list[str]:
         out, self.outcomes = self.outcomes, []
         return out

@@ -260,31 +260,73 @@ async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group
     assert [h["alive"] for h in g.health()] == [True, False]
 
 
+async def test_a_death_fails_the_call_while_another_rank_still_blocks(make_group, seq):
+    """Rank 1 has answered and then dies while rank 0 is stuck (a collective waiting for its dead peer never
+    returns): the await fails with WorkerDiedError as soon as the death is seen instead of waiting for rank 0."""
+    import anyio
+
+    g = await make_group(Echo, ranks=2)
+    fut = g.hold_like_a_collective(seq)
+    outcome: list[BaseException] = []
+    ended = anyio.Event()
+
+    async def awaiter() -> None:  # already waiting when the death happens
+        try:
+            await fut
+        except orc.WorkerDiedError as e:
+            outcome.append(e)
+        finally:
+            ended.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(awaiter)
+            async with seq(2):  # both ranks are running; rank 1 has answered
+                pass
+            await kill_rank(g, 1)
+            with anyio.fail_after(30):  # only a bound on a broken build: the await ends when the death is seen
+                await ended.wait()
+        assert len(outcome) == 1 and outcome[0].rank == 1
+    finally:
+        async with seq(3):  # lets rank 0 return
+            pass
+
+
 def test_a_group_used_from_a_later_event_loop_still_sees_a_death(backend):
     """A script may start a group in one ``asyncio.run`` and use it in the next: supervision follows the loop the
-    group is used from, so a death there still fails the group's calls (not only the dead rank's own)."""
+    group is used from (registering ``on_death`` there is enough), so a death there is reported and fails the
+    group's calls."""
     import asyncio
+    import os
+    import signal
+
+    import anyio
 
     g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend=backend), Echo,
                     group_name="loops")
 
     async def first() -> list:
         await g.ready()
-        return await g.ping()
+        return await g.describe()
 
-    async def second() -> None:
+    async def second(pid: int) -> None:
         try:
-            assert await g.ping() == [0, 1]
-            err = await kill_rank(g, 1, timeout=20)
-            assert isinstance(err, orc.WorkerDiedError) and err.rank == 1
+            died = anyio.Event()
+            g.on_death(lambda err: died.set())  # the only use of the group on this loop before the death
+            if g.pool.backend.own_process:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                g.pool.backend.kill(g.actors[1])
+            with anyio.fail_after(20):  # a bound on a broken build only
+                await died.wait()
             assert [h["alive"] for h in g.health()] == [True, False]
             with pytest.raises(orc.WorkerDiedError):
                 g.whoami()
         finally:
             await g.aclose()
 
-    assert asyncio.run(first()) == [0, 1]
-    asyncio.run(second())
+    info = asyncio.run(first())
+    asyncio.run(second(int(info[1]["pid"])))
 
 
 # -- introspection ---------------------------------------------------------------------------------------------------
