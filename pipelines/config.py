@@ -366,14 +366,6 @@ class Config(_Model):
             raise ConfigError(
                 f"algorithm.kl_target: bad value {alg.kl_target}; the adaptive KL controller starts from "
                 "algorithm.kl_coef, which is 0 (no KL term): set algorithm.kl_coef > 0", "algorithm.kl_target")
-        warm = self.task.params.get("warm_start_steps", 0)
-        if alg.kl_coef > 0 and isinstance(warm, int | float) and warm > 0:
-            raise ConfigError(
-                f"task.params.warm_start_steps: bad value {self.task.params['warm_start_steps']!r} with "
-                f"algorithm.kl_coef={alg.kl_coef}; the reference model holds the initial weights, not the "
-                "warm-started ones, so the KL term would pull the policy back toward the untrained model: set "
-                "algorithm.kl_coef=0, or warm-start outside the job and load it with model.path",
-                "task.params.warm_start_steps")
         if alg.overlong_buffer is not None:
             if not critic_free or estimator == "reinforce_pp":
                 raise ConfigError(

@@ -38,7 +38,7 @@ from .config import Config, config_to_dict
 from .dapo import dapo_step
 from .data import PromptSampler
 from .grpo import grpo_step
-from .health import NonFiniteGuard
+from .health import NonFiniteGuard, TrainingDivergedError
 from .kl_control import make_kl_controller
 from .metrics import MetricsSink, plot_metrics
 from .objectives import SFTLoss
@@ -364,6 +364,12 @@ class Runner:
             for s in range(steps):
                 batch = self.task.warm_start_batch(s, rows, self.cfg.runner.seed, self.cfg.rollout.max_new_tokens)
                 metrics = await self.cluster.actor.update_actor(batch, loss_fn=SFTLoss(), lr=lr)
+                if metrics.get("actor/skipped", 0.0) > 0:  # a skipped step would also shift the RL schedule
+                    raise TrainingDivergedError(
+                        f"the warm start diverged at its step {s} of {steps}: the update was skipped because the "
+                        f"gradient was not finite (actor/loss={metrics.get('actor/loss', float('nan'))}, "
+                        f"actor/grad_norm={metrics.get('actor/grad_norm', float('nan'))}); lower "
+                        f"task.params.warm_start_lr (now {lr:g})", s, "actor/skipped")
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics.get('actor/loss', float('nan')):.3f}")

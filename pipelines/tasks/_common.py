@@ -6,8 +6,9 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["is_correct", "is_well_formed", "read_jsonl", "write_jsonl"]
+__all__ = ["is_correct", "is_well_formed", "read_jsonl", "whole_number", "write_jsonl"]
 
 _INT_RE = re.compile(r"-?(0|[1-9][0-9]*)")
 
@@ -37,3 +38,12 @@ def is_well_formed(response_text: str) -> bool:
     """True if the response is exactly a canonical integer: optional '-', no
     leading zeros, no spaces (so padding the output with junk earns nothing)."""
     return _INT_RE.fullmatch(response_text) is not None
+
+
+def whole_number(params: dict | Any, key: str, default: int) -> int:
+    """``params[key]`` as an int: an int, or a float with no fractional part (YAML's ``1e3``); anything else
+    (a string, ``2.7``, a bool) is a ValueError naming the key, not a silent conversion."""
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"{key} must be a whole number, got {value!r}")
+    return int(value)

@@ -16,7 +16,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._common import is_correct, is_well_formed
+from ._common import is_correct, is_well_formed, whole_number
 from .registry import register_task
 
 if TYPE_CHECKING:
@@ -114,6 +114,6 @@ def build_addition(params: Mapping[str, Any]) -> TaskSpec:
     addition_reward([], [], **kwargs)  # checks the reward knobs now, not on the reward workers
     pool = tuple(sorted({r["answer"] for r in make_addition_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="addition", records=records, reward_fn=addition_reward, reward_kwargs=kwargs,
-                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool,
+                    warm_start_steps=whole_number(params, "warm_start_steps", 0), answer_pool=pool,
                     warm_start_answers=str(params.get("warm_start_answers", "random")),
                     warm_start_lr=None if params.get("warm_start_lr") is None else float(params["warm_start_lr"]))

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._common import is_correct, is_well_formed, write_jsonl
+from ._common import is_correct, is_well_formed, whole_number, write_jsonl
 from .registry import register_task
 
 if TYPE_CHECKING:
@@ -125,6 +125,6 @@ def build_digits(params: Mapping[str, Any]) -> TaskSpec:
     pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="digits", records=records, reward_fn=digit_reward,
                     reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.1))},
-                    warm_start_steps=int(params.get("warm_start_steps", 0)), answer_pool=pool,
+                    warm_start_steps=whole_number(params, "warm_start_steps", 0), answer_pool=pool,
                     warm_start_answers=str(params.get("warm_start_answers", "random")),
                     warm_start_lr=None if params.get("warm_start_lr") is None else float(params["warm_start_lr"]))

@@ -165,5 +165,24 @@ def test_warm_start_answers_random_or_correct(task):
 def test_warm_start_with_a_kl_term_is_a_config_error():
     # the reference model keeps the initial weights: a KL to it would pull the warm-started policy back
     with pytest.raises(ConfigError, match="task.params.warm_start_steps.*reference model holds the initial"):
-        load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 5}"])
-    load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 0}"])
+        get_task(load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 5}"]))
+    get_task(load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 0}"]))
+    # a quoted number or a fraction is not quietly converted (it was: "3" passed the check, then ran 3 steps)
+    for bad in ('"3"', "2.7", "true"):
+        with pytest.raises(ConfigError, match="warm_start_steps must be a whole number"):
+            get_task(load_config(None, ["algorithm.kl_coef=0", f"task.params={{warm_start_steps: {bad}}}"]))
+
+
+def test_a_task_builder_that_warm_starts_by_itself_is_checked_too():
+    """The check is on the built task, so a user's task whose builder sets the warm start is refused as well."""
+
+    @register_task("warm_by_itself_for_test", params=())
+    def build(params):
+        return TaskSpec(name="warm_by_itself_for_test", records=[{"prompt": "1+1=", "answer": "2"}],
+                        reward_fn=tasks.digit_reward, warm_start_steps=50, answer_pool=("2",))
+
+    try:
+        with pytest.raises(ConfigError, match="50 warm-start steps with algorithm.kl_coef=0.05"):
+            get_task(load_config(None, ["task.name=warm_by_itself_for_test", "algorithm.kl_coef=0.05"]))
+    finally:
+        tasks.registry._REGISTRY.pop("warm_by_itself_for_test", None)

@@ -60,3 +60,20 @@ def test_max_bad_steps_is_a_runner_knob():
     assert load_config(None, ["runner.max_bad_steps=1"]).runner.max_bad_steps == 1
     with pytest.raises(ConfigError, match="runner.max_bad_steps"):
         load_config(None, ["runner.max_bad_steps=0"])
+
+
+@pytest.mark.slow  # a real (in-process) cluster, ~3 s
+async def test_a_skipped_warm_start_step_stops_the_run(tmp_path):
+    """A warm-start update skipped for a non-finite gradient is a TrainingDivergedError naming the warm start and
+    the knob; before, the run went on and the skipped step shifted the RL learning-rate schedule by one."""
+    from pathlib import Path
+
+    from pipelines.runner import Runner
+
+    cfg = load_config(Path(__file__).resolve().parents[3] / "examples" / "study_addition.yaml", [
+        "data.prompts_per_step=8", "rollout.n=4", "resources.backend=local", "resources.actor_workers=1",
+        "resources.rollout_workers=1", "runner.total_steps=1", f"runner.output_dir={tmp_path}",
+        "task.params={warm_start_steps: 4, warm_start_answers: correct, warm_start_lr: 1.0e+30}"])
+    with pytest.raises(TrainingDivergedError, match=r"warm start diverged at its step \d of 4.*warm_start_lr") as e:
+        await Runner(cfg, progress=False).run()
+    assert e.value.metric == "actor/skipped"
