@@ -24,6 +24,7 @@ rank issues the same FSDP collectives (a batch need not split evenly over ranks)
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -49,6 +50,8 @@ from engines._data import (
 from engines._dist import init_distributed
 
 __all__ = ["EngineConfig", "FSDPEngine", "LossFn", "lr_factor"]
+
+log = logging.getLogger("orchestra")
 
 LossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, Any]]]
 """``loss_fn(outputs, micro_batch) -> (loss, metrics)``; see the module docstring for weighting."""
@@ -132,6 +135,22 @@ def lr_factor(config: EngineConfig, step: int) -> float:
     progress = min(1.0, max(0.0, (step - w) / max(1, config.total_steps - w)))
     r = config.min_lr_ratio
     return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+_SCHEDULE_FIELDS = ("lr", "lr_schedule", "warmup_steps", "total_steps", "schedule_start", "min_lr_ratio")
+
+
+def _warn_schedule_change(saved: Mapping[str, Any] | None, now: EngineConfig, where: Any) -> None:
+    """A checkpoint written under another LR schedule continues under this one: say which fields differ (a
+    field the checkpoint lacks counts at its default), as the step's learning rate then differs from the run's."""
+    if not isinstance(saved, Mapping):
+        return
+    defaults = EngineConfig()
+    diff = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(now, k)!r}" for k in _SCHEDULE_FIELDS
+            if saved.get(k, getattr(defaults, k)) != getattr(now, k)]
+    if diff:
+        log.warning("%s was written under another learning-rate schedule; it continues under this engine's "
+                    "(%s)", os.fspath(where), "; ".join(diff))
 
 
 def _detect_kind(model: nn.Module) -> Literal["causal_lm", "value"]:
@@ -509,6 +528,7 @@ class FSDPEngine:
         state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         self.global_step = int(state["global_step"])
+        _warn_schedule_change(state.get("config"), self.config, directory)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 

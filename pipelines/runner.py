@@ -117,7 +117,7 @@ class Runner:
         self.out.mkdir(parents=True, exist_ok=True)
         now = config_to_dict(cfg)
         if self._resume_from is not None:
-            _warn_config_changes(self.out / "config.json", now)
+            _warn_config_changes(self._resume_from / "runner.json", self.out / "config.json", now)
         (self.out / "config.json").write_text(json.dumps(now, indent=2))
         _seed_everything(cfg.runner.seed)
         if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
@@ -395,7 +395,7 @@ class Runner:
             if c.split:
                 await c.rollout.save(str(d / "rollout"))
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
-                     "rng": _rng_state()}
+                     "rng": _rng_state(), "config": json.loads(json.dumps(config_to_dict(self.cfg)))}
             if self.kl_ctl is not None:
                 state["kl_ctl"] = self.kl_ctl.state_dict()
             ckpt.write_json_atomic(d / "runner.json", state)
@@ -435,23 +435,34 @@ class Runner:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
 
 
-def _warn_config_changes(path: Path, now: dict[str, Any]) -> None:
-    """On resume: log every key whose value differs from the interrupted run's ``config.json``, since the
-    continuation is then not the run that was interrupted (``runner.total_steps`` moves the LR schedule's end)."""
+# keys that change where and how a run reports or recovers, not what it computes
+_NOT_TRAINING = frozenset({"runner.max_bad_steps", "runner.checkpoint_every", "runner.keep_checkpoints",
+                           "runner.max_restarts", "runner.restart_timeout_s", "runner.output_dir", "runner.metrics",
+                           "runner.tensorboard", "runner.plot", "runner.trace", "resources.backend"})
+
+
+def _warn_config_changes(state_path: Path, fallback: Path, now: dict[str, Any]) -> None:
+    """On resume: log every training key whose value differs from the config the checkpoint was written with
+    (kept in its ``runner.json``; ``config.json`` for checkpoints from before it was), since the continuation is
+    then not the run that was interrupted (``runner.total_steps`` moves the LR schedule's end)."""
     try:
-        before = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        log.warning("--resume: cannot read the interrupted run's %s (%s); config changes are not checked", path, e)
+        state = ckpt.read_json(state_path)
+        before = state.get("config") if isinstance(state, dict) else None
+        if before is None:
+            before = json.loads(fallback.read_text())
+    except (OSError, ValueError, CheckpointError) as e:
+        log.warning("--resume: cannot read the config the checkpoint was written with (%s); config changes are "
+                    "not checked", e)
         return
 
     def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(d, dict):
+        if not isinstance(d, dict) or prefix == "task.params.":
             return {prefix[:-1]: d}
         return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
 
     old, new = flat(before), flat(json.loads(json.dumps(now)))  # tuples compare as the lists JSON gives back
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-               if old.get(k) != new.get(k)]
+               if k not in _NOT_TRAINING and old.get(k) != new.get(k)]
     if changed:
         log.warning("--resume with a changed config (steps after the checkpoint are not those the interrupted run "
                     "would have taken%s): %s",

@@ -74,14 +74,26 @@ async def test_recipe_resumes_exactly(tmp_path, example):
 
 
 async def test_resume_with_a_changed_config_says_what_changed(tmp_path, caplog):
-    """A resumed run with other settings is not the interrupted run continued: the runner logs each changed key
-    (here ``runner.total_steps``, which moves the cosine schedule's end)."""
+    """A resumed run with other training settings is not the interrupted run continued: the runner logs each
+    changed key against the config the checkpoint was written with (here ``runner.total_steps``, which moves the
+    cosine schedule's end, and ``actor.lr``), even after a failed resume attempt rewrote ``config.json``; keys that
+    change only reporting (``runner.plot``) are not listed."""
+    from pipelines.checkpoint import CheckpointError
+
     common = ["runner.checkpoint_every=1", "resources.backend=local", "resources.actor_workers=1",
               "resources.rollout_workers=1", f"runner.output_dir={tmp_path}"]
-    await _run("remax_digits.yaml", [*common, "runner.total_steps=1"])
-    cfg = load_config(ROOT / "examples" / "remax_digits.yaml", [*TINY, *common, "runner.total_steps=2"])
+
+    def cfg(*more: str):
+        return load_config(ROOT / "examples" / "remax_digits.yaml", [*TINY, *common, *more])
+
+    await Runner(cfg("runner.total_steps=1"), progress=False).run()
+    with pytest.raises(CheckpointError):  # a model that does not fit the checkpoint: the attempt fails
+        await Runner(cfg("runner.total_steps=2", "model.hidden_size=32"), resume=True, progress=False).run()
+    caplog.clear()
     with caplog.at_level("WARNING", logger="orchestra"):
-        await Runner(cfg, resume=True, progress=False).run()
+        await Runner(cfg("runner.total_steps=2", "actor.lr=0.01", "runner.plot=true"), resume=True,
+                     progress=False).run()
     msgs = [r.getMessage() for r in caplog.records if "--resume with a changed config" in r.getMessage()]
-    assert len(msgs) == 1 and "runner.total_steps: 1 -> 2" in msgs[0] and "LR schedule" in msgs[0]
-    assert "actor.lr" not in msgs[0]  # only what changed
+    assert len(msgs) == 1 and "LR schedule" in msgs[0]
+    assert "runner.total_steps: 1 -> 2" in msgs[0] and "actor.lr: 0.002 -> 0.01" in msgs[0]
+    assert "hidden_size" not in msgs[0] and "runner.plot" not in msgs[0]

@@ -75,6 +75,20 @@ def test_one_rank_round_trip_restores_model_optimizer_and_schedule(tmp_path):
     _assert_snapshots_equal(engine_snapshot(a), engine_snapshot(b))
 
 
+def test_loading_under_another_lr_schedule_says_which_fields_differ(tmp_path, caplog):
+    import dataclasses
+
+    _trained_engine(0).save(tmp_path / "ckpt")
+    with caplog.at_level("WARNING", logger="orchestra"):
+        FSDPEngine(model_factory(9), CFG).load(tmp_path / "ckpt")
+    assert not [r for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+    other = dataclasses.replace(CFG, schedule_start=3, warmup_steps=CFG.warmup_steps + 1)
+    with caplog.at_level("WARNING", logger="orchestra"):
+        FSDPEngine(model_factory(9), other).load(tmp_path / "ckpt")
+    (msg,) = [r.getMessage() for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+    assert "schedule_start: 0 -> 3" in msg and f"warmup_steps: {CFG.warmup_steps} -> {CFG.warmup_steps + 1}" in msg
+
+
 def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
     from safetensors import safe_open
 
