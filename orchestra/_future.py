@@ -114,7 +114,8 @@ class DataFuture:
                 if not pending and not watchers:
                     await inv.wait()  # surface errors of non-collector ranks
                     return
-                done, _ = await asyncio.wait({*pending, *watchers}, timeout=inv.remaining(),
+                # the call's early end too: a death ends this loop even while another rank still blocks
+                done, _ = await asyncio.wait({*pending, *watchers, inv.ended()}, timeout=inv.remaining(),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if inv.error is not None:
                     raise inv.error

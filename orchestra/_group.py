@@ -134,17 +134,17 @@ class _Shared:
 
     def _wrap_watches(self, loop: asyncio.AbstractEventLoop) -> None:
         for rank, ref in enumerate(self._watch_refs):
-            w = asyncio.wrap_future(ref.future(), loop=loop)
+            cf = ref.future()
+            if cf.done():  # died while no loop was listening (between two asyncio.run): known now, not a turn later
+                self._rank_exited(rank, cf)
+            w = asyncio.wrap_future(cf, loop=loop)
             w.add_done_callback(lambda f, rank=rank: self._rank_exited(rank, f))
             self._watches.append(w)
         self._watch_loop = loop
 
     def _live_calls(self) -> list[Any]:
-        """The calls in flight that can still be ended; those of an event loop that is closed are dropped from
-        ``live`` (nobody can await them any more; their ranks' work ends with the ranks)."""
-        gone = [inv for inv in list(self.live) if inv.loop.is_closed()]
-        for inv in gone:
-            self.live.discard(inv)
+        """The calls in flight whose futures can still be failed: not those of an event loop that is closed (nobody
+        can await them any more; ``fut.cancel()`` still ends their ranks' work)."""
         return [inv for inv in list(self.live) if not inv.loop.is_closed()]
 
     def follow_loop(self) -> None:
@@ -379,7 +379,7 @@ class WorkerGroup:
     def calls_in_flight(self) -> list[str]:
         """``"group.endpoint"`` of every call not yet finished or ended on this group's actors (every colocated
         role's), sorted; empty when nothing is left running. For tests that check no call was left behind."""
-        return sorted(f"{inv.group}.{inv.endpoint}" for inv in self._shared._live_calls())
+        return sorted(f"{inv.group}.{inv.endpoint}" for inv in list(self._shared.live))
 
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's

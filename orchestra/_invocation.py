@@ -122,8 +122,7 @@ class Invocation:
         self.timeout = timeout
         self.deadline = None if timeout is None else self.loop.time() + timeout
         self.error: BaseException | None = None  # terminal: cancel, timeout, shutdown
-        self.ended: asyncio.Future = self.loop.create_future()  # fails with ``error`` when the call is ended early
-        self.ended.add_done_callback(_retrieve)
+        self._ended: asyncio.Future | None = None  # made when someone waits: fails when the call ends early
         self.upstreams: list[Invocation] = [c for a in plan.data_args() for c in components(a)
                                             if isinstance(c, Invocation)]
         self.collect: Callable[[list[Any]], Any] | None = None
@@ -495,35 +494,46 @@ class Invocation:
                 self.cancel(CallCancelledError(f"{self.where()}: the task awaiting this call was cancelled"))
             raise
 
+    def ended(self) -> asyncio.Future:
+        """A future that fails with the call's outcome once the call is ended early (a sibling rank died, shutdown,
+        cancel, deadline); made on first use, so a call nobody waits on pays nothing for it."""
+        if self._ended is None:
+            self._ended = self.loop.create_future()
+            if self.error is not None:
+                self._ended.set_exception(self.error)
+                self._ended.exception()  # retrieved: the error surfaces through wait()
+        return self._ended
+
     async def _wait_some(self, pending: set[asyncio.Future]) -> bool:
         """Until every future of ``pending`` is done, one of them fails, or the call is ended early (a sibling
         rank died, shutdown, cancel: this wakes even while a rank still blocks, e.g. in a collective whose peer
         is gone). False when the deadline passed first. ``asyncio.wait(FIRST_EXCEPTION)`` plus the early end."""
         waiter = self.loop.create_future()
+        ended = self.ended()
         left = len(pending)
 
         def on_done(f: asyncio.Future) -> None:
             nonlocal left
-            if f is not self.ended:
+            if f is not ended:
                 left -= 1
-            if not waiter.done() and (f is self.ended or left == 0
-                                      or (not f.cancelled() and f.exception() is not None)):
+            if not waiter.done() and (f is ended or left == 0 or (not f.cancelled() and f.exception() is not None)):
                 waiter.set_result(True)
 
         for f in pending:
             f.add_done_callback(on_done)
-        self.ended.add_done_callback(on_done)
+        ended.add_done_callback(on_done)
         remaining = self.remaining()
         timer = None if remaining is None else self.loop.call_later(
             remaining, lambda: waiter.done() or waiter.set_result(False))
         try:
-            return await waiter
+            # a reply landing in the same loop turn as the deadline counts (asyncio.wait's rule): loop again
+            return await waiter or any(f.done() for f in pending)
         finally:
             if timer is not None:
                 timer.cancel()
             for f in pending:
                 f.remove_done_callback(on_done)
-            self.ended.remove_done_callback(on_done)
+            ended.remove_done_callback(on_done)
 
     async def outputs(self) -> list[list[Output]]:
         """Per collected slot, its output headers (waiting for every rank to finish)."""
@@ -585,8 +595,9 @@ class Invocation:
         self._end()
 
     def _end(self) -> None:
-        if not self.ended.done():
-            self.ended.set_exception(self.error or CallCancelledError(f"{self.where()}: the call was ended"))
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_exception(self.error or CallCancelledError(f"{self.where()}: the call was ended"))
+            self._ended.exception()  # retrieved: the error surfaces through wait()
         if self._root is not None and not self._root.done():
             self._root.cancel()
         hosts = self.shared.hosts

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         from .runner import run
 
         history = run(cfg, resume_from=resume_from, progress=not args.no_progress)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:  # ConfigError: a check on the built task (pipelines.taskspec)
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
     except TrainingDivergedError as e:

@@ -366,6 +366,15 @@ class Config(_Model):
             raise ConfigError(
                 f"algorithm.kl_target: bad value {alg.kl_target}; the adaptive KL controller starts from "
                 "algorithm.kl_coef, which is 0 (no KL term): set algorithm.kl_coef > 0", "algorithm.kl_target")
+        if "warm_start_steps" in self.task.params:  # early, torch-free; get_task checks the built task again
+            from .tasks import whole_number
+
+            try:
+                warm = whole_number(self.task.params, "warm_start_steps", 0)
+            except ValueError as e:
+                raise ConfigError(f"task.params: {e}", "task.params.warm_start_steps") from None
+            if warm > 0 and alg.kl_coef > 0:
+                raise ConfigError(warm_start_with_kl(warm, alg.kl_coef), "task.params.warm_start_steps")
         if alg.overlong_buffer is not None:
             if not critic_free or estimator == "reinforce_pp":
                 raise ConfigError(
@@ -408,6 +417,14 @@ class Config(_Model):
                 f"resources.rollout_workers: bad value {self.resources.rollout_workers}; with placement "
                 f"'colocated' rollout runs in the actor processes, so it must equal "
                 f"resources.actor_workers ({self.resources.actor_workers})", "resources.rollout_workers")
+
+
+def warm_start_with_kl(steps: int, kl_coef: float) -> str:
+    """The error for a warm start combined with a KL term (config check and built-task check say the same)."""
+    return (f"task.params.warm_start_steps: {steps} warm-start steps with algorithm.kl_coef={kl_coef}; the reference "
+            "model holds the initial weights, not the warm-started ones, so the KL term would pull the policy back "
+            "toward the untrained model: set algorithm.kl_coef=0, or warm-start outside the job and load it with "
+            "model.path")
 
 
 def _sections() -> dict[str, type[_Model]]:

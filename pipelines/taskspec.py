@@ -17,7 +17,7 @@ import torch
 
 from orchestra import Batch
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, warm_start_with_kl
 from .data import load_prompts
 
 __all__ = ["WARM_START_ANSWERS", "TaskSpec", "get_task", "prompt_batch"]
@@ -110,11 +110,8 @@ def get_task(cfg: Config) -> TaskSpec:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"task.params: {e}", "task.params") from None
     if spec.warm_start_steps > 0 and cfg.algorithm.kl_coef > 0:  # checked on the built task: any task's builder
-        raise ConfigError(
-            f"task.params.warm_start_steps: {spec.warm_start_steps} warm-start steps with algorithm.kl_coef="
-            f"{cfg.algorithm.kl_coef}; the reference model holds the initial weights, not the warm-started ones, so "
-            "the KL term would pull the policy back toward the untrained model: set algorithm.kl_coef=0, or "
-            "warm-start outside the job and load it with model.path", "task.params.warm_start_steps")
+        raise ConfigError(warm_start_with_kl(spec.warm_start_steps, cfg.algorithm.kl_coef),
+                          "task.params.warm_start_steps")
     if cfg.data.train_path:
         records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",))
         spec = replace(spec, records=records)

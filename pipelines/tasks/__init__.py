@@ -5,7 +5,7 @@ answers) are built in. A new task is a module with a builder decorated by :func:
 (or imported by your own script before the config is loaded); see docs/algorithms.md, "Tasks".
 """
 
-from ._common import is_correct, is_well_formed, read_jsonl, write_jsonl
+from ._common import is_correct, is_well_formed, read_jsonl, whole_number, write_jsonl
 from .registry import TaskEntry, UnknownTaskError, check_task_params, get_task_entry, register_task, task_names
 
 # the built-in tasks register themselves on import
@@ -28,6 +28,7 @@ __all__ = [
     "read_jsonl",
     "register_task",
     "task_names",
+    "whole_number",
     "write_digit_task_jsonl",
     "write_jsonl",
 ]

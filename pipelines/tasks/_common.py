@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,9 +42,10 @@ def is_well_formed(response_text: str) -> bool:
 
 
 def whole_number(params: dict | Any, key: str, default: int) -> int:
-    """``params[key]`` as an int: an int, or a float with no fractional part (YAML's ``1e3``); anything else
-    (a string, ``2.7``, a bool) is a ValueError naming the key, not a silent conversion."""
+    """``params[key]`` as an int: an int, or a finite float with no fractional part (YAML's ``1.0e3``); anything
+    else (a string, ``2.7``, ``.inf``, a bool) is a ValueError naming the key, not a silent conversion."""
     value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
         raise ValueError(f"{key} must be a whole number, got {value!r}")
     return int(value)

@@ -260,9 +260,11 @@ async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group
     assert [h["alive"] for h in g.health()] == [True, False]
 
 
-async def test_a_death_fails_the_call_while_another_rank_still_blocks(make_group, seq):
+@pytest.mark.parametrize("how", ["await", "async for"])
+async def test_a_death_fails_the_call_while_another_rank_still_blocks(make_group, seq, how):
     """Rank 1 has answered and then dies while rank 0 is stuck (a collective waiting for its dead peer never
-    returns): the await fails with WorkerDiedError as soon as the death is seen instead of waiting for rank 0."""
+    returns): the await (or ``async for part in fut``) fails with WorkerDiedError as soon as the death is seen
+    instead of waiting for rank 0."""
     import anyio
 
     g = await make_group(Echo, ranks=2)
@@ -272,7 +274,11 @@ async def test_a_death_fails_the_call_while_another_rank_still_blocks(make_group
 
     async def awaiter() -> None:  # already waiting when the death happens
         try:
-            await fut
+            if how == "await":
+                await fut
+            else:
+                async for _ in fut:
+                    pass
         except orc.WorkerDiedError as e:
             outcome.append(e)
         finally:
@@ -327,6 +333,38 @@ def test_a_group_used_from_a_later_event_loop_still_sees_a_death(backend):
 
     info = asyncio.run(first())
     asyncio.run(second(int(info[1]["pid"])))
+
+
+def test_a_death_between_two_event_loops_is_known_at_once_in_the_next(backend):
+    """A rank that died while no loop was running is reported by the first ``health()`` of the next loop."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend=backend), Echo,
+                    group_name="between")
+
+    async def first() -> list:
+        await g.ready()
+        return await g.describe()
+
+    async def second() -> None:
+        try:
+            assert [h["alive"] for h in g.health()] == [True, False]  # no await before it: known at once
+        finally:
+            await g.aclose()
+
+    info = asyncio.run(first())
+    if g.pool.backend.own_process:
+        os.kill(int(info[1]["pid"]), signal.SIGKILL)
+    else:
+        g.pool.backend.kill(g.actors[1])
+    ref = g._shared._watch_refs[1]
+    end = time.monotonic() + 30  # a bound on a broken build: the supervision call fails when the process is gone
+    while not ref.future().done() and time.monotonic() < end:
+        time.sleep(0.01)
+    asyncio.run(second())
 
 
 # -- introspection ---------------------------------------------------------------------------------------------------

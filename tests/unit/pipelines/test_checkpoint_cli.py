@@ -99,3 +99,31 @@ def test_resume_refusal_needs_neither_torch_nor_ray(tmp_path):
                           capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[0] == "2 []"
     assert done.stderr.startswith("orchestra train: --resume: no checkpoint under")
+
+
+def test_a_warm_start_with_kl_is_refused_before_overwrite_deletes_anything(tmp_path, capsys):
+    out = tmp_path / "run"
+    _committed(out)
+    argv = ["train", "algorithm.kl_coef=0.05", "task.params={warm_start_steps: 5}", *_train(out, "--overwrite")[1:]]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: task.params.warm_start_steps: 5 warm-start steps") and "Traceback" not in err
+    assert (out / "checkpoints" / "step_000001" / "runner.json").exists()  # nothing was deleted
+
+
+def test_a_task_builders_own_warm_start_with_kl_is_a_clean_error(tmp_path, capsys):
+    from pipelines.tasks import digit_reward, register_task, registry
+    from pipelines.taskspec import TaskSpec
+
+    @register_task("warm_in_builder_cli_test", params=())
+    def build(params):
+        return TaskSpec(name="warm_in_builder_cli_test", records=[{"prompt": "1+1=", "answer": "2"}],
+                        reward_fn=digit_reward, warm_start_steps=7, answer_pool=("2",))
+
+    try:
+        argv = ["train", "task.name=warm_in_builder_cli_test", "algorithm.kl_coef=0.05", *_train(tmp_path / "run")[1:]]
+        assert cli_main(argv) == 2  # before Ray (the no_ray fixture would raise)
+    finally:
+        registry._REGISTRY.pop("warm_in_builder_cli_test", None)
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: task.params.warm_start_steps: 7 warm-start steps") and "Traceback" not in err

@@ -168,7 +168,7 @@ def test_warm_start_with_a_kl_term_is_a_config_error():
         get_task(load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 5}"]))
     get_task(load_config(None, ["algorithm.kl_coef=0.05", "task.params={warm_start_steps: 0}"]))
     # a quoted number or a fraction is not quietly converted (it was: "3" passed the check, then ran 3 steps)
-    for bad in ('"3"', "2.7", "true"):
+    for bad in ('"3"', "2.7", "true", ".inf", ".nan"):
         with pytest.raises(ConfigError, match="warm_start_steps must be a whole number"):
             get_task(load_config(None, ["algorithm.kl_coef=0", f"task.params={{warm_start_steps: {bad}}}"]))
 
