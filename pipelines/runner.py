@@ -116,8 +116,10 @@ class Runner:
             self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
         now = config_to_dict(cfg)
+        resume_state: Any = None  # the checkpoint's runner.json, read once: the config check and _restore use it
         if self._resume_from is not None:
-            _warn_config_changes(self._resume_from / "runner.json", self.out / "config.json", now)
+            resume_state = ckpt.read_json(self._resume_from / "runner.json")
+            _warn_config_changes(resume_state, self.out / "config.json", now)
         (self.out / "config.json").write_text(json.dumps(now, indent=2))
         _seed_everything(cfg.runner.seed)
         if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
@@ -130,7 +132,7 @@ class Runner:
                 self.tracer = orc.Tracer(*self.cluster.groups())
                 await self.tracer.start()
             if self.resume:
-                await self._restore()
+                await self._restore(resume_state)
             elif self.task.warm_start_steps:
                 await self._warm_start()
             await self._sync_rollout()
@@ -406,12 +408,15 @@ class Runner:
         self._state_time[step] = time.time()
         return final
 
-    async def _restore(self) -> None:
-        """Load the checkpoint ``prepare_output_dir`` chose and verified before the cluster started."""
+    async def _restore(self, state: Any = None) -> None:
+        """Load the checkpoint ``prepare_output_dir`` (or a restart) chose and verified before the cluster started.
+        ``state``: its ``runner.json`` when the caller has read it already (``run`` reads it once for the config
+        check too); None reads it here."""
         d = self._resume_from
         if d is None:
             raise CheckpointError("--resume: no checkpoint was selected; this is a bug in the runner")
-        state = ckpt.read_json(d / "runner.json")
+        if state is None:
+            state = ckpt.read_json(d / "runner.json")
         missing = [k for k in ("step", "sampler", "actor_version", "rng") if not isinstance(state, dict) or k not in state]
         if missing:
             raise CheckpointError(f"{d / 'runner.json'} lacks {missing}; it was not written by this runner")
@@ -441,16 +446,16 @@ _NOT_TRAINING = frozenset({"runner.max_bad_steps", "runner.checkpoint_every", "r
                            "runner.tensorboard", "runner.plot", "runner.trace", "resources.backend"})
 
 
-def _warn_config_changes(state_path: Path, fallback: Path, now: dict[str, Any]) -> None:
+def _warn_config_changes(state: Any, fallback: Path, now: dict[str, Any]) -> None:
     """On resume: log every training key whose value differs from the config the checkpoint was written with
-    (kept in its ``runner.json``; ``config.json`` for checkpoints from before it was), since the continuation is
-    then not the run that was interrupted (``runner.total_steps`` moves the LR schedule's end)."""
+    (``state``: its parsed ``runner.json``, which keeps it; ``fallback``, the run's ``config.json``, for checkpoints
+    from before it did), since the continuation is then not the run that was interrupted (``runner.total_steps``
+    moves the LR schedule's end). The caller passes the parsed state so ``runner.json`` is read once per resume."""
+    before = state.get("config") if isinstance(state, dict) else None
     try:
-        state = ckpt.read_json(state_path)
-        before = state.get("config") if isinstance(state, dict) else None
         if before is None:
             before = json.loads(fallback.read_text())
-    except (OSError, ValueError, CheckpointError) as e:
+    except (OSError, ValueError) as e:
         log.warning("--resume: cannot read the config the checkpoint was written with (%s); config changes are "
                     "not checked", e)
         return
