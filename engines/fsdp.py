@@ -140,17 +140,20 @@ def lr_factor(config: EngineConfig, step: int) -> float:
 _SCHEDULE_FIELDS = ("lr", "lr_schedule", "warmup_steps", "total_steps", "schedule_start", "min_lr_ratio")
 
 
-def _warn_schedule_change(saved: Mapping[str, Any] | None, now: EngineConfig, where: Any) -> None:
+def _warn_schedule_change(saved: Mapping[str, Any] | None, now: EngineConfig, where: Any, rank: int) -> None:
     """A checkpoint written under another LR schedule continues under this one: say which fields differ (a
-    field the checkpoint lacks counts at its default), as the step's learning rate then differs from the run's."""
+    field the checkpoint lacks counts at its default), as the step's learning rate then differs from the run's.
+    Every rank of a group loads the same checkpoint under the same config and finds the same difference, so
+    rank 0 warns (once per load) and the other ranks log it at DEBUG."""
     if not isinstance(saved, Mapping):
         return
     defaults = EngineConfig()
     diff = [f"{k}: {saved.get(k, getattr(defaults, k))!r} -> {getattr(now, k)!r}" for k in _SCHEDULE_FIELDS
             if saved.get(k, getattr(defaults, k)) != getattr(now, k)]
     if diff:
-        log.warning("%s was written under another learning-rate schedule; it continues under this engine's "
-                    "(%s)", os.fspath(where), "; ".join(diff))
+        log.log(logging.WARNING if rank == 0 else logging.DEBUG,
+                "%s was written under another learning-rate schedule; it continues under this engine's (%s)",
+                os.fspath(where), "; ".join(diff))
 
 
 def _detect_kind(model: nn.Module) -> Literal["causal_lm", "value"]:
@@ -528,7 +531,7 @@ class FSDPEngine:
         state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         self.global_step = int(state["global_step"])
-        _warn_schedule_change(state.get("config"), self.config, directory)
+        _warn_schedule_change(state.get("config"), self.config, directory, self._rank)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 

@@ -89,6 +89,53 @@ def test_loading_under_another_lr_schedule_says_which_fields_differ(tmp_path, ca
     assert "schedule_start: 0 -> 3" in msg and f"warmup_steps: {CFG.warmup_steps} -> {CFG.warmup_steps + 1}" in msg
 
 
+def _schedule_log_worker(rank: int, world: int, ckpt_dir: str, cfg: EngineConfig) -> list:
+    """Load ``ckpt_dir`` under ``cfg``; return this rank's "learning-rate schedule" records as (level, message)."""
+    import logging
+
+    records: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "learning-rate schedule" in record.getMessage():
+                records.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("orchestra")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Keep())
+    FSDPEngine(model_factory(4), cfg).load(ckpt_dir)
+    return records
+
+
+@pytest.mark.slow  # spawns fresh processes (each imports torch)
+def test_a_two_rank_load_under_another_lr_schedule_warns_once(tmp_path):
+    """Both ranks find the same difference; rank 0 warns and rank 1 says it at DEBUG only, so a group's load
+    gives one warning, not one per rank."""
+    import dataclasses
+    import logging
+
+    _trained_engine(0).save(tmp_path / "ckpt")
+    other = dataclasses.replace(CFG, warmup_steps=CFG.warmup_steps + 1)
+    r0, r1 = spawn(_schedule_log_worker, 2, str(tmp_path / "ckpt"), other)
+    assert [level for level, _ in r0] == [logging.WARNING] and [level for level, _ in r1] == [logging.DEBUG]
+    assert r0[0][1] == r1[0][1] and f"warmup_steps: {CFG.warmup_steps} -> {CFG.warmup_steps + 1}" in r0[0][1]
+
+
+def test_only_rank_0_warns_of_another_lr_schedule(caplog):
+    """The rule the two-rank test shows, in process: a rank other than 0 logs the difference at DEBUG."""
+    import dataclasses
+
+    from engines.fsdp import _warn_schedule_change
+
+    saved = dataclasses.asdict(CFG)
+    other = dataclasses.replace(CFG, total_steps=10, lr_schedule="cosine")
+    with caplog.at_level("DEBUG", logger="orchestra"):
+        _warn_schedule_change(saved, other, "ckpt", 1)
+        _warn_schedule_change(saved, other, "ckpt", 0)
+    assert [(r.levelname, "learning-rate schedule" in r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", True), ("WARNING", True)]
+
+
 def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
     from safetensors import safe_open
 
