@@ -1,4 +1,10 @@
-"""Worker-to-worker forwarding, unions, streaming and data-plane accounting on a real local Ray cluster."""
+"""Worker-to-worker forwarding, unions and streaming over Ray: large parts read from the object store, data that
+never passes through the controller, streams over Ray actors (parts consumed while the producer runs, calls made
+after a stream), on the session's shared Scorer groups.
+
+Which parts a reader fetches for each split of producer and consumer, and a mesh reading a stream, are checked
+in-process by tests/unit/core/test_group_semantics_local.py; forwarding, unions and streams on both backends by
+tests/contract."""
 
 from __future__ import annotations
 
@@ -6,8 +12,7 @@ import pytest
 import torch
 
 import orchestra as orc
-from orchestra import Batch, ResourcePool, WorkerGroup
-from orc_test_workers import Scorer
+from orchestra import Batch
 
 
 @pytest.fixture(scope="module")
@@ -22,31 +27,6 @@ def xs(n: int) -> Batch:
 
 async def _stats(g, endpoint):
     return [s[endpoint] for s in await g.stats()]
-
-
-@pytest.mark.parametrize(
-    "src,dst,n,parts_in,rows_in",
-    [
-        (4, 2, 10, [2, 3], [6, 7]),        # producer 3,3,2,2 -> consumer [0,5) [5,10)
-        (2, 4, 10, [1, 2, 1, 1], [5, 10, 5, 5]),  # producer 5,5 -> consumer 3,3,2,2
-        (3, 4, 11, [1, 2, 2, 1], [4, 8, 7, 3]),   # producer 4,4,3 -> consumer 3,3,3,2
-        (2, 2, 9, [1, 1], [5, 4]),          # aligned: part i -> rank i
-    ],
-)
-async def test_forwarding_fetches_only_overlapping_parts(groups, src, dst, n, parts_in, rows_in):
-    a, b = groups[src], groups[dst]
-    await b.reset_stats()
-    orc.reset_controller_stats()
-    up = a.echo(xs(n))
-    down = b.plus_one(up)
-    out = await down
-    assert torch.equal(out["y"], torch.arange(n) + 1)
-    st = await _stats(b, "plus_one")
-    assert [s["parts_in"] for s in st] == parts_in
-    assert [s["rows_in"] for s in st] == rows_in
-    assert [s["rows_used"] for s in st] == [len(c) for c in xs(n).chunk(dst)]
-    # the controller fetched the consumer's result only, never the upstream payload
-    assert orc.controller_stats()["bytes_materialized"] == out.nbytes
 
 
 async def test_large_parts_are_split_so_readers_fetch_their_share(groups):
@@ -150,15 +130,3 @@ async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups
     assert torch.equal((await mapped)["x"], torch.arange(8) + 100)
     await cons.set_scale(1.0)
 
-
-async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once(mesh4):
-    g = mesh4
-    await g.reset_stats()
-    one = WorkerGroup(ResourcePool(process_on_nodes=[1]), Scorer, group_name="one")
-    try:
-        fut = one.gen(xs(6), pieces=3)
-        out = await g.compute.options(stream=True)(fut)  # 1 upstream slot vs 2 DP replicas: no part-wise calls
-        assert torch.equal(out["x"], torch.arange(6) + 100)
-        assert [s["compute"]["calls"] for s in await g.stats()] == [1, 1, 1, 1]
-    finally:
-        one.shutdown()

@@ -1,0 +1,291 @@
+"""Group semantics on the in-process backend (no Ray): dispatch transforms, meshes, colocation, error locations,
+fail-fast, deadlines, cancellation, input checks and forwarding by rows.
+
+These tests ran on the Ray test cluster (tests/integration/test_group_{dispatch,errors,forwarding}.py).
+What they check is decided by orchestra's controller and its ``Host``, which both backends share (docs/testing.md,
+"The in-process backend"), so here each takes milliseconds instead of a Ray worker process per rank. What only Ray
+shows stayed there: per-process environment and placement, the object store, streams and call order over Ray
+actors, real process deaths, collectives, Ray's own error paths. The semantics the two backends must agree on are
+checked on both by tests/contract.
+
+The worker classes are the Ray tests' (``tests/integration/orc_test_workers.py``): the same code runs on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, WorkerGroup
+from orchestra.testing import Sequencer
+
+_INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
+if str(_INTEGRATION) not in sys.path:
+    sys.path.insert(0, str(_INTEGRATION))
+from orc_test_workers import Actor, Critic, MeshWorker, Scorer  # noqa: E402
+
+
+def pool(n: int) -> ResourcePool:
+    return ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01, backend="local")
+
+
+def xs(n: int, **extra: Any) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n), **extra}, meta={"step": 7})
+
+
+def rows(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n)})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray() -> Iterator[None]:
+    """Nothing here may start Ray (it would cost seconds and belong to the slow tier)."""
+    before = ray.is_initialized()
+    yield
+    if not before:
+        assert not ray.is_initialized(), "a test of the in-process backend started Ray"
+
+
+@pytest.fixture(scope="module")
+async def bed() -> AsyncIterator[dict[str, WorkerGroup]]:
+    """The module's groups, started once: Scorers of 2, 3 and 4 ranks (scale 1.0, named s2/s3/s4), a 4-rank Scorer
+    at scale 2.0 (``d4``, the dispatch tests') and a 4-rank DP x TP MeshWorker. A test
+    that changes a group's state puts it back."""
+    groups = {f"s{n}": WorkerGroup(pool(n), Scorer, 1.0, group_name=f"s{n}") for n in (2, 3, 4)}
+    groups["d4"] = WorkerGroup(pool(4), Scorer, 2.0, group_name="d4")
+    groups["mesh4"] = WorkerGroup(pool(4), MeshWorker)  # its role: "MeshWorker"
+    try:
+        await asyncio.gather(*[g.ready() for g in groups.values()])
+        yield groups
+    finally:
+        for g in groups.values():
+            await g.aclose()
+
+
+@pytest.fixture
+def seq() -> Iterator[Sequencer]:
+    s = Sequencer(backend="local")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# -- dispatch transforms (from test_group_dispatch.py) ---------------------------------------------------------------
+async def test_shard_balanced_uneven(bed):
+    out = await bed["d4"].score(xs(10))
+    assert torch.equal(out["score"], torch.arange(10).double() * 2)
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]  # 10 over 4 -> 3, 3, 2, 2
+    assert out.meta == {}
+
+
+async def test_shard_keeps_non_tensor_columns_and_meta(bed):
+    b = xs(6, name=[f"r{i}" for i in range(6)])
+    out = await bed["d4"].echo(b)
+    assert list(out["name"]) == [f"r{i}" for i in range(6)]
+    assert out.meta == {"step": 7}
+    assert torch.equal(out["x"], b["x"])
+
+
+async def test_shard_pad_strips_padding(bed):
+    g4 = bed["d4"]
+    out = await g4.padded(xs(10))
+    assert torch.equal(out["x2"], torch.arange(10) * 2)
+    assert set(out["n"].tolist()) == {3}  # every rank saw an equal shard of 3 rows (12 padded)
+    out = await g4.padded_pipe(xs(5))
+    assert torch.equal(out["x2"], torch.arange(5) * 2)
+    assert set(out["n"].tolist()) == {2}
+
+
+async def test_shard_allow_empty(bed):
+    out = await bed["d4"].maybe_empty(xs(2))
+    assert out["x"].tolist() == [0, 1]
+
+
+async def test_broadcast_scatter_rank_zero_metrics(bed):
+    g4 = bed["d4"]
+    assert await g4.set_scale(3.0) == [3.0] * 4
+    try:
+        assert await g4.get_scale() == [3.0] * 4
+        assert await g4.take([10, 11, 12, 13], tag="t") == ["t10@0", "t11@1", "t12@2", "t13@3"]
+        assert await g4.save("ckpt") == "ckpt:0"
+        m = await g4.report()
+        assert m == {"loss": 1.5, "tokens": 25.0}
+        assert await g4.count(xs(10)) == {"rows": 10.0}
+    finally:
+        await g4.set_scale(2.0)
+
+
+async def test_function_broadcast_with_sharded_data(bed):
+    out = await bed["d4"].apply(lambda t: t * t, xs(9))
+    assert torch.equal(out["out"], torch.arange(9) ** 2)
+
+
+async def test_async_endpoint(bed):
+    assert await bed["d4"].async_value(3) == [30, 31, 32, 33]
+
+
+async def test_mesh_dispatch_replicates_to_tp_ranks_and_collects_from_collectors(bed):
+    g = bed["mesh4"]
+    await g.reset_stats()
+    out = await g.compute(xs(10))
+    assert torch.equal(out["x"], torch.arange(10))
+    assert out["dp"].tolist() == [0] * 5 + [1] * 5
+    assert out["rank"].tolist() == [0] * 5 + [2] * 5  # collectors only
+    stats = await g.stats()
+    # both TP ranks of a replica got the same 5 rows
+    assert [s["compute"]["rows_used"] for s in stats] == [5, 5, 5, 5]
+    out = await g.compute_padded(xs(3))
+    assert torch.equal(out["x"], torch.arange(3)) and set(out["n"].tolist()) == {2}
+    d = await g.describe()
+    assert d[1]["meshes"]["MeshWorker"]["actor"] == {"dp_rank": 0, "dp_size": 2, "is_collector": False}
+    with pytest.raises(orc.DispatchError, match="never called self.register_mesh"):
+        await g.unregistered(xs(4))
+    # the mesh is cached: a second call sends at once
+    assert g.cached_mesh("actor") is not None
+
+
+async def test_colocated_roles_share_processes():
+    """(From test_group_errors.py.) In-process every rank shares the test's pid, so the pid check is trivially
+    true here: that colocated roles share one Ray process is checked on Ray by the contract's
+    test_colocated_roles_share_each_rank. What this adds: per-role init arguments, the view's name, unknown roles."""
+    views = WorkerGroup.colocate(pool(2), {"actor": Actor, "critic": Critic}, actor={"lr": 0.5}, critic=(1.0,))
+    actor, critic = views["actor"], views["critic"]
+    try:
+        await actor.ready()
+        assert await actor.pid() == await critic.pid()
+        assert await actor.get_lr() == [0.5, 0.5]
+        out = await critic.values(rows(5))
+        assert torch.equal(out["v"], torch.arange(5).double() + 1.0)
+        d = await critic.describe()
+        assert d[0]["roles"] == ["actor", "critic"]
+        assert actor.name == "actor+critic/actor"
+        with pytest.raises(TypeError, match="unknown role"):
+            WorkerGroup.colocate(pool(1), {"a": Actor}, b={})
+    finally:
+        await actor.aclose()
+
+
+# -- errors, deadlines, cancellation, bad input (from test_group_errors.py) ------------------------------------------
+async def test_worker_error_names_location_and_fails_fast(bed, seq):
+    g3 = bed["s3"]
+    with pytest.raises(orc.WorkerError) as info:
+        await g3.fail_on(1, seq, [[1], [], [2]])  # ranks 0 and 2 wait for position 0, which the test holds
+    # did not wait for the other ranks: they are let through only now, and pass positions 1 and 2 before 3
+    async with seq(0):
+        pass
+    async with seq(3):
+        pass
+    e = info.value
+    assert type(e) is orc.WorkerError
+    assert (e.group, e.rank, e.endpoint, e.exc_type) == (g3.name, 1, "fail_on", "ValueError") and g3.name == "s3"
+    assert "boom on 1" in str(e) and "Traceback" in e.remote_traceback and "fail_on" in e.remote_traceback
+    assert await g3.get_scale() == [1.0] * 3
+
+
+async def test_upstream_error_surfaces_downstream(bed):
+    g3 = bed["s3"]
+    # the upstream result lacks the column that score requires: the worker rejects it with the location
+    with pytest.raises(orc.WorkerError, match="missing column") as info:
+        await g3.score(g3.echo(Batch.from_dict({"y": torch.arange(6)})))
+    assert info.value.endpoint == "score"
+    # an upstream failure fails the forwarded call with the upstream's own error
+    with pytest.raises(orc.WorkerError, match="missing column") as info:
+        await g3.plus_one(g3.score(g3.echo(Batch.from_dict({"y": torch.arange(6)}))))
+    assert info.value.endpoint == "score"
+    # a plain-value future cannot be split by rows: the error says so
+    with pytest.raises(orc.WorkerError, match="not a Batch"):
+        await g3.score(g3.get_scale())
+
+
+async def test_deadline_names_running_ranks_and_cancels_work(bed):
+    g3 = bed["s3"]
+    await g3.take_outcomes()
+    with pytest.raises(orc.CallTimeoutError) as info:
+        await g3.hold_until_cancelled.options(timeout=0.5)()  # ends only when cancelled
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.pending_ranks == (0, 1, 2)
+    assert "rank(s) [0, 1, 2] still running" in str(info.value)
+    # every rank stopped because of the deadline's cancel: it saw it while running, or skipped the queued call
+    assert all(o in ([], ["cancelled"]) for o in await g3.take_outcomes())
+    assert await g3.get_scale() == [1.0] * 3
+
+
+async def test_cancelling_the_awaiting_task_cancels_the_ranks_work(bed, seq):
+    g3 = bed["s3"]
+    await g3.take_outcomes()
+
+    async def waiter():
+        return await g3.hold_until_cancelled(seq)
+
+    task = asyncio.create_task(waiter())
+    async with seq(3):  # ranks 0..2 passed positions 0..2: the call runs on every rank
+        pass
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await g3.take_outcomes() == [["cancelled"]] * 3  # each running rank saw the cancel and stopped
+    assert await g3.get_scale() == [1.0] * 3
+
+
+async def test_bad_input_rejected_before_sending(bed):
+    g3 = bed["s3"]
+    await g3.reset_stats()
+    with pytest.raises(orc.DispatchError, match=r"missing column\(s\) \['x'\]"):
+        g3.score(Batch.from_dict({"y": torch.arange(6)}))
+    with pytest.raises(orc.DispatchError, match="2 rows cannot be sharded over 3"):
+        g3.score(rows(2))
+    with pytest.raises(orc.DispatchError, match="argument 0 has 2 entries but the group has 3 ranks"):
+        g3.take([1, 2])
+    with pytest.raises(orc.DispatchError, match="signature"):
+        g3.score(rows(6), 1, 2)
+    with pytest.raises(orc.DispatchError, match="needs at least one Batch"):
+        g3.score(None)
+    with pytest.raises(AttributeError, match="has no endpoint 'nope'"):
+        g3.nope
+    stats = await g3.stats()
+    assert all("score" not in s or s["score"]["calls"] == 0 for s in stats)
+
+
+# -- forwarding by rows (from test_group_forwarding.py) ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "src,dst,n,parts_in,rows_in",
+    [
+        (4, 2, 10, [2, 3], [6, 7]),        # producer 3,3,2,2 -> consumer [0,5) [5,10)
+        (2, 4, 10, [1, 2, 1, 1], [5, 10, 5, 5]),  # producer 5,5 -> consumer 3,3,2,2
+        (3, 4, 11, [1, 2, 2, 1], [4, 8, 7, 3]),   # producer 4,4,3 -> consumer 3,3,3,2
+        (2, 2, 9, [1, 1], [5, 4]),          # aligned: part i -> rank i
+    ],
+)
+async def test_forwarding_fetches_only_overlapping_parts(bed, src, dst, n, parts_in, rows_in):
+    a, b = bed[f"s{src}"], bed[f"s{dst}"]
+    await b.reset_stats()
+    orc.reset_controller_stats()
+    up = a.echo(rows(n))
+    down = b.plus_one(up)
+    out = await down
+    assert torch.equal(out["y"], torch.arange(n) + 1)
+    st = [s["plus_one"] for s in await b.stats()]
+    assert [s["parts_in"] for s in st] == parts_in
+    assert [s["rows_in"] for s in st] == rows_in
+    assert [s["rows_used"] for s in st] == [len(c) for c in rows(n).chunk(dst)]
+    # the controller fetched the consumer's result only, never the upstream payload
+    assert orc.controller_stats()["bytes_materialized"] == out.nbytes
+
+
+async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once(bed):
+    g = bed["mesh4"]
+    await g.reset_stats()
+    async with WorkerGroup(pool(1), Scorer, group_name="one") as one:
+        fut = one.gen(rows(6), pieces=3)
+        out = await g.compute.options(stream=True)(fut)  # 1 upstream slot vs 2 DP replicas: no part-wise calls
+        assert torch.equal(out["x"], torch.arange(6) + 100)
+        assert [s["compute"]["calls"] for s in await g.stats()] == [1, 1, 1, 1]
