@@ -20,11 +20,22 @@ def _pass(seq: Sequencer, positions: list[int]) -> None:
             pass
 
 
+def _allreduce_rows(batch: Batch) -> Batch:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    t = torch.tensor([len(batch)])
+    dist.all_reduce(t)
+    return Batch.from_dict({"total": t.repeat(len(batch))})
+
+
 class Scorer(Worker):
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = scale
         self.calls: list[str] = []
         self.outcomes: list[str] = []  # how each ``hold_until_cancelled`` call ended (``take_outcomes``)
+        self.seen = 0  # ``count_rows`` calls that ran here (``seen_calls``)
 
     @endpoint(D.shard(), requires=["x"])
     def score(self, batch: Batch) -> Batch:
@@ -185,11 +196,47 @@ class Scorer(Worker):
     def write_in_place(self, batch: Batch) -> Batch:
         return Batch.from_dict({"sum": batch["x"].sum().reshape(1).repeat(len(batch))})
 
+    # -- for the Ray tests of test_core_integrity, test_core_lifecycle and test_core_replies, which run on the shared
+    # Scorer groups (conftest ``scorers``) instead of starting groups of their own
+    @endpoint(D.broadcast())
+    def echo_all(self, batch: Batch) -> Batch:
+        return batch
+
     @endpoint(D.shard())
-    def mutate(self, batch: Batch) -> Batch:
-        x = batch["x"]
-        x += 1000  # allowed: inputs are the method's own copies
-        return Batch.from_dict({"x": x})
+    def total(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"t": batch["x"].sum().reshape(1).repeat(len(batch))})
+
+    @endpoint(D.shard())
+    def count_rows(self, batch: Batch) -> int:
+        self.seen += 1
+        return len(batch)
+
+    @endpoint(D.broadcast())
+    def seen_calls(self) -> int:
+        return self.seen
+
+    @endpoint(D.shard())
+    def allreduce_rows(self, batch: Batch) -> Batch:
+        """Every rank's row count, summed by a gloo all-reduce over the group's processes."""
+        return _allreduce_rows(batch)
+
+    @endpoint(D.shard())
+    def gen_fail(self, batch: Batch):
+        yield batch
+        raise ValueError(f"generator failed on rank {self.rank}")
+
+    @endpoint(D.broadcast())
+    def rank_and(self, x: int) -> tuple[int, int]:
+        return self.rank, x
+
+    @endpoint(D.broadcast())
+    def fail_one_block_others(self) -> int:
+        """Rank 0 fails at once; every other rank runs until the controller cancels the call."""
+        if self.rank == 0:
+            raise ValueError("rank 0 fails on purpose")
+        while not self.cancelled():
+            time.sleep(0.005)
+        return self.rank
 
 
 class MeshWorker(Worker):
@@ -290,13 +337,7 @@ class Hazard(Worker):
 
     @endpoint(D.shard())
     def allreduce_rows(self, batch: Batch) -> Batch:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        t = torch.tensor([len(batch)])
-        dist.all_reduce(t)
-        return Batch.from_dict({"total": t.repeat(len(batch))})
+        return _allreduce_rows(batch)
 
     @endpoint(D.shard())
     def gen_fail(self, batch: Batch):
@@ -316,6 +357,15 @@ class Hazard(Worker):
             end = time.time() + delay
             while time.time() < end and not self.cancelled():
                 time.sleep(0.01)
+            yield Batch.from_dict({"x": piece["x"]})
+
+    @endpoint(D.shard())
+    def gen_in_turn(self, batch: Batch, seq: Sequencer, positions: list[int], pieces: int = 4):
+        """Yields its first piece at once and the others only after passing Sequencer position
+        ``positions[rank]``: the stream is still being produced until the caller lets it through."""
+        for i, piece in enumerate(batch.chunk(pieces)):
+            if i == 1:
+                _pass(seq, [positions[self.rank]])
             yield Batch.from_dict({"x": piece["x"]})
 
     @endpoint(D.shard() | D.stream())

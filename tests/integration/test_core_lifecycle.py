@@ -1,4 +1,10 @@
-"""Errors after deaths and shutdowns, group lifecycle, cancellation and deadlines that leave nothing behind."""
+"""A group's life on Ray: control calls after a real process death, supervision while the controller awaits
+another group, placement groups given back, Ray's error for a failing generator, a cancelled stream over Ray, and
+``orc.shutdown()`` under a call in flight (a cluster of its own).
+
+Call options, deadlines on queued calls, cancelling before a call runs, a call in flight at close and the errors
+of a dead or failing upstream group are checked in-process by tests/unit/core/test_group_semantics_local.py;
+deaths, closing and cancellation on both backends by tests/contract."""
 
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
-from orc_test_workers import Hazard
+from orchestra.testing import kill_rank
+from orc_test_workers import Hazard, Scorer
 
 
 def xs(n: int) -> Batch:
@@ -27,134 +34,60 @@ def pool(n: int) -> ResourcePool:
     return ResourcePool(process_on_nodes=[n], cpus_per_worker=0.1)
 
 
-async def _sigkill(g: WorkerGroup, rank: int) -> None:
-    pid = (await g.describe())[rank]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    with anyio.fail_after(30):
-        while True:  # until Ray has noticed the death
-            try:
-                await g.ping()
-            except orc.WorkerDiedError:
-                return
-            await anyio.sleep(0.05)
-
-
-async def test_control_calls_after_a_death_name_group_and_rank():
-    async with WorkerGroup(pool(2), Hazard, group_name="dead-ctl") as g:
-        await _sigkill(g, 1)
-        for call in (g.ping, g.stats, g.describe, g.reset_stats):
-            with pytest.raises(orc.WorkerDiedError) as info:
-                await call()
-            assert info.value.group == "dead-ctl" and info.value.rank == 1
-
-
-async def test_reading_a_dead_groups_future_blames_that_group():
-    async with WorkerGroup(pool(2), Hazard, group_name="producer") as src, \
-            WorkerGroup(pool(2), Hazard, group_name="consumer") as dst:
-        await _sigkill(src, 1)
-        with pytest.raises(orc.WorkerDiedError) as info:
-            await dst.echo(src.echo(xs(4)))
-        assert (info.value.group, info.value.rank) == ("producer", 1)
-
-
-async def test_upstream_worker_error_is_reported_at_the_upstream_rank():
-    async with WorkerGroup(pool(2), Hazard, group_name="up") as src, \
-            WorkerGroup(pool(2), Hazard, group_name="down") as dst:
-        with pytest.raises(orc.WorkerError) as info:
-            await dst.echo(src.gen_fail(xs(4)))
-        assert (info.value.group, info.value.endpoint) == ("up", "gen_fail")
-
-
-async def test_failed_generator_raises_a_plain_worker_error(h2):
+async def test_failed_generator_raises_a_plain_worker_error(scorers):
     with pytest.raises(orc.WorkerError) as info:
-        await h2.gen_fail(xs(4))
+        await scorers[2].gen_fail(xs(4))
     e = info.value
     assert type(e) is orc.WorkerError
     assert str(e).splitlines()[0].startswith("ValueError: generator failed on rank")
     assert "\x1b[" not in str(e)
 
 
-@pytest.fixture(scope="module")
-async def h2():
-    async with WorkerGroup(pool(2), Hazard, group_name="life2") as g:
-        yield g
-
-
 async def test_shutdown_right_after_construction_leaks_nothing():
     free = ray.available_resources()["CPU"]
     g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=free / 2), Hazard, group_name="early")
     g.shutdown()
-    # every free CPU is free again: a pool of all of them places
-    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=free / 2,
-                                        placement_timeout=20), Hazard, group_name="after") as g2:
-        assert await g2.seen_calls() == [0, 0]
+    # every free CPU is free again: a pool of all of them places (its placement group is ready; no worker needed)
+    again = ResourcePool(process_on_nodes=[2], cpus_per_worker=free / 2, placement_timeout=20)
+    try:
+        assert len(await again.slots()) == 2
+    finally:
+        again.release()
     with pytest.raises(orc.GroupClosedError, match="was shut down"):
         await g.ping()
 
 
-async def test_a_call_in_flight_at_shutdown_says_so():
-    g = WorkerGroup(pool(2), Hazard, group_name="closing")
-    await g.ready()
-    fut = g.sleep(20.0)
-    await g.aclose()
-    with pytest.raises(orc.GroupClosedError, match="'closing' was shut down"):
-        await fut
-    with pytest.raises(orc.GroupClosedError, match="was shut down"):
-        g.sleep(1.0)
-
-
-async def test_bad_options_name_the_option(h2):
-    with pytest.raises(ValueError, match="timeout"):
-        h2.sleep.options(timeout=-1)
-    with pytest.raises(TypeError, match="timeout"):
-        h2.sleep.options(timeout="abc")
-    with pytest.raises(TypeError, match="stream"):
-        h2.sleep.options(stream="yes")
-
-
-async def test_timeout_on_a_queued_call_means_it_never_runs(h2):
-    before = await h2.seen_calls()
-    slow = h2.per_part(h2.slow_gen(xs(8), pieces=4, delay=0.3))  # holds the group's send order until its last part
-    queued = h2.mark.options(timeout=0.05)("late")
-    with pytest.raises(orc.CallTimeoutError):
-        await queued
-    await slow
-    assert await h2.seen_calls() == before  # "late" was never sent
-
-
-async def test_cancelled_stream_leaves_no_task(h2):
+async def test_cancelled_stream_leaves_no_task(scorers, sequencer):
+    g = scorers[2]
     baseline = len(asyncio.all_tasks())
-    fut = h2.per_part(h2.slow_gen(xs(8), pieces=4, delay=0.5))
+    # each producer rank yields its first part, then waits for the test's position 0 before the rest: the stream is
+    # still running when it is cancelled
+    fut = g.per_part(g.gen_in_turn(xs(8), sequencer, [1, 2], pieces=4))
     await asyncio.sleep(0)
     fut.cancel()
     with pytest.raises(orc.CallCancelledError):
         await fut
-    with anyio.fail_after(10):
+    async with sequencer(0):  # lets the producer end
+        pass
+    with anyio.fail_after(10):  # a bound on a broken build only
         while len(asyncio.all_tasks()) > baseline:
             await asyncio.sleep(0.01)
-    assert await h2.seen_calls() == await h2.seen_calls()  # group still answers
-
-
-async def test_remote_cancel_is_an_orchestra_error_in_other_awaiters(h2):
-    fut = h2.sleep(10.0)
-    fut.cancel()
-    with pytest.raises(orc.CallCancelledError, match="cancelled"):
-        await fut
+    assert await g.get_scale() == [1.0, 1.0]  # group still answers
 
 
 _AFTER_SHUTDOWN = textwrap.dedent("""
     import anyio, sys
     import orchestra as orc
     sys.path.insert(0, {tests!r})
-    from orc_test_workers import Hazard
+    from orc_test_workers import Scorer
 
     async def main():
         orc.init(num_cpus=2)
-        g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.1), Hazard)
+        g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.1), Scorer)
         await g.ready()
         import ray
         print("NODE_IP", ",".join(n["NodeManagerAddress"] for n in ray.nodes()))
-        fut = g.sleep(30.0)
+        fut = g.hold_until_cancelled()  # ends only when cancelled: in flight at the shutdown
         orc.shutdown()
         with anyio.fail_after(10):
             try:
@@ -176,23 +109,51 @@ def test_await_after_orc_shutdown_fails_at_once_and_cluster_is_loopback_with_aut
     assert "Token authentication is disabled" not in out.stderr
 
 
-async def test_supervision_sees_a_death_while_the_controller_awaits_another_group():
-    async with WorkerGroup(pool(2), Hazard, group_name="watched") as g, \
-            WorkerGroup(pool(1), Hazard, group_name="busy") as other:
-        died = anyio.Event()
-        seen: list[orc.WorkerDiedError] = []
-        g.on_death(lambda e: (seen.append(e), died.set()))
-        inflight = g.sleep(30.0)
-        pid = (await g.describe())[1]["pid"]
-        assert [h["alive"] for h in g.health()] == [True, True]
-        os.kill(pid, signal.SIGKILL)
-        with anyio.fail_after(30):
-            await other.sleep(0.2)  # the controller is busy with another group meanwhile
-            await died.wait()
-        assert (seen[0].group, seen[0].rank) == ("watched", 1)
-        assert [h["alive"] for h in g.health()] == [True, False]
+@pytest.fixture(scope="module")
+async def watched():
+    """A 2-rank group whose rank 1 is SIGKILLed by the first test that uses it (the supervision test); the tests
+    after it only need a group with a dead rank, so they share this one rather than start their own (one that runs
+    alone kills rank 1 first)."""
+    async with WorkerGroup(pool(2), Scorer, group_name="watched") as g:
+        yield g
+
+
+async def test_supervision_sees_a_death_while_the_controller_awaits_another_group(watched, scorers, sequencer):
+    g, other = watched, scorers[2]
+    died = anyio.Event()
+    seen: list[orc.WorkerDiedError] = []
+    g.on_death(lambda e: (seen.append(e), died.set()))
+    inflight = g.hold_until_cancelled()  # ends only when cancelled: still running when rank 1 dies
+    pid = (await g.describe())[1]["pid"]
+    assert [h["alive"] for h in g.health()] == [True, True]
+    # another group's call that can end only after the death was seen: the test lets it through (position 0)
+    # once ``died`` is set, so the controller is awaiting that call while the death arrives
+    busy = other.hold(sequencer, [[1], [2]])
+
+    async def release_once_seen() -> None:
+        await died.wait()
+        async with sequencer(0):
+            pass
+
+    os.kill(pid, signal.SIGKILL)
+    with anyio.fail_after(30):  # a bound on a broken build only
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_once_seen)
+            assert await busy == [0, 1]
+    assert (seen[0].group, seen[0].rank) == ("watched", 1)
+    assert [h["alive"] for h in g.health()] == [True, False]
+    with pytest.raises(orc.WorkerDiedError) as info:
+        await inflight
+    assert info.value.rank == 1 and info.value.endpoint == "hold_until_cancelled"
+    with pytest.raises(orc.WorkerDiedError, match="nothing was sent"):
+        g.sleep(1.0)
+
+
+async def test_control_calls_after_a_death_name_group_and_rank(watched):
+    g = watched
+    if g.health()[1]["alive"]:  # run on its own: no earlier test killed it
+        await kill_rank(g, 1)  # SIGKILL, then waits until the group reports the death
+    for call in (g.ping, g.stats, g.describe, g.reset_stats):
         with pytest.raises(orc.WorkerDiedError) as info:
-            await inflight
-        assert info.value.rank == 1 and info.value.endpoint == "sleep"
-        with pytest.raises(orc.WorkerDiedError, match="nothing was sent"):
-            g.sleep(1.0)
+            await call()
+        assert info.value.group == "watched" and info.value.rank == 1

@@ -1,33 +1,34 @@
-"""Batched reply completion (``orchestra._replies``): every rank's reply, its own error, fail-fast, long calls."""
+"""Batched reply completion (``orchestra._replies``, Ray only: it batches the waits on Ray object refs): every
+rank's reply, its own error, fail-fast, long calls. On the session's shared 4-rank Scorer group."""
 
 from __future__ import annotations
+
+import asyncio
 
 import anyio
 import pytest
 
 import orchestra as orc
-from orchestra import ResourcePool, WorkerGroup, _replies
-from replies_workers import Replier
+from orchestra import _replies
 
-
-BATCHES: list[int] = []
+BATCHES: list[int] = []  # replies per batch handed to a reply thread, in order
+_BATCH_DONE: list[asyncio.Event] = []  # set once a batch's reply thread has handed its replies back
 
 
 @pytest.fixture(scope="module")
-async def group(orc_cluster):
+async def group(scorers):
     # 4 ranks take the batched path here (the default threshold is 8), and every batch is counted
     min_batch, batch = _replies.MIN_BATCH, _replies._batch
     _replies.MIN_BATCH = 2
 
     def counted(loop, pairs):
         BATCHES.append(len(pairs))
-        batch(loop, pairs)
+        batch(loop, pairs)  # waits up to FAST_WINDOW_S, delivers what is ready, hands the rest to per-ref callbacks
+        loop.call_soon_threadsafe(lambda: [e.set() for e in _BATCH_DONE])
 
     _replies._batch = counted
     try:
-        async with WorkerGroup(ResourcePool(process_on_nodes=[4], cpus_per_worker=0.1), Replier,
-                               group_name="replies") as g:
-            yield g
+        yield scorers[4]
     finally:
         _replies.MIN_BATCH, _replies._batch = min_batch, batch
 
@@ -54,5 +55,18 @@ async def test_a_failing_rank_fails_the_call_while_the_others_still_run(group):
     assert await group.rank_and(7) == [(r, 7) for r in range(4)]  # the group still works
 
 
-async def test_replies_later_than_the_batch_window_still_arrive(group):
-    assert await group.after(4 * _replies.FAST_WINDOW_S) == [0, 1, 2, 3]
+async def test_replies_later_than_the_batch_window_still_arrive(group, sequencer):
+    done = asyncio.Event()
+    _BATCH_DONE.append(done)
+    try:
+        # rank r replies only after passing position r + 1, and the test enters position 0 only once the call's
+        # batch has stopped waiting (FAST_WINDOW_S) and handed the replies to the per-ref path
+        fut = group.hold(sequencer, [[r + 1] for r in range(4)])
+        with anyio.fail_after(60):  # a bound on a broken build only
+            await done.wait()
+        assert not fut.done()
+        async with sequencer(0):
+            pass
+        assert await fut == [0, 1, 2, 3]
+    finally:
+        _BATCH_DONE.remove(done)

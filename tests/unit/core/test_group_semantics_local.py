@@ -1,7 +1,9 @@
 """Group semantics on the in-process backend (no Ray): dispatch transforms, meshes, colocation, error locations,
-fail-fast, deadlines, cancellation, input checks and forwarding by rows.
+fail-fast, deadlines, cancellation, input checks, call options, forwarding by rows, unions, and what a closed or dead
+group answers.
 
-These tests ran on the Ray test cluster (tests/integration/test_group_{dispatch,errors,forwarding}.py).
+These tests ran on the Ray test cluster (tests/integration/test_group_{dispatch,errors,forwarding}.py,
+test_core_integrity.py, test_core_lifecycle.py).
 What they check is decided by orchestra's controller and its ``Host``, which both backends share (docs/testing.md,
 "The in-process backend"), so here each takes milliseconds instead of a Ray worker process per rank. What only Ray
 shows stayed there: per-process environment and placement, the object store, streams and call order over Ray
@@ -25,12 +27,12 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
-from orchestra.testing import Sequencer
+from orchestra.testing import Sequencer, kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
 if str(_INTEGRATION) not in sys.path:
     sys.path.insert(0, str(_INTEGRATION))
-from orc_test_workers import Actor, Critic, MeshWorker, Scorer  # noqa: E402
+from orc_test_workers import Actor, Critic, Hazard, MeshWorker, Scorer  # noqa: E402
 
 
 def pool(n: int) -> ResourcePool:
@@ -57,11 +59,13 @@ def _no_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 async def bed() -> AsyncIterator[dict[str, WorkerGroup]]:
     """The module's groups, started once: Scorers of 2, 3 and 4 ranks (scale 1.0, named s2/s3/s4), a 4-rank Scorer
-    at scale 2.0 (``d4``, the dispatch tests') and a 4-rank DP x TP MeshWorker. A test
+    at scale 2.0 (``d4``, the dispatch tests'), a 4-rank DP x TP MeshWorker and Hazards of 2 and 4 ranks. A test
     that changes a group's state puts it back."""
     groups = {f"s{n}": WorkerGroup(pool(n), Scorer, 1.0, group_name=f"s{n}") for n in (2, 3, 4)}
     groups["d4"] = WorkerGroup(pool(4), Scorer, 2.0, group_name="d4")
     groups["mesh4"] = WorkerGroup(pool(4), MeshWorker)  # its role: "MeshWorker"
+    groups["h2"] = WorkerGroup(pool(2), Hazard, group_name="h2")
+    groups["h4"] = WorkerGroup(pool(4), Hazard, group_name="h4")
     try:
         await asyncio.gather(*[g.ready() for g in groups.values()])
         yield groups
@@ -289,3 +293,97 @@ async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once(bed)
         out = await g.compute.options(stream=True)(fut)  # 1 upstream slot vs 2 DP replicas: no part-wise calls
         assert torch.equal(out["x"], torch.arange(6) + 100)
         assert [s["compute"]["calls"] for s in await g.stats()] == [1, 1, 1, 1]
+
+
+# -- integrity (from test_core_integrity.py) ---------------------------------------------------------------------------
+async def test_unserializable_broadcast_argument_is_rejected_before_sending(bed):
+    import threading
+
+    h4 = bed["h4"]
+    before = await h4.seen_calls()
+    with pytest.raises(orc.DispatchError, match="argument 'tag'"):
+        await h4.mark(tag=threading.Lock())
+    assert await h4.seen_calls() == before
+
+
+async def test_unions_of_differently_split_futures_forward_by_rows(bed):
+    h4 = bed["h4"]
+    b10 = rows(10)
+    out = await h4.echo(h4.add1(b10) | h4.score(b10))  # rows per rank 3,3,2,2 | 3,3,3,1
+    assert out["a"].tolist() == list(range(1, 11))
+    assert out["s"].tolist() == [2 * i for i in range(10)]
+    direct = await (h4.add1(b10) | h4.score(b10))
+    assert torch.equal(direct["a"], out["a"]) and torch.equal(direct["s"], out["s"])
+
+
+async def test_row_counts_come_from_the_producer_not_the_input(bed):
+    up = bed["h2"].expand(rows(2), n=4)  # 2 rows in, 8 rows out
+    out = await bed["h4"].echo(up)
+    assert out["x"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert up.rows_if_known() == 8
+
+
+# -- options, deadlines and cancellation, closed and dead groups (from test_core_lifecycle.py) ------------------------
+async def test_bad_options_name_the_option(bed):
+    h2 = bed["h2"]
+    with pytest.raises(ValueError, match="timeout"):
+        h2.sleep.options(timeout=-1)
+    with pytest.raises(TypeError, match="timeout"):
+        h2.sleep.options(timeout="abc")
+    with pytest.raises(TypeError, match="stream"):
+        h2.sleep.options(stream="yes")
+
+
+async def test_timeout_on_a_queued_call_means_it_never_runs(bed, seq):
+    h2 = bed["h2"]
+    before = await h2.seen_calls()
+    # holds the group's send order until its last part: each producer rank yields its first part, then waits for
+    # the test's position 0 (rank 0 passes 1, rank 1 passes 2) before the rest
+    slow = h2.per_part(h2.gen_in_turn(rows(8), seq, [1, 2], pieces=4))
+    queued = h2.mark.options(timeout=0.05)("late")
+    with pytest.raises(orc.CallTimeoutError):
+        await queued
+    async with seq(0):  # the stream can end only now: "late" timed out while still queued behind it
+        pass
+    await slow
+    assert await h2.seen_calls() == before  # "late" was never sent
+
+
+async def test_remote_cancel_is_an_orchestra_error_in_other_awaiters(bed):
+    g = bed["s2"]
+    fut = g.hold_until_cancelled()  # ends only when cancelled
+    fut.cancel()
+    with pytest.raises(orc.CallCancelledError, match="cancelled"):
+        await fut
+    await g.take_outcomes()
+
+
+async def test_a_call_in_flight_at_shutdown_says_so(seq):
+    g = WorkerGroup(pool(2), Scorer, group_name="closing")
+    await g.ready()
+    fut = g.hold_until_cancelled(seq)
+    async with seq(2):  # both ranks are running it
+        pass
+    await g.aclose()
+    with pytest.raises(orc.GroupClosedError, match="'closing' was shut down"):
+        await fut
+    with pytest.raises(orc.GroupClosedError, match="was shut down"):
+        g.sleep(1.0)
+
+
+async def test_reading_a_dead_groups_future_blames_that_group():
+    async with WorkerGroup(pool(2), Hazard, group_name="producer") as src, \
+            WorkerGroup(pool(2), Hazard, group_name="consumer") as dst:
+        await kill_rank(src, 1)
+        with pytest.raises(orc.WorkerDiedError) as info:
+            await dst.echo(src.echo(rows(4)))
+        assert (info.value.group, info.value.rank) == ("producer", 1)
+
+
+async def test_upstream_worker_error_is_reported_at_the_upstream_rank():
+    async with WorkerGroup(pool(2), Hazard, group_name="up") as src, \
+            WorkerGroup(pool(2), Hazard, group_name="down") as dst:
+        with pytest.raises(orc.WorkerError) as info:
+            await dst.echo(src.gen_fail(rows(4)))
+        assert (info.value.group, info.value.endpoint) == ("up", "gen_fail")
+
