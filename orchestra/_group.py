@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
+import ray
 
-from . import _runtime, _stats
+from . import _channel, _runtime, _stats
 from ._batch import Batch
 from ._errors import DispatchError, WorkerDiedError
 from ._future import DataFuture
@@ -85,6 +86,11 @@ class _Shared:
         self._watch_refs: list[Any] = []  # one never-returning supervision call per rank
         self._watches: list[asyncio.Future] = []  # those refs wrapped for the loop the group is used from
         self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self.channel: _channel.Channel | None = None  # the fast path, while open (see orchestra._channel)
+        self.fast_path_off = False  # set once the raw actor handles were taken (group.actors)
+        self._fast_ok: bool | None = None  # backend and placement allow it (decided once the ranks are up)
+        self._streak = 0  # fast-path-eligible calls in a row
+        self.fast_calls = 0  # calls sent over a channel, all channels together
         pool.acquire()
         _runtime.register(self)
 
@@ -159,10 +165,47 @@ class _Shared:
             return
         if loop is self._watch_loop:
             return
+        self.before_ray_compute()  # a channel serves the loop that made it
         for w in self._watches:
             _cancel_on_its_loop(w)
         self._watches = []
         self._wrap_watches(loop)
+
+    # -- the fast path (orchestra._channel) ----------------------------------------------------------------------
+    def may_use_fast_path(self) -> bool:
+        """Whether this group's calls may take a fast-path channel: on by default (``ORCHESTRA_FAST_PATH=0``
+        turns it off), Ray ranks all on the controller's node, raw handles never taken, no rank dead."""
+        if self._fast_ok is None:
+            if not self._ready:
+                return False
+            self._fast_ok = (_channel.enabled() and self.pool.backend.name == "ray"
+                             and _on_this_node([i.get("node_id") for i in self.info]))
+        return self._fast_ok and not self.fast_path_off and not self.dead and self.closed is None
+
+    def fast_channel(self) -> _channel.Channel | None:
+        """The channel for a call that qualifies: the open one, or a new one once enough qualifying calls came in
+        a row; None: send it through Ray (no channel is open then)."""
+        self._streak += 1
+        ch = self.channel
+        if ch is not None:
+            if ch.open and ch.loop is asyncio.get_running_loop():
+                self.fast_calls += 1
+                return ch
+            self.before_ray_compute()  # ended by a death, or made on another event loop
+            return None
+        if self._streak < _channel.threshold() or not self.may_use_fast_path():
+            return None
+        self.channel = _channel.Channel(self.hosts, self.name)
+        self.fast_calls += 1
+        return self.channel
+
+    def before_ray_compute(self) -> None:
+        """A compute-lane call is about to go through Ray: release the channel first, so that each rank's loop
+        returns after the calls already written and the Ray call runs after them, in the order calls were made."""
+        self._streak = 0
+        ch, self.channel = self.channel, None
+        if ch is not None:
+            ch.release()
 
     def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
         if f.cancelled():
@@ -211,6 +254,9 @@ class _Shared:
             _cancel_on_its_loop(w)
         self._watches.clear()
         self._watch_refs = []
+        ch, self.channel = self.channel, None
+        if ch is not None:
+            ch.close(err)
         hosts, self.hosts = self.hosts, []
         return hosts
 
@@ -222,6 +268,16 @@ class _Shared:
             except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
                 log.debug("group %r: kill: %r", self.name, e)
         self.pool.release_ref()
+
+
+def _on_this_node(node_ids: list[Any]) -> bool:
+    """Whether every rank runs on the controller's node (a fast-path socket is a local one)."""
+    try:
+        here = ray.get_runtime_context().get_node_id()
+    except Exception as e:  # noqa: BLE001 - no node context (Ray not up): no fast path
+        log.debug("fast path: no node id here: %r", e)
+        return False
+    return bool(node_ids) and all(n == here for n in node_ids)
 
 
 def _cancel_on_its_loop(f: asyncio.Future) -> None:
@@ -323,8 +379,12 @@ class WorkerGroup:
 
     @property
     def actors(self) -> list[Any]:
-        """The Ray actor handles, one per rank (after ``ready()``)."""
-        return list(self._shared.hosts)
+        """The Ray actor handles, one per rank (after ``ready()``). Taking them turns the group's fast path off
+        for good: a direct call on a handle's compute lane would otherwise wait behind the fast path's loop."""
+        shared = self._shared
+        shared.fast_path_off = True
+        shared.before_ray_compute()
+        return list(shared.hosts)
 
     @property
     def closed(self) -> bool:

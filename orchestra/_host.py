@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from . import _backend
+from . import _backend, _channel
 from ._batch import Batch, balanced_sizes
 from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerError
 from ._wire import INLINE_BYTES, REFS_KWARG, SHARED_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
@@ -64,6 +64,7 @@ CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1}
 
 
 _DONE = object()
+_KEPT = object()  # a fast-path call's result kept on the rank until the controller takes it (Host.take_result)
 
 
 def _is_value(o: Any) -> bool:
@@ -242,6 +243,9 @@ class Host:
         self._watching = threading.Event()
         self._inline_parts = 0  # results stored inline so far (names them for traces)
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
+        self._fast_call: str | None = None  # the id of the fast-path call running now on the compute lane
+        self._kept: dict[str, tuple[str, Any]] = {}  # fast-path results too large for a frame, until taken
+        self._kept_lock = threading.Lock()
         self.tracing = False
         self.events = _Events()
 
@@ -319,6 +323,8 @@ class Host:
     def is_cancelled(self) -> bool:
         """Whether the call running now on the compute lane was cancelled (by the controller, by its Ray task id,
         or through Ray). Free while nothing was ever cancelled on this rank."""
+        if self._fast_call is not None:  # a fast-path call: cancelled only by its own id (no Ray task of its own)
+            return bool(self.cancelled_calls) and self._fast_call in self.cancelled_calls
         if self.cancelled_calls and self.runtime.task_id() in self.cancelled_calls:
             return True
         return self.runtime.runtime_cancelled()
@@ -344,6 +350,59 @@ class Host:
     def noop(self, *args: Any, **kwargs: Any) -> None:
         """A bare actor method that takes any arguments and does nothing: the floor raw Ray sets, for benchmarks."""
         return None
+
+    # -- fast path (see orchestra._channel) ----------------------------------------------------------------------
+    @ray.method(concurrency_group=COMPUTE)
+    def serve_channel(self, path: str) -> int:
+        """Hold the compute lane and run the calls the controller writes into the socket at ``path``, in order,
+        until it shuts its side (a release, or the group closing); returns how many were served. Each call runs
+        exactly as on the general path; its reply (or error) is written back as one frame."""
+        import pickle
+        import socket as _socket
+
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        sock.connect(path)
+        served = 0
+        try:
+            _channel.send_frame(sock, pickle.dumps(self.rank))
+            while True:
+                body = _channel.recv_frame(sock)
+                if body is None:
+                    return served
+                call_id, role, name, blob = pickle.loads(body)
+                self._fast_call = call_id
+                try:
+                    args, kwargs = pickle.loads(blob)
+                    kind, value = "ok", self._call(role, name, args, kwargs)
+                except BaseException as e:  # noqa: BLE001 - every error goes back to the controller as the reply
+                    kind, value = "err", e if isinstance(e, WorkerError) else self._error(e, role, name)
+                finally:
+                    self._fast_call = None
+                if value is _KEPT:
+                    kind, payload = "kept", b""
+                else:
+                    try:
+                        payload = _channel.dumps_frame(value)
+                    except _channel.NeedsRay:  # holds a ref, or too large: handed over by Ray (take_result)
+                        with self._kept_lock:
+                            self._kept[call_id] = ("value", value)
+                        kind, payload = "kept", b""
+                    except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
+                        kind, payload = "err", _channel.dumps_frame(self._error(e, role, name))
+                _channel.send_frame(sock, pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+                served += 1
+        finally:
+            sock.close()
+
+    @ray.method(concurrency_group=CONTROL)
+    def take_result(self, call_id: str, discard: bool = False) -> Any:
+        """A kept fast-path result, stored now as the general path would have (Batch parts in the object store);
+        ``discard`` drops it (its call already ended)."""
+        with self._kept_lock:
+            kind, value = self._kept.pop(call_id)
+        if discard:
+            return None
+        return self._put_parts(*value) if kind == "batch" else value
 
     # -- data plane -----------------------------------------------------------------------------------------------
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
@@ -540,19 +599,28 @@ class Host:
             result = result.slice(0, len(result) - pad)
         n, nbytes = len(result), result.nbytes
         pieces = max(1, min(n, part_count(nbytes))) if n else 1
+        split = result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]
+        for piece in split:
+            counters["parts_out"] += 1
+            counters["rows_out"] += len(piece)
+            counters["bytes_out"] += piece.nbytes
+        if nbytes >= INLINE_BYTES and self._fast_call is not None:  # stored when the controller takes it
+            with self._kept_lock:
+                self._kept[self._fast_call] = ("batch", (split, tuple(result.keys())))
+            return _KEPT
+        return self._put_parts(split, tuple(result.keys()), inline=nbytes < INLINE_BYTES)
+
+    def _put_parts(self, split: list[Batch], keys: tuple, inline: bool = False) -> Output:
         parts = []
-        for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
+        for piece in split:
             size = piece.nbytes
             # a small result rides inside the call's reply (no object of its own, no second fetch by readers)
-            if nbytes < INLINE_BYTES:
+            if inline:
                 self._inline_parts += 1
                 parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}"))
             else:
                 parts.append(PartInfo(self.runtime.put(piece), len(piece), size))
-            counters["parts_out"] += 1
-            counters["rows_out"] += len(piece)
-            counters["bytes_out"] += size
-        return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
+        return Output(self.rank, parts=tuple(parts), keys=keys)
 
     def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
         produced = ([(p.key, p.nbytes, p.rows) for p in out.parts if p.key]

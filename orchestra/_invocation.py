@@ -25,7 +25,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from . import _backend, _replies, _stats
+from . import _backend, _channel, _replies, _stats
 from ._batch import Batch, balanced_sizes
 from ._errors import (
     UPSTREAM_FAILED,
@@ -144,7 +144,7 @@ class Invocation:
                 and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
             try:
                 self._bind_collect(plan)
-                self._send(plan, self._prepare(plan, _describe_batches(plan)), None)
+                self._send(plan, _per_rank_calls(plan, _describe_batches(plan)), None, checked=False)
             except BaseException as e:
                 self._fail_submit(e)
                 shared.live.discard(self)  # nothing was sent: no call of this group is left running
@@ -231,11 +231,33 @@ class Invocation:
         _preflight(plan, calls)
         return calls
 
-    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any) -> None:
+    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any, checked: bool = True) -> None:
+        """Send every rank its call: over the group's fast-path channel when the call qualifies (see
+        ``orchestra._channel``), else as Ray actor calls. ``checked``: ``calls`` already passed ``_preflight``."""
         hosts = self.shared.hosts
         meth = self.target._method_name(self.spec.name)
         collectors = set(plan.shard.collectors if plan.shard is not None else
                          plan.collectors if plan.collectors is not None else plan.ranks)
+        frames = None
+        if tg is None and not self.spec.streaming and not any(calls[r][2] for r in plan.ranks):
+            frames = self._frames(plan, calls)
+        channel = self.shared.fast_channel() if frames is not None else None
+        if channel is not None:
+            slots = []
+            for r in plan.ranks:
+                call_id, frame = frames[r]
+                reply = channel.call(r, frame, call_id)
+                slot = self._slot(r, r in collectors)
+                slot.call_refs.append(reply)
+                slot.add(reply, reply.out)
+                slot.finish()
+                slots.append(slot)
+            self._set_slots(slots)
+            return
+        if not checked and frames is None:
+            _preflight(plan, calls)
+        if frames is None:
+            self.shared.before_ray_compute()
         slots = []
         for r in plan.ranks:
             args, kwargs, refs = calls[r]
@@ -254,6 +276,30 @@ class Invocation:
                 slot.add(slot.call_refs[0], out)
                 slot.finish()
         self._set_slots(slots)
+
+    def _frames(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[str, bytes]] | None:
+        """Every rank's fast-path frame, pickled before any is sent (this is the call's serialization check; ranks
+        given the same arguments share one pickle); None when the call needs Ray (an ObjectRef in its arguments,
+        or a frame too large). A value that cannot be pickled raises ``_preflight``'s DispatchError."""
+        if not self.shared.may_use_fast_path():
+            return None
+        frames, blobs = {}, {}
+        role, name = self.target._role, self.spec.name
+        try:
+            for r in plan.ranks:
+                args, kwargs, _ = calls[r]
+                key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in kwargs.items()))
+                blob = blobs.get(key)
+                if blob is None:
+                    blob = blobs[key] = _channel.dumps_frame((args, kwargs))
+                call_id = _channel.Channel.new_id()
+                frames[r] = (call_id, pickle.dumps((call_id, role, name, blob), protocol=pickle.HIGHEST_PROTOCOL))
+        except _channel.NeedsRay:
+            return None
+        except Exception:
+            _preflight(plan, calls)  # names the rank, argument and column
+            raise
+        return frames
 
     async def _describe_all(self, plan: Plan) -> dict[int, Any]:
         """Descriptors of every data argument (awaiting upstream submissions, never their payloads); large
@@ -308,7 +354,16 @@ class Invocation:
                     raise
                 except BaseException as e:  # noqa: BLE001
                     raise await self.converted(e, s) from None
-        return [list(s.refs) for s in self.slots if s.collected]
+        out = []
+        for s in self.slots:
+            if s.collected:
+                try:
+                    out.append([await _forwardable(r) for r in s.refs])
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - a fast-path reply failed: the upstream's own error
+                    raise await self.converted(e, s) from None
+        return out
 
     async def _submit_stream(self, plan: Plan, tg: Any, release: Callable[[], None]) -> None:
         """``stream()``: one call per arriving upstream part; the part from upstream slot i goes to DP replica
@@ -361,8 +416,10 @@ class Invocation:
             try:
                 while True:
                     if all(len(cs[i].refs) > k for cs in comp_slots):
-                        refs = [cs[i].refs[k] for cs in comp_slots]
-                        darg = DataArg(tuple(Source((j,)) for j in range(len(refs))), Layout("whole"))
+                        b = _ArgBuilder()
+                        items = [await _forwardable(cs[i].refs[k]) for cs in comp_slots]
+                        darg = DataArg(tuple(Source((b.add(x),)) for x in items), Layout("whole"))
+                        refs = b.refs
                         calls = {}
                         for r in members[d]:
                             args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
@@ -370,6 +427,7 @@ class Invocation:
                             kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
                             calls[r] = (args, kwargs, refs)
                         _preflight(plan, calls)
+                        self.shared.before_ray_compute()
                         for r, (args, kwargs, refs_) in calls.items():
                             a, kw = _with_refs(args, kwargs, refs_)
                             ref = getattr(hosts[r], meth).remote(*a, **kw)
@@ -651,6 +709,14 @@ async def _drain(gen: Any, slot: Slot) -> None:
         raise
     except BaseException as e:  # noqa: BLE001 - surfaced through the future
         slot.finish(e)
+
+
+async def _forwardable(ref: Any) -> Any:
+    """What a downstream call carries for an upstream output: its ref, or for a fast-path reply the Output itself
+    (small: it rides in the call) or the Ray ref the rank stored a large one under."""
+    if isinstance(ref, _channel.ChannelReply):
+        return await ref.forwardable()
+    return ref
 
 
 def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:

@@ -125,7 +125,7 @@ class GroupFactory:
         made = _Made(group)
         self.made.append(made)  # before ready(): a group whose start-up fails is still closed and checked
         await group.ready()
-        made.actors = group.actors
+        made.actors = list(group._shared.hosts)  # not group.actors: that turns the fast path off
         return group
 
 

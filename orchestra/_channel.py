@@ -1,0 +1,462 @@
+"""The fast path: one persistent socket per rank for a group's repeated small calls.
+
+A training loop calls the same endpoints on the same group again and again with small, concrete arguments. On the
+general path each such call is one Ray actor task per rank (argument binding, task submission, an ObjectRef and its
+async completion): about 1 ms of controller CPU per rank. On the fast path the controller writes one frame per rank
+into a Unix socket that the rank's compute lane reads in a loop (``Host.serve_channel``), and the rank writes its
+reply back on the same socket: no Ray task, no ObjectRef, one pickle each way.
+
+When it applies (decided by ``_Shared.transport`` in ``_group.py``): a Ray group whose ranks all run on the
+controller's node, for a call that takes the send-now path (no DataFuture argument, data arguments under
+``INLINE_BYTES``, not streaming, nothing to wait for) and whose arguments hold no ObjectRef and pickle to at most
+``FRAME_BYTES``, after ``ORCHESTRA_FAST_PATH_AFTER`` such calls in a row (default 4). Any other call first releases
+the channel (``release``): the rank's loop returns after the frames already written, and the Ray call queued behind
+it runs next, so every rank still sees the group's calls in the order they were made. A reply holding a Batch of
+``INLINE_BYTES`` or more (or a value of more than ``FRAME_BYTES``) is kept by the rank and taken over Ray's control
+lane (``Host.take_result``), so large payloads still go to the object store and never through the controller.
+
+Semantics do not change: the rank runs the same ``Host._call`` (private inputs, padding, stats, traces, errors with
+group, rank and endpoint); cancellation names the call's own id (``Worker.cancelled()`` sees it); deadlines,
+supervision and ``aclose`` work as on the general path; a rank that dies closes its socket, and its calls fail with
+``WorkerDiedError``. Setting ``ORCHESTRA_FAST_PATH=0`` turns the fast path off.
+
+The sockets live in a fresh ``0700`` directory of the controller's temp dir: only this user's processes on this
+node can connect, and the socket's name is removed once every rank has connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import io
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import socket
+import struct
+import tempfile
+import uuid
+from typing import Any
+
+import ray
+from ray import cloudpickle
+
+from . import _backend
+
+__all__ = ["Channel", "ChannelReply", "NeedsRay", "dumps_frame", "recv_frame", "send_frame", "FRAME_BYTES",
+           "enabled", "threshold"]
+
+log = logging.getLogger("orchestra")
+
+FRAME_BYTES = 1 << 20  # a call's frame, or a reply's value, larger than this takes the general path
+_LEN = struct.Struct("!I")
+_ids = itertools.count()
+_PREFIX = uuid.uuid4().hex[:8]
+
+
+def enabled() -> bool:
+    """Whether the fast path may be used at all (``ORCHESTRA_FAST_PATH=0`` turns it off)."""
+    return os.environ.get("ORCHESTRA_FAST_PATH", "1") != "0"
+
+
+def threshold() -> int:
+    """How many fast-path-eligible calls in a row open a group's channel (``ORCHESTRA_FAST_PATH_AFTER``)."""
+    return max(1, int(os.environ.get("ORCHESTRA_FAST_PATH_AFTER", "4")))
+
+
+class NeedsRay(Exception):
+    """A frame holds an ObjectRef (only Ray may carry one: it tracks who holds it) or is too large for a frame."""
+
+
+def _refuse(obj: Any) -> Any:
+    raise NeedsRay(type(obj).__name__)
+
+
+_tables: list[dict] = []
+
+
+def _table() -> dict:
+    """copyreg's reductions plus a refusal of ObjectRefs: a plain dict, so the C pickler looks types up in C.
+    (In-process objects need no entry: they hold locks or threads and fail to pickle, which ``_preflight`` then
+    reports.)"""
+    if not _tables:
+        import copyreg
+
+        _tables.append({**copyreg.dispatch_table, ray.ObjectRef: _refuse})
+    return _tables[0]
+
+
+class _CloudPickler(cloudpickle.CloudPickler):
+    """The fallback for what the C pickler cannot do by reference (lambdas, local classes), as Ray would."""
+
+    dispatch_table = collections.ChainMap({ray.ObjectRef: _refuse}, cloudpickle.CloudPickler.dispatch_table)
+
+
+def dumps_frame(obj: Any) -> bytes:
+    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than FRAME_BYTES."""
+    buf = io.BytesIO()
+    try:
+        p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        p.dispatch_table = _table()
+        p.dump(obj)
+    except NeedsRay:
+        raise
+    except (pickle.PicklingError, AttributeError, TypeError):  # by value, as Ray's cloudpickle would
+        buf = io.BytesIO()
+        _CloudPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    if buf.tell() > FRAME_BYTES:
+        raise NeedsRay(f"{buf.tell()} bytes")
+    return buf.getvalue()
+
+
+def send_frame(sock: socket.socket, body: bytes) -> None:
+    """Write one frame (blocking socket; the rank's side)."""
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """Read one frame (blocking socket; the rank's side); None at the end of the stream."""
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    return _recv_exact(sock, _LEN.unpack(head)[0])
+
+
+class _CallId:
+    __slots__ = ("_h",)
+
+    def __init__(self, h: str) -> None:
+        self._h = h
+
+    def hex(self) -> str:
+        return self._h
+
+
+class ChannelReply:
+    """A fast-path call's reply on one rank, in the shape the call path expects of a ref: ``task_id().hex()`` (what
+    cancellation names), awaitable (a fresh copy each time, as a ref's ``ray.get`` is), and ``out``, an asyncio
+    future of the first copy. ``forwardable()`` is what a downstream call carries: the Output itself (it rides in
+    the downstream call's arguments) or, for a reply the rank kept, the Ray ref of ``Host.take_result``."""
+
+    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref")
+
+    def __init__(self, call_id: str, rank: int, out: asyncio.Future) -> None:
+        self.call_id, self.rank, self.out = call_id, rank, out
+        self.payload: bytes | None = None
+        self.ray_ref: Any = None
+
+    def task_id(self) -> _CallId:
+        return _CallId(self.call_id)
+
+    async def _fetch(self) -> Any:
+        await asyncio.shield(self.out)
+        if self.ray_ref is not None:
+            return await self.ray_ref
+        return pickle.loads(self.payload)
+
+    def __await__(self) -> Any:
+        return self._fetch().__await__()
+
+    async def forwardable(self) -> Any:
+        await asyncio.shield(self.out)
+        # a fresh copy: the first awaiter may have written into the value it got
+        return self.ray_ref if self.ray_ref is not None else pickle.loads(self.payload)
+
+    def __repr__(self) -> str:
+        return f"<ChannelReply {self.call_id} rank {self.rank}>"
+
+
+class _Conn:
+    """One rank's socket on the controller's loop: a write buffer drained when the socket can take more, and a
+    read buffer cut into reply frames."""
+
+    def __init__(self, channel: Channel, sock: socket.socket) -> None:
+        self.channel, self.sock = channel, sock
+        self.rank: int | None = None
+        self.out = bytearray()
+        self.inbuf = bytearray()
+        self.writing = False
+        self.eof = False
+        channel.loop.add_reader(sock.fileno(), self._on_read)
+
+    def write(self, data: bytes) -> None:
+        if self.writing or self.out:
+            self.out += data
+            return
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            self.channel._lost(self, e)
+            return
+        if n < len(data):
+            self.out += data[n:]
+            self.writing = True
+            self.channel.loop.add_writer(self.sock.fileno(), self._on_write)
+
+    def _on_write(self) -> None:
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.channel._lost(self, e)
+            return
+        del self.out[:n]
+        if not self.out:
+            self.writing = False
+            self.channel.loop.remove_writer(self.sock.fileno())
+            self.channel._flushed(self)
+
+    def _on_read(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.channel._lost(self, e)
+            return
+        if not data:
+            self.channel._lost(self, None)
+            return
+        self.inbuf += data
+        buf = self.inbuf
+        while len(buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(buf)
+            if len(buf) < _LEN.size + n:
+                break
+            body = bytes(buf[_LEN.size:_LEN.size + n])
+            del buf[:_LEN.size + n]
+            self.channel._frame(self, body)
+
+    def close(self) -> None:
+        loop = self.channel.loop
+        if not loop.is_closed():
+            loop.remove_reader(self.sock.fileno())
+            if self.writing:
+                loop.remove_writer(self.sock.fileno())
+        self.sock.close()
+
+
+class Channel:
+    """The fast path of one group's ranks (see the module docstring). Made on the event loop that sends on it;
+    ``call`` writes a frame and returns a ChannelReply; ``release`` lets the ranks' loops return after the frames
+    already written (the channel then takes no new call); ``close`` ends it at once (the group is closing)."""
+
+    def __init__(self, hosts: list[Any], group: str) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.group = group
+        self.n = len(hosts)
+        self._hosts = list(hosts)
+        self.open = True  # takes new calls
+        self.closed = False
+        self.calls = 0
+        self._dir = tempfile.mkdtemp(prefix="orc-fast-")  # 0700: this user's processes only
+        self._path = os.path.join(self._dir, "s")
+        self._srv: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._srv.bind(self._path)
+        self._srv.listen(self.n)
+        self._srv.setblocking(False)
+        self._conns: list[_Conn] = []  # accepted, rank not yet known
+        self._by_rank: dict[int, _Conn] = {}
+        self._queued: dict[int, list[bytes]] = {r: [] for r in range(self.n)}  # frames before the rank connected
+        self._pending: dict[str, ChannelReply] = {}
+        self._pending_by_rank: dict[int, set[str]] = {r: set() for r in range(self.n)}
+        self._done_ranks: set[int] = set()
+        self.loop.add_reader(self._srv.fileno(), self._on_accept)
+        self._serves = [asyncio.wrap_future(h.serve_channel.remote(self._path).future()) for h in hosts]
+        for r, f in enumerate(self._serves):
+            f.add_done_callback(lambda f, r=r: self._serve_ended(r, f))
+
+    # -- sending --------------------------------------------------------------------------------------------------
+    def call(self, rank: int, frame: bytes, call_id: str) -> ChannelReply:
+        """Send one call's frame (already pickled with ``dumps_frame``) to ``rank``."""
+        reply = ChannelReply(call_id, rank, self.loop.create_future())
+        self._pending[call_id] = reply
+        self._pending_by_rank[rank].add(call_id)
+        self._write(rank, _LEN.pack(len(frame)) + frame)
+        return reply
+
+    @staticmethod
+    def new_id() -> str:
+        return f"fast-{_PREFIX}-{next(_ids)}"
+
+    def _write(self, rank: int, data: bytes) -> None:
+        conn = self._by_rank.get(rank)
+        if conn is None:
+            self._queued[rank].append(data)
+        else:
+            conn.write(data)
+
+    def release(self) -> None:
+        """Take no new call; every rank returns to the general path after the frames already written (its socket
+        is shut for writing once they are out)."""
+        if not self.open:
+            return
+        self.open = False
+        for conn in self._by_rank.values():
+            if not conn.writing:
+                self._shut(conn)
+        if self.loop.is_closed():  # made in an asyncio.run that ended: nothing can be read here any more
+            self.close()
+            return
+        self._maybe_finish()
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End now: replies not yet in fail with ``error`` (the group closed or a rank died)."""
+        if self.closed:
+            return
+        self.open = False
+        self.closed = True
+        for reply in list(self._pending.values()):
+            if not reply.out.done():
+                reply.out.set_exception(error or _backend.RankDied("the fast-path channel was closed"))
+                reply.out.exception()
+        self._pending.clear()
+        self._stop_listening()
+        for conn in [*self._conns, *self._by_rank.values()]:
+            conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _stop_listening(self) -> None:
+        if self._srv is None:
+            return
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self._srv.fileno())
+        self._srv.close()
+        self._srv = None
+        os.unlink(self._path)
+
+    def _shut(self, conn: _Conn) -> None:
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError as e:  # the rank already went away: its end is reported by its serve call
+            log.debug("group %r: fast path rank %s: shutdown: %r", self.group, conn.rank, e)
+
+    def _flushed(self, conn: _Conn) -> None:
+        if not self.open:
+            self._shut(conn)
+
+    # -- receiving ------------------------------------------------------------------------------------------------
+    def _on_accept(self) -> None:
+        try:
+            sock, _ = self._srv.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        self._conns.append(_Conn(self, sock))
+
+    def _frame(self, conn: _Conn, body: bytes) -> None:
+        if conn.rank is None:  # the rank's hello: its rank
+            rank = pickle.loads(body)
+            conn.rank = rank
+            self._conns.remove(conn)
+            self._by_rank[rank] = conn
+            for data in self._queued.pop(rank, []):
+                conn.write(data)
+            if not self.open and not conn.writing:
+                self._shut(conn)
+            if len(self._by_rank) == self.n:  # everyone is in: nobody else may connect
+                self._stop_listening()
+            return
+        call_id, kind, payload = pickle.loads(body)
+        reply = self._pending.pop(call_id, None)
+        if reply is None:
+            return
+        self._pending_by_rank[reply.rank].discard(call_id)
+        self.calls += 1
+        if reply.out.done():  # the call ended first (cancel, deadline): a rank's kept result is still taken
+            if kind == "kept":
+                self._take(reply, conn.rank, call_id, discard=True)
+            return
+        if kind == "ok":
+            reply.payload = payload
+            reply.out.set_result(pickle.loads(payload))
+        elif kind == "err":
+            reply.out.set_exception(pickle.loads(payload))
+        else:  # "kept": too large for a frame; the rank stores it as usual when asked on its control lane
+            self._take(reply, conn.rank, call_id)
+
+    def _take(self, reply: ChannelReply, rank: int, call_id: str, discard: bool = False) -> None:
+        ref = self._hosts[rank].take_result.remote(call_id, discard)
+        if discard:
+            asyncio.wrap_future(ref.future()).add_done_callback(_retrieve)
+            return
+        reply.ray_ref = ref
+        wrapped = asyncio.wrap_future(ref.future())
+
+        def copy(f: asyncio.Future) -> None:
+            if reply.out.done():
+                _retrieve(f)
+            elif f.cancelled():
+                reply.out.cancel()
+            elif f.exception() is not None:
+                reply.out.set_exception(f.exception())
+            else:
+                reply.out.set_result(f.result())
+        wrapped.add_done_callback(copy)
+
+    def _lost(self, conn: _Conn, error: BaseException | None) -> None:
+        """A rank's socket ended: after a release that is its loop returning; otherwise the rank is gone."""
+        rank = conn.rank
+        conn.close()
+        if rank is None:
+            if conn in self._conns:
+                self._conns.remove(conn)
+            return
+        self._by_rank.pop(rank, None)
+        self._done_ranks.add(rank)
+        ids = self._pending_by_rank.get(rank, set())
+        if ids:
+            err = _backend.RankDied(f"rank {rank}'s fast-path socket closed with {len(ids)} call(s) unanswered"
+                                    f"{f' ({error!r})' if error else ''}")
+            for call_id in list(ids):
+                reply = self._pending.pop(call_id, None)
+                if reply is not None and not reply.out.done():
+                    reply.out.set_exception(err)
+                    reply.out.exception()
+            ids.clear()
+        self.open = False  # a rank left: no new call may go this way
+        self._maybe_finish()
+
+    def _serve_ended(self, rank: int, f: asyncio.Future) -> None:
+        """A rank's serve loop returned (after a release) or failed (it died, or could not connect)."""
+        if f.cancelled():
+            return
+        e = f.exception()
+        if e is not None:
+            self.open = False
+            ids = self._pending_by_rank.get(rank, set())
+            for call_id in list(ids):
+                reply = self._pending.pop(call_id, None)
+                if reply is not None and not reply.out.done():
+                    reply.out.set_exception(e)
+                    reply.out.exception()
+            ids.clear()
+            if not isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+                log.error("group %r rank %d: the fast-path loop failed: %r", self.group, rank, e)
+        self._done_ranks.add(rank)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:
+            self.close()
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()

@@ -1,0 +1,90 @@
+"""Workers for the fast-path tests (importable by Ray worker processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from orchestra import Batch, Worker, endpoint
+from orchestra import dispatch as D
+
+
+class Recorder(Worker):
+    """Records every call it runs, in order, so a test can check each rank saw the group's calls in call order."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    @endpoint
+    def note(self, tag: str) -> tuple[int, str]:
+        self.log.append(tag)
+        return self.rank, tag
+
+    @endpoint
+    def history(self) -> list[str]:
+        return list(self.log)
+
+    @endpoint(D.shard())
+    def double(self, b: Batch) -> Batch:
+        self.log.append("double")
+        return Batch.from_dict({"x": b["x"] * 2})
+
+    @endpoint(D.shard(pad=True))
+    def padded(self, b: Batch) -> Batch:
+        return Batch.from_dict({"x": b["x"] + 100 * self.rank})
+
+    @endpoint(D.broadcast())
+    def make(self, n: int) -> Batch:
+        self.log.append("make")
+        return Batch.from_dict({"x": torch.arange(n)})
+
+    @endpoint(D.broadcast())
+    def rows(self, b: Batch) -> int:
+        self.log.append("rows")
+        return int(b["x"].sum())
+
+    @endpoint(D.rank_zero())
+    def big(self, n: int) -> Batch:
+        return Batch.from_dict({"x": torch.arange(n, dtype=torch.float64)})
+
+    @endpoint
+    def big_value(self, n: int) -> list[float]:
+        return [float(i) for i in range(n)]
+
+    @endpoint
+    def value(self) -> dict:
+        return {"k": "orig", "lst": [1]}
+
+    @endpoint
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"boom on rank {rank}")
+        return self.rank
+
+    @endpoint
+    def spin(self, seconds: float) -> str:
+        """Run until cancelled (or ``seconds`` pass: a bound on a broken test)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if self.cancelled():
+                self.log.append("spin cancelled")
+                return "cancelled"
+            time.sleep(0.001)
+        self.log.append("spin ran out")
+        return "ran out"
+
+    @endpoint
+    def echo(self, x):  # noqa: ANN001, ANN201 - any value
+        return x
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def unpicklable(self):  # noqa: ANN201
+        import threading
+
+        return threading.Lock()

@@ -1,0 +1,208 @@
+"""The fast path (orchestra._channel): a group's repeated small calls go over a persistent socket per rank instead
+of one Ray actor task per rank, with the general path's semantics: results, order across both paths, forwarding,
+errors, deadlines, cancellation, deaths, private copies, and the cases that must take Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import anyio
+import pytest
+import ray
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, WorkerGroup
+from orchestra import _channel
+from orchestra._wire import INLINE_BYTES
+from orchestra.testing import kill_rank
+
+from fast_path_workers import Recorder
+
+AFTER = _channel.threshold()
+
+
+async def _open(g: WorkerGroup) -> None:
+    """Make enough qualifying calls in a row that the group's channel is open."""
+    for i in range(AFTER):
+        await g.note(f"warm{i}")
+    assert g._shared.channel is not None and g._shared.channel.open
+
+
+@pytest.fixture(scope="module")
+async def g():
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder,
+                           group_name="fast") as group:
+        yield group
+
+
+async def test_repeated_calls_take_the_fast_path_with_the_general_paths_results(g):
+    await _open(g)
+    before = g._shared.fast_calls
+    assert await g.note("a") == [(0, "a"), (1, "a")]
+    b = Batch.from_dict({"x": torch.arange(5)})
+    out = await g.double(b)
+    assert out["x"].tolist() == [0, 2, 4, 6, 8]
+    out = await g.padded(b)  # 5 rows over 2 ranks: padded to 6, the padding row dropped again
+    assert out["x"].tolist() == [0, 1, 2, 103, 104]
+    assert g._shared.fast_calls - before == 3
+    stats = await g.stats()
+    assert all(s["double"]["calls"] >= 1 and s["double"]["rows_out"] >= 2 for s in stats)
+
+
+async def test_each_rank_sees_the_calls_in_the_order_they_were_made_across_both_paths(g):
+    await _open(g)
+    start = len((await g.history())[0])
+    futs = [g.note("f1"), g.note("f2")]
+    made = g.make(3)  # qualifies: fast path
+    futs.append(g.rows(made))  # a DataFuture argument: the channel is released, the call goes through Ray
+    futs += [g.note(f"n{i}") for i in range(3)]  # wait their turn behind it (the group's send order): Ray too
+    await asyncio.gather(*futs, made)
+    assert g._shared.channel is None
+    futs = [g.note(f"m{i}") for i in range(AFTER + 2)]  # these open a channel again
+    assert g._shared.channel is not None
+    await asyncio.gather(*futs)
+    want = ["f1", "f2", "make", "rows", "n0", "n1", "n2", *[f"m{i}" for i in range(AFTER + 2)]]
+    for log in await g.history():
+        assert log[start:] == want
+
+
+async def test_a_fast_result_forwards_into_the_next_call_small_and_large(g):
+    await _open(g)
+    small = g.make(4)
+    assert await g.rows(small) == [12, 12]  # both ranks made 0..3: a broadcast reader gets every row
+    await _open(g)
+    n = INLINE_BYTES // 8 + 10  # a Batch over INLINE_BYTES: the rank keeps it; it is stored through Ray
+    big = g.big(n)
+    got = await big
+    assert got["x"].shape == (n,) and float(got["x"][-1]) == n - 1
+    assert g._shared.channel is not None  # the big call itself went the fast way
+    assert await g.rows(big) == [n * (n - 1) // 2] * 2
+    await _open(g)
+    vals = await g.big_value(_channel.FRAME_BYTES // 8)  # a plain value over a frame: handed over by Ray too
+    assert len(vals[0]) == _channel.FRAME_BYTES // 8 and vals[1][-1] == _channel.FRAME_BYTES // 8 - 1
+
+
+async def test_a_result_that_cannot_be_pickled_fails_that_call_only(g):
+    await _open(g)
+    with pytest.raises(orc.WorkerError, match="lock") as e:
+        await g.unpicklable()
+    assert e.value.endpoint == "unpicklable"
+    assert await g.note("still open") == [(0, "still open"), (1, "still open")]
+    assert g._shared.channel is not None
+
+
+async def test_awaited_values_are_private_copies(g):
+    await _open(g)
+    fut = g.value()
+    first = await fut
+    first[0]["lst"].append(99)
+    assert await fut == [{"k": "orig", "lst": [1]}] * 2  # a second await: a fresh copy
+    assert await g.echo(fut) == [[{"k": "orig", "lst": [1]}] * 2] * 2  # a later reader: the original
+
+
+async def test_a_rank_error_names_group_rank_and_endpoint(g):
+    await _open(g)
+    with pytest.raises(orc.WorkerError) as e:
+        await g.fail_on(1)
+    assert (e.value.group, e.value.rank, e.value.endpoint) == ("fast", 1, "fail_on")
+    assert "boom on rank 1" in str(e.value) and e.value.exc_type == "ValueError"
+    assert await g.note("after") == [(0, "after"), (1, "after")]
+
+
+async def test_a_deadline_fails_the_call_and_the_late_reply_is_dropped(g):
+    await _open(g)
+    with pytest.raises(orc.CallTimeoutError):
+        await g.spin.options(timeout=0.2)(60.0)  # the deadline cancels it on every rank
+    assert await g.note("next") == [(0, "next"), (1, "next")]
+    for log in await g.history():
+        assert log[-2:] == ["spin cancelled", "next"]
+    assert g.calls_in_flight() == []
+
+
+async def test_cancelling_a_fast_call_reaches_the_running_endpoint(g):
+    await _open(g)
+    fut = g.spin(60.0)
+    assert g._shared.channel is not None
+    started = g.note("ping")  # queued behind spin on every rank
+    await asyncio.sleep(0)
+    fut.cancel()
+    with pytest.raises(orc.CallCancelledError):
+        await fut
+    assert await started == [(0, "ping"), (1, "ping")]
+    for log in await g.history():
+        assert log[-2:] == ["spin cancelled", "ping"]
+
+
+async def test_an_objectref_or_a_large_argument_takes_ray(g):
+    await _open(g)
+    ref = ray.put({"via": "ray"})
+    assert await g.echo(ref) == [{"via": "ray"}] * 2  # Ray resolves a top-level ref, as on the general path
+    assert g._shared.channel is None
+    await _open(g)
+    big = list(range(_channel.FRAME_BYTES // 4))
+    assert len((await g.echo(big))[0]) == len(big)
+    assert g._shared.channel is None
+
+
+async def test_an_unserializable_argument_runs_on_no_rank(g):
+    await _open(g)
+    start = [len(h) for h in await g.history()]
+    import threading
+
+    with pytest.raises(orc.DispatchError, match="rank"):
+        g.note(threading.Lock())
+    assert [len(h) for h in await g.history()] == start  # nothing ran
+
+
+async def test_taking_the_raw_handles_turns_the_fast_path_off(g):
+    await _open(g)
+    actors = g.actors
+    assert g._shared.channel is None
+    assert ray.get([a.noop.remote() for a in actors]) == [None, None]  # the compute lane is free
+    for i in range(AFTER + 2):
+        await g.note(f"slow{i}")
+    assert g._shared.channel is None
+    g._shared.fast_path_off = False  # for the next tests of this module
+
+
+async def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("ORCHESTRA_FAST_PATH", "0")
+    async with WorkerGroup(ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01), Recorder) as g1:
+        for i in range(AFTER + 2):
+            await g1.note("x")
+        assert g1._shared.channel is None and g1._shared.fast_calls == 0
+
+
+async def test_a_rank_that_dies_fails_the_fast_call_with_worker_died():
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder,
+                           group_name="dies") as g2:
+        await _open(g2)
+        fut = g2.spin(60.0)
+        err = await kill_rank(g2, 1)
+        assert err.rank == 1
+        with pytest.raises(orc.WorkerDiedError) as e:
+            with anyio.fail_after(60):  # bounds a broken build only
+                await fut
+        assert e.value.group == "dies" and e.value.rank == 1
+
+
+def test_a_second_event_loop_releases_the_channel_and_calls_still_work():
+    async def make():
+        g3 = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder, group_name="loops")
+        await g3.ready()
+        await _open(g3)
+        return g3
+
+    g3 = asyncio.run(make())
+
+    async def again():
+        try:
+            assert await g3.note("second loop") == [(0, "second loop"), (1, "second loop")]
+            await _open(g3)
+            assert g3._shared.channel.loop is asyncio.get_running_loop()
+        finally:
+            await g3.aclose()
+
+    asyncio.run(again())
