@@ -494,11 +494,12 @@ class Host:
             elif isinstance(a, Batch):  # a controller-made shard, passed as is (or resolved by Ray from its ref)
                 # one that came through the object store (>= INLINE_BYTES) is shared memory: other ranks of a mesh
                 # read the same object, so the endpoint gets a private copy unless it promised not to write
-                batch = a if a.nbytes < INLINE_BYTES or private or spec.zero_copy_inputs else a.clone()
+                nbytes = a.nbytes
+                batch = a if nbytes < INLINE_BYTES or private or spec.zero_copy_inputs else a.clone()
                 counters["parts_in"] += 1
                 counters["rows_in"] += len(a)
                 counters["rows_used"] += len(a)
-                counters["bytes_in"] += a.nbytes
+                counters["bytes_in"] += nbytes
             else:
                 return a
             if not isinstance(batch, Batch):  # a forwarded plain value (e.g. a state dict from rank 0)
