@@ -444,8 +444,8 @@ class WorkerGroup:
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's
         calls in flight have already failed with WorkerDiedError then. Returns a function that unregisters it."""
-        self._shared.follow_loop()  # deaths are delivered to the loop registering it
         self._shared.death_callbacks.append(callback)
+        self._shared.follow_loop()  # deaths are delivered to the loop registering it (one found now included)
 
         def remove() -> None:
             if callback in self._shared.death_callbacks:
