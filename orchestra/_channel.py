@@ -264,7 +264,8 @@ class Channel:
         self._hosts = list(hosts)
         self.open = True  # takes new calls
         self.closed = False
-        self.calls = 0
+        self.calls = 0  # replies read
+        self.sent = 0  # calls written (counted on rank 0's socket)
         self._dir = tempfile.mkdtemp(prefix="orc-fast-")  # 0700: this user's processes only
         self._path = os.path.join(self._dir, "s")
         self._srv: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -285,6 +286,8 @@ class Channel:
     # -- sending --------------------------------------------------------------------------------------------------
     def call(self, rank: int, frame: bytes, call_id: str) -> ChannelReply:
         """Send one call's frame (already pickled with ``dumps_frame``) to ``rank``."""
+        if rank == 0:
+            self.sent += 1
         reply = ChannelReply(call_id, rank, self.loop.create_future())
         self._pending[call_id] = reply
         self._pending_by_rank[rank].add(call_id)

@@ -197,6 +197,7 @@ class _Shared:
             return None
         self.channel = _channel.Channel(self.hosts, self.name)
         self.fast_calls += 1
+        log.debug("group %r: fast path opened after %d qualifying calls in a row", self.name, self._streak)
         return self.channel
 
     def before_ray_compute(self) -> None:
@@ -205,6 +206,8 @@ class _Shared:
         self._streak = 0
         ch, self.channel = self.channel, None
         if ch is not None:
+            log.debug("group %r: fast path released for a call that needs Ray (%d calls sent over it)", self.name,
+                      ch.sent)
             ch.release()
 
     def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
