@@ -63,7 +63,12 @@ def enabled() -> bool:
 
 def threshold() -> int:
     """How many fast-path-eligible calls in a row open a group's channel (``ORCHESTRA_FAST_PATH_AFTER``)."""
-    return max(1, int(os.environ.get("ORCHESTRA_FAST_PATH_AFTER", "4")))
+    raw = os.environ.get("ORCHESTRA_FAST_PATH_AFTER", "4")
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        raise ValueError(f"ORCHESTRA_FAST_PATH_AFTER={raw!r}: set it to a whole number of calls (default 4), or set "
+                         f"ORCHESTRA_FAST_PATH=0 to turn the fast path off") from None
 
 
 class NeedsRay(Exception):
