@@ -18,8 +18,12 @@ _BATCH_DONE: list[asyncio.Event] = []  # set once a batch's reply thread has han
 @pytest.fixture(scope="module")
 async def group(scorers):
     # 4 ranks take the batched path here (the default threshold is 8), and every batch is counted
+    g = scorers[4]
     min_batch, batch = _replies.MIN_BATCH, _replies._batch
     _replies.MIN_BATCH = 2
+    # every call goes through Ray here: the fast path (orchestra._channel) would carry repeated small calls over its
+    # own sockets, whose replies are not Ray refs and never reach the batching under test
+    fast_path_off, g._shared.fast_path_off = g._shared.fast_path_off, True
 
     def counted(loop, pairs):
         BATCHES.append(len(pairs))
@@ -28,9 +32,10 @@ async def group(scorers):
 
     _replies._batch = counted
     try:
-        yield scorers[4]
+        yield g
     finally:
         _replies.MIN_BATCH, _replies._batch = min_batch, batch
+        g._shared.fast_path_off = fast_path_off
 
 
 async def test_every_rank_gets_its_own_reply_in_order(group):
