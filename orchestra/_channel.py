@@ -391,11 +391,17 @@ class Channel:
             if kind == "kept":
                 self._take(reply, conn.rank, call_id, discard=True)
             return
-        if kind == "ok":
-            reply.payload = payload
-            reply.out.set_result(pickle.loads(payload))
-        elif kind == "err":
-            reply.out.set_exception(pickle.loads(payload))
+        if kind in ("ok", "err"):
+            try:
+                value = pickle.loads(payload)
+            except Exception as e:  # noqa: BLE001 - e.g. a class the controller cannot import: this call fails
+                reply.out.set_exception(_unreadable(self.group, reply.rank, e))
+                return
+            if kind == "ok":
+                reply.payload = payload
+                reply.out.set_result(value)
+            else:
+                reply.out.set_exception(value)
         else:  # "kept": too large for a frame; the rank stores it as usual when asked on its control lane
             self._take(reply, conn.rank, call_id)
 
@@ -463,6 +469,14 @@ class Channel:
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:
             self.close()
+
+
+def _unreadable(group: str, rank: int, e: BaseException) -> BaseException:
+    from ._errors import WorkerError
+
+    return WorkerError(f"the reply could not be unpickled in the controller ({type(e).__name__}: {e}); return "
+                       f"values whose classes the controller can import", group=group, rank=rank,
+                       exc_type=type(e).__name__)
 
 
 def _retrieve(f: asyncio.Future) -> None:

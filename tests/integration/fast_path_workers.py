@@ -88,3 +88,15 @@ class Recorder(Worker):
         import threading
 
         return threading.Lock()
+
+    @endpoint
+    def worker_only_class(self):  # noqa: ANN201
+        """An instance of a class made on the rank, which the controller cannot import by name."""
+        import types
+
+        mod = types.ModuleType("made_on_the_rank")
+        exec("class Local:\n    pass\n", mod.__dict__)
+        import sys
+
+        sys.modules["made_on_the_rank"] = mod
+        return mod.Local()

@@ -93,6 +93,15 @@ async def test_a_result_that_cannot_be_pickled_fails_that_call_only(g):
     assert g._shared.channel is not None
 
 
+async def test_a_reply_the_controller_cannot_unpickle_fails_that_call_only(g):
+    await _open(g)
+    with pytest.raises(orc.WorkerError, match="could not be unpickled") as e:
+        with anyio.fail_after(60):  # bounds a broken build (it hung: the error escaped a reader callback)
+            await g.worker_only_class()
+    assert e.value.group == "fast" and e.value.rank in (0, 1)
+    assert await g.note("still open") == [(0, "still open"), (1, "still open")]
+
+
 async def test_awaited_values_are_private_copies(g):
     await _open(g)
     fut = g.value()
