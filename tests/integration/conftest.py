@@ -3,7 +3,7 @@ CPUs on loopback by default; ``--orc-num-cpus`` changes it), used by every test 
 
 Starting a rank costs a Ray worker process that imports torch (seconds each on a loaded 2-core box), so the groups
 that only serve as a fixed test bed are started once and shared by the modules that use them:
-``scorers`` (Scorer groups of 2, 3 and 4 ranks) and ``mesh4`` (a 4-rank MeshWorker group). They reserve almost no
+``scorers`` (Scorer groups of 2, 3 and 4 ranks). They reserve almost no
 CPU (so the rest of the session can still place its pools) and are shut down right after the last test that uses
 them, not at the end of the session. Tests that change a shared group's state put it back (scale 1.0 unless a module
 fixture sets its own); tests that need a group of their own (deaths, init failures, leak checks) still make one.
@@ -53,22 +53,6 @@ async def scorers(orc_cluster: dict[str, float], _spare_sequencers: list[Any]) -
 
 
 @pytest.fixture(scope="session")
-async def mesh4(orc_cluster: dict[str, float]) -> AsyncIterator[WorkerGroup]:
-    """A ready MeshWorker group of 4 ranks (DP=2 x TP=2)."""
-    from orc_test_workers import MeshWorker
-
-    from orchestra import ResourcePool, WorkerGroup
-
-    g = WorkerGroup(ResourcePool(process_on_nodes=[4], cpus_per_worker=SHARED_CPUS_PER_WORKER), MeshWorker)
-    _SHARED["mesh4"] = [g]
-    try:
-        await g.ready()
-        yield g
-    finally:
-        _shutdown("mesh4")
-
-
-@pytest.fixture(scope="session")
 def _spare_sequencers(orc_cluster: dict[str, float]) -> Iterator[list[Any]]:
     """Sequencers whose actors are already starting: one is taken per test, and its replacement starts meanwhile."""
     from orchestra.testing import Sequencer
@@ -101,7 +85,7 @@ def _shutdown(name: str) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:  # after deselection and reordering: the order the tests will run in
-        for name in ("scorers", "mesh4"):
+        for name in ("scorers",):
             if name in getattr(item, "fixturenames", ()):
                 _LAST_USER[name] = item.nodeid
 
