@@ -436,16 +436,21 @@ class Channel:
         self._done_ranks.add(rank)
         ids = self._pending_by_rank.get(rank, set())
         if ids:
-            err = _backend.RankDied(f"rank {rank}'s fast-path socket closed with {len(ids)} call(s) unanswered"
-                                    f"{f' ({error!r})' if error else ''}")
-            for call_id in list(ids):
-                reply = self._pending.pop(call_id, None)
-                if reply is not None and not reply.out.done():
-                    reply.out.set_exception(err)
-                    reply.out.exception()
-            ids.clear()
+            self._fail_rank(rank, _backend.RankDied(
+                f"rank {rank}'s fast-path socket closed with {len(ids)} call(s) unanswered"
+                f"{f' ({error!r})' if error else ''}"))
         self.open = False  # a rank left: no new call may go this way
         self._maybe_finish()
+
+    def _fail_rank(self, rank: int, error: BaseException) -> None:
+        """Fail every call of ``rank`` still waiting for its reply."""
+        ids = self._pending_by_rank.get(rank, set())
+        for call_id in list(ids):
+            reply = self._pending.pop(call_id, None)
+            if reply is not None and not reply.out.done():
+                reply.out.set_exception(error)
+                reply.out.exception()
+        ids.clear()
 
     def _serve_ended(self, rank: int, f: asyncio.Future) -> None:
         """A rank's serve loop returned (after a release) or failed (it died, or could not connect)."""
@@ -454,13 +459,7 @@ class Channel:
         e = f.exception()
         if e is not None:
             self.open = False
-            ids = self._pending_by_rank.get(rank, set())
-            for call_id in list(ids):
-                reply = self._pending.pop(call_id, None)
-                if reply is not None and not reply.out.done():
-                    reply.out.set_exception(e)
-                    reply.out.exception()
-            ids.clear()
+            self._fail_rank(rank, e)
             if not isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
                 log.error("group %r rank %d: the fast-path loop failed: %r", self.group, rank, e)
         self._done_ranks.add(rank)
