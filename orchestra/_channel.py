@@ -27,7 +27,9 @@ node can connect, and the socket's name is removed once every rank has connected
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import contextlib
 import io
 import itertools
 import logging
@@ -93,6 +95,11 @@ def _table() -> dict:
     return _tables[0]
 
 
+def _by_value_modules() -> Any:
+    """Modules registered with ``cloudpickle.register_pickle_by_value``: their objects must travel by value."""
+    return getattr(getattr(cloudpickle, "cloudpickle", cloudpickle), "_PICKLE_BY_VALUE_MODULES", ())
+
+
 class _CloudPickler(cloudpickle.CloudPickler):
     """The fallback for what the C pickler cannot do by reference (lambdas, local classes), as Ray would."""
 
@@ -102,13 +109,21 @@ class _CloudPickler(cloudpickle.CloudPickler):
 def dumps_frame(obj: Any) -> bytes:
     """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than FRAME_BYTES."""
     buf = io.BytesIO()
-    try:
-        p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        p.dispatch_table = _table()
-        p.dump(obj)
-    except NeedsRay:
-        raise
-    except (pickle.PicklingError, AttributeError, TypeError):  # by value, as Ray's cloudpickle would
+    by_value = bool(_by_value_modules())
+    if not by_value:
+        try:
+            p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+            p.dispatch_table = _table()
+            p.dump(obj)
+        except NeedsRay:
+            raise
+        except (pickle.PicklingError, AttributeError, TypeError):
+            by_value = True
+        else:
+            # the C pickler names __main__'s classes and functions by reference; a rank cannot import the driver
+            # script (or a notebook), so those go by value, as Ray's cloudpickle sends them
+            by_value = b"__main__" in buf.getvalue()
+    if by_value:
         buf = io.BytesIO()
         _CloudPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     if buf.tell() > FRAME_BYTES:
@@ -274,9 +289,15 @@ class Channel:
         self._dir = tempfile.mkdtemp(prefix="orc-fast-")  # 0700: this user's processes only
         self._path = os.path.join(self._dir, "s")
         self._srv: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._srv.bind(self._path)
-        self._srv.listen(self.n)
-        self._srv.setblocking(False)
+        try:
+            self._srv.bind(self._path)  # OSError for a temp dir path too long for a Unix socket, a full disk ...
+            self._srv.listen(self.n)
+            self._srv.setblocking(False)
+        except BaseException:
+            self._srv.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        _DIRS.add(self._dir)
         self._conns: list[_Conn] = []  # accepted, rank not yet known
         self._by_rank: dict[int, _Conn] = {}
         self._queued: dict[int, list[bytes]] = {r: [] for r in range(self.n)}  # frames before the rank connected
@@ -330,24 +351,31 @@ class Channel:
             return
         self.open = False
         self.closed = True
-        for reply in list(self._pending.values()):
-            if not reply.out.done():
-                reply.out.set_exception(error or _backend.RankDied("the fast-path channel was closed"))
-                reply.out.exception()
-        self._pending.clear()
-        self._stop_listening()
-        for conn in [*self._conns, *self._by_rank.values()]:
-            conn.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            if not self.loop.is_closed():  # futures of a closed loop cannot be failed (nobody can await them)
+                for reply in list(self._pending.values()):
+                    if not reply.out.done():
+                        reply.out.set_exception(error or _backend.RankDied("the fast-path channel was closed"))
+                        reply.out.exception()
+            self._pending.clear()
+        finally:
+            try:
+                self._stop_listening()
+                for conn in [*self._conns, *self._by_rank.values()]:
+                    conn.close()
+            finally:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                _DIRS.discard(self._dir)
 
     def _stop_listening(self) -> None:
-        if self._srv is None:
+        srv, self._srv = self._srv, None
+        if srv is None:
             return
         if not self.loop.is_closed():
-            self.loop.remove_reader(self._srv.fileno())
-        self._srv.close()
-        self._srv = None
-        os.unlink(self._path)
+            self.loop.remove_reader(srv.fileno())
+        srv.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
 
     def _shut(self, conn: _Conn) -> None:
         try:
@@ -439,7 +467,7 @@ class Channel:
             self._fail_rank(rank, _backend.RankDied(
                 f"rank {rank}'s fast-path socket closed with {len(ids)} call(s) unanswered"
                 f"{f' ({error!r})' if error else ''}"))
-        self.open = False  # a rank left: no new call may go this way
+        self.release()  # a rank left: no new call may go this way, and the others' loops return
         self._maybe_finish()
 
     def _fail_rank(self, rank: int, error: BaseException) -> None:
@@ -458,8 +486,8 @@ class Channel:
             return
         e = f.exception()
         if e is not None:
-            self.open = False
             self._fail_rank(rank, e)
+            self.release()  # the other ranks' loops return: their compute lanes are free for Ray calls again
             if not isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
                 log.error("group %r rank %d: the fast-path loop failed: %r", self.group, rank, e)
         self._done_ranks.add(rank)
@@ -468,6 +496,15 @@ class Channel:
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:
             self.close()
+
+
+_DIRS: set[str] = set()  # socket directories of channels not yet closed: removed at exit at the latest
+
+
+@atexit.register
+def _remove_dirs() -> None:
+    for d in list(_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _unreadable(group: str, rank: int, e: BaseException) -> BaseException:

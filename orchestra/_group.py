@@ -195,7 +195,13 @@ class _Shared:
             return None
         if self._streak < _channel.threshold() or not self.may_use_fast_path():
             return None
-        self.channel = _channel.Channel(self.hosts, self.name)
+        try:
+            self.channel = _channel.Channel(self.hosts, self.name)
+        except OSError as e:  # no socket here (temp dir path too long for one, disk full ...): Ray it is
+            self._fast_ok = False
+            log.warning("group %r: the fast path could not open a socket (%r); its calls go through Ray. Set "
+                        "TMPDIR to a short writable path, or ORCHESTRA_FAST_PATH=0 to silence this", self.name, e)
+            return None
         self.fast_calls += 1
         log.debug("group %r: fast path opened after %d qualifying calls in a row", self.name, self._streak)
         return self.channel

@@ -64,7 +64,6 @@ CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1}
 
 
 _DONE = object()
-_KEPT = object()  # a fast-path call's result kept on the rank until the controller takes it (Host.take_result)
 
 
 def _is_value(o: Any) -> bool:
@@ -113,6 +112,14 @@ def _method(role: str, name: str, streaming: bool) -> Any:
             return self._call(role, name, args, kwargs)
     m.__name__ = m.__qualname__ = name
     return ray.method(concurrency_group=COMPUTE)(m)
+
+
+def _shrunk(e: WorkerError, limit: int = 64 << 10) -> WorkerError:
+    """``e`` with its message and remote traceback cut to ``limit`` characters each, so that it fits a frame."""
+    def cut(text: str) -> str:
+        return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more characters cut]"
+    return type(e)(cut(e.message), group=e.group, role=e.role, rank=e.rank, endpoint=e.endpoint,
+                   remote_traceback=cut(e.remote_traceback), exc_type=e.exc_type)
 
 
 class RayRuntime:
@@ -244,7 +251,7 @@ class Host:
         self._inline_parts = 0  # results stored inline so far (names them for traces)
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self._fast_call: str | None = None  # the id of the fast-path call running now on the compute lane
-        self._kept: dict[str, tuple[str, Any]] = {}  # fast-path results too large for a frame, until taken
+        self._kept: dict[str, Any] = {}  # fast-path results a frame cannot carry (refs, > 1 MiB), until taken
         self._kept_lock = threading.Lock()
         self.tracing = False
         self.events = _Events()
@@ -378,17 +385,17 @@ class Host:
                     kind, value = "err", e if isinstance(e, WorkerError) else self._error(e, role, name)
                 finally:
                     self._fast_call = None
-                if value is _KEPT:
-                    kind, payload = "kept", b""
-                else:
-                    try:
-                        payload = _channel.dumps_frame(value)
-                    except _channel.NeedsRay:  # holds a ref, or too large: handed over by Ray (take_result)
+                try:
+                    payload = _channel.dumps_frame(value)
+                except _channel.NeedsRay:  # holds refs (a large Batch's parts) or is too large: handed over by Ray
+                    if kind == "err":  # an error too large for a frame: cut down, it stays an error
+                        payload = _channel.dumps_frame(_shrunk(value))
+                    else:
                         with self._kept_lock:
-                            self._kept[call_id] = ("value", value)
+                            self._kept[call_id] = value
                         kind, payload = "kept", b""
-                    except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
-                        kind, payload = "err", _channel.dumps_frame(self._error(e, role, name))
+                except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
+                    kind, payload = "err", _channel.dumps_frame(_shrunk(self._error(e, role, name)))
                 _channel.send_frame(sock, pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
                 served += 1
         finally:
@@ -396,13 +403,12 @@ class Host:
 
     @ray.method(concurrency_group=CONTROL)
     def take_result(self, call_id: str, discard: bool = False) -> Any:
-        """A kept fast-path result, stored now as the general path would have (Batch parts in the object store);
-        ``discard`` drops it (its call already ended)."""
+        """A kept fast-path result, returned as the general path would have (a large Batch's parts are already in
+        the object store: their refs travel with Ray, which tracks who holds them); ``discard`` drops it (its call
+        already ended)."""
         with self._kept_lock:
-            kind, value = self._kept.pop(call_id)
-        if discard:
-            return None
-        return self._put_parts(*value) if kind == "batch" else value
+            value = self._kept.pop(call_id)
+        return None if discard else value
 
     # -- data plane -----------------------------------------------------------------------------------------------
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
@@ -600,28 +606,19 @@ class Host:
             result = result.slice(0, len(result) - pad)
         n, nbytes = len(result), result.nbytes
         pieces = max(1, min(n, part_count(nbytes))) if n else 1
-        split = result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]
-        for piece in split:
-            counters["parts_out"] += 1
-            counters["rows_out"] += len(piece)
-            counters["bytes_out"] += piece.nbytes
-        if nbytes >= INLINE_BYTES and self._fast_call is not None:  # stored when the controller takes it
-            with self._kept_lock:
-                self._kept[self._fast_call] = ("batch", (split, tuple(result.keys())))
-            return _KEPT
-        return self._put_parts(split, tuple(result.keys()), inline=nbytes < INLINE_BYTES)
-
-    def _put_parts(self, split: list[Batch], keys: tuple, inline: bool = False) -> Output:
         parts = []
-        for piece in split:
+        for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
             size = piece.nbytes
             # a small result rides inside the call's reply (no object of its own, no second fetch by readers)
-            if inline:
+            if nbytes < INLINE_BYTES:
                 self._inline_parts += 1
                 parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}"))
             else:
                 parts.append(PartInfo(self.runtime.put(piece), len(piece), size))
-        return Output(self.rank, parts=tuple(parts), keys=keys)
+            counters["parts_out"] += 1
+            counters["rows_out"] += len(piece)
+            counters["bytes_out"] += size
+        return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
 
     def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
         produced = ([(p.key, p.nbytes, p.rows) for p in out.parts if p.key]

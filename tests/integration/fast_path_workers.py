@@ -100,3 +100,13 @@ class Recorder(Worker):
 
         sys.modules["made_on_the_rank"] = mod
         return mod.Local()
+
+    @endpoint
+    def fail_big(self, rank: int, n: int) -> int:
+        if self.rank == rank:
+            raise ValueError("y" * n)
+        return self.rank
+
+    @endpoint
+    def kind(self, cfg) -> str:  # noqa: ANN001
+        return type(cfg).__name__ + ":" + str(cfg.lr)

@@ -215,3 +215,73 @@ def test_a_second_event_loop_releases_the_channel_and_calls_still_work():
             await g3.aclose()
 
     asyncio.run(again())
+
+
+async def test_an_error_too_large_for_a_frame_is_still_an_error(g):
+    await _open(g)
+    with pytest.raises(orc.WorkerError) as e:
+        await g.fail_big(1, 2 * _channel.FRAME_BYTES)  # it came back as rank 1's *value* once
+    assert (e.value.rank, e.value.endpoint, e.value.exc_type) == (1, "fail_big", "ValueError")
+    assert "more characters cut" in e.value.message
+
+
+async def test_classes_of_the_driver_script_travel_by_value(g, monkeypatch):
+    import dataclasses
+    import sys
+
+    @dataclasses.dataclass
+    class StepCfg:
+        lr: float
+
+    StepCfg.__module__, StepCfg.__qualname__ = "__main__", "StepCfg"
+    monkeypatch.setattr(sys.modules["__main__"], "StepCfg", StepCfg, raising=False)
+    await _open(g)
+    assert await g.kind(StepCfg(0.5)) == ["StepCfg:0.5"] * 2  # a rank cannot import the driver's __main__
+    assert g._shared.channel is not None
+
+
+async def test_large_fast_results_keep_their_trace(g):
+    await _open(g)
+    await g.set_tracing(True)
+    try:
+        await g.take_events()
+        await _open(g)
+        await g.big(INLINE_BYTES // 8 + 10)
+        assert g._shared.channel is not None
+        (_, events), _ = await g.take_events()
+        big = [e for e in events if e["endpoint"] == "big"]
+        assert big and big[-1]["produced"], big  # the parts it stored, for the trace's flow arrows
+    finally:
+        await g.set_tracing(False)
+
+
+async def test_no_socket_here_means_ray_not_a_failed_call(monkeypatch, caplog):
+    import tempfile
+
+    long_dir = tempfile.mkdtemp(suffix="d" * 110)
+    monkeypatch.setattr(tempfile, "tempdir", long_dir)  # a Unix socket path must be < 108 bytes
+    async with WorkerGroup(ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01), Recorder,
+                           group_name="nosock") as g4:
+        for i in range(AFTER + 3):
+            assert await g4.note(f"{i}") == [(0, f"{i}")]
+        assert g4._shared.channel is None
+    assert any("could not open a socket" in r.getMessage() for r in caplog.records)
+    assert os.listdir(long_dir) == []  # the socket directory it tried is gone again
+    os.rmdir(long_dir)
+
+
+def test_a_fast_call_left_running_when_the_loop_ends_does_not_break_shutdown():
+    async def run():
+        g5 = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder, group_name="left")
+        await g5.ready()
+        await _open(g5)
+        g5.spin(0.5)  # never awaited: still in flight when this loop ends
+        return g5
+
+    g5 = asyncio.run(run())
+    hosts, sockets = list(g5._shared.hosts), g5._shared.channel._dir
+    g5.shutdown()  # raised "Event loop is closed" and left the actors alive
+    assert g5.closed and not os.path.exists(sockets) and sockets not in _channel._DIRS
+    for h in hosts:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(h.ping.remote(), timeout=60)
