@@ -25,7 +25,7 @@ import ray
 if TYPE_CHECKING:  # pragma: no cover
     from ._pool import ResourcePool
 
-__all__ = ["Backend", "RayBackend", "Slot", "RankDied", "TaskFailed", "current", "set_current", "is_ref", "get",
+__all__ = ["Backend", "RayBackend", "Slot", "RankDied", "TaskFailed", "TaskId", "current", "set_current", "is_ref", "get",
            "by_name", "register", "unregister"]
 
 log = logging.getLogger("orchestra")
@@ -42,6 +42,19 @@ class Slot:
     node_ip: str
     node_id: str
     local_rank: int
+
+
+class TaskId:
+    """A call's id in the shape of Ray's ``TaskID`` (``.hex()``): what cooperative cancellation names calls by, for
+    calls that are not Ray tasks (in-process ranks, the fast path)."""
+
+    __slots__ = ("_hex",)
+
+    def __init__(self, h: str) -> None:
+        self._hex = h
+
+    def hex(self) -> str:
+        return self._hex
 
 
 class RankDied(Exception):

@@ -30,6 +30,7 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import functools
 import io
 import itertools
 import logging
@@ -81,18 +82,14 @@ def _refuse(obj: Any) -> Any:
     raise NeedsRay(type(obj).__name__)
 
 
-_tables: list[dict] = []
-
-
+@functools.cache
 def _table() -> dict:
     """copyreg's reductions plus a refusal of ObjectRefs: a plain dict, so the C pickler looks types up in C.
     (In-process objects need no entry: they hold locks or threads and fail to pickle, which ``_preflight`` then
-    reports.)"""
-    if not _tables:
-        import copyreg
+    reports.) Built on first use, after torch and the like registered theirs."""
+    import copyreg
 
-        _tables.append({**copyreg.dispatch_table, ray.ObjectRef: _refuse})
-    return _tables[0]
+    return {**copyreg.dispatch_table, ray.ObjectRef: _refuse}
 
 
 def _by_value_modules() -> Any:
@@ -155,16 +152,6 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     return _recv_exact(sock, _LEN.unpack(head)[0])
 
 
-class _CallId:
-    __slots__ = ("_h",)
-
-    def __init__(self, h: str) -> None:
-        self._h = h
-
-    def hex(self) -> str:
-        return self._h
-
-
 class ChannelReply:
     """A fast-path call's reply on one rank, in the shape the call path expects of a ref: ``task_id().hex()`` (what
     cancellation names), awaitable (a fresh copy each time, as a ref's ``ray.get`` is), and ``out``, an asyncio
@@ -178,8 +165,8 @@ class ChannelReply:
         self.payload: bytes | None = None
         self.ray_ref: Any = None
 
-    def task_id(self) -> _CallId:
-        return _CallId(self.call_id)
+    def task_id(self) -> _backend.TaskId:
+        return _backend.TaskId(self.call_id)
 
     async def _fetch(self) -> Any:
         await asyncio.shield(self.out)
@@ -284,7 +271,6 @@ class Channel:
         self._hosts = list(hosts)
         self.open = True  # takes new calls
         self.closed = False
-        self.calls = 0  # replies read
         self.sent = 0  # calls written (counted on rank 0's socket)
         self._dir = tempfile.mkdtemp(prefix="orc-fast-")  # 0700: this user's processes only
         self._path = os.path.join(self._dir, "s")
@@ -414,7 +400,6 @@ class Channel:
         if reply is None:
             return
         self._pending_by_rank[reply.rank].discard(call_id)
-        self.calls += 1
         if reply.out.done():  # the call ended first (cancel, deadline): a rank's kept result is still taken
             if kind == "kept":
                 self._take(reply, conn.rank, call_id, discard=True)

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import os
+import pickle
 import socket
 import threading
 import time
@@ -364,10 +365,7 @@ class Host:
         """Hold the compute lane and run the calls the controller writes into the socket at ``path``, in order,
         until it shuts its side (a release, or the group closing); returns how many were served. Each call runs
         exactly as on the general path; its reply (or error) is written back as one frame."""
-        import pickle
-        import socket as _socket
-
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
         served = 0
         try:

@@ -254,9 +254,9 @@ class Invocation:
                 slots.append(slot)
             self._set_slots(slots)
             return
-        if not checked and frames is None:
-            _preflight(plan, calls)
-        if frames is None:
+        if frames is None:  # a Ray call: check it (frames were the check otherwise), hand the compute lanes back
+            if not checked:
+                _preflight(plan, calls)
             self.shared.before_ray_compute()
         slots = []
         for r in plan.ranks:

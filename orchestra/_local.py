@@ -33,6 +33,7 @@ from typing import Any
 
 from ray import cloudpickle
 
+from . import _backend
 from ._backend import Backend, RankDied, Slot, TaskFailed
 from ._errors import OrchestraError, PlacementError
 
@@ -46,16 +47,6 @@ _thread = threading.local()  # .task: the id of the call the current lane thread
 
 def _new_id() -> str:
     return f"{os.getpid():x}{next(_ids):012x}"
-
-
-class _TaskId:
-    __slots__ = ("_hex",)
-
-    def __init__(self, h: str) -> None:
-        self._hex = h
-
-    def hex(self) -> str:
-        return self._hex
 
 
 # -- serialization: what Ray would copy is copied; in-process handles travel by reference -------------------------
@@ -141,8 +132,8 @@ class LocalRef:
         self._src.add_done_callback(done)
         return out
 
-    def task_id(self) -> _TaskId:
-        return _TaskId(self._task)
+    def task_id(self) -> _backend.TaskId:
+        return _backend.TaskId(self._task)
 
     def hex(self) -> str:
         return self._id
