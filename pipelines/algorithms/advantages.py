@@ -21,6 +21,13 @@ def _float(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in float64 for per-group statistics: a float32 group mean is off by ~1e-7 of the scores' size, and
+    dividing by the std of near-equal scores (say 1e-3) turns that into a group whose advantages do not sum to 0.
+    Scores are one scalar per row, so the wide copy costs nothing measurable."""
+    return x.to(torch.float64)
+
+
 @torch.no_grad()
 def outcome_to_token_scores(scores: Tensor, response_mask: Tensor) -> Tensor:
     """Put each sequence's scalar score ``[B]`` on its last valid response token -> ``[B, R]``.
@@ -103,7 +110,8 @@ def _group_index(
 
 
 def _group_stats(scores: Tensor, index: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row ``(group count, group mean, group sample std)``; std uses n-1 (0 for n=1)."""
+    """Per-row ``(group count, group mean, group sample std)``; std uses n-1 (0 for n=1). Pass scores in float64
+    (``_wide``): near-equal scores have a tiny std, which multiplies any rounding of the mean."""
     zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
     count = zeros.index_add(0, index, torch.ones_like(scores))
     mean = zeros.index_add(0, index, scores) / count.clamp(min=1.0)
@@ -137,14 +145,15 @@ def grpo_advantages(
     sequence's advantage is copied onto each of its valid tokens.
     """
     _check_scores(scores, response_mask)
-    s = _float(scores)
+    dtype = _float(scores).dtype
+    s = _wide(scores)
     index, num_groups = _group_index(s.shape[0], group_ids, group_size, s.device)
     count, mean, std = _group_stats(s, index, num_groups)
     adv = s - mean
     if norm_by_std:
         adv = adv / (std + eps)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
-    return adv[:, None] * response_mask.to(adv.dtype)
+    adv = torch.where(count > 1, adv, torch.zeros_like(adv)).to(dtype)
+    return adv[:, None] * response_mask.to(dtype)
 
 
 @torch.no_grad()
@@ -161,11 +170,12 @@ def rloo_advantages(
     :func:`grpo_advantages`.
     """
     _check_scores(scores, response_mask)
-    s = _float(scores)
+    dtype = _float(scores).dtype
+    s = _wide(scores)
     index, num_groups = _group_index(s.shape[0], group_ids, group_size, s.device)
     count, mean, _ = _group_stats(s, index, num_groups)
-    adv = torch.where(count > 1, (s - mean) * count / (count - 1).clamp(min=1.0), torch.zeros_like(s))
-    return adv[:, None] * response_mask.to(adv.dtype)
+    adv = torch.where(count > 1, (s - mean) * count / (count - 1).clamp(min=1.0), torch.zeros_like(s)).to(dtype)
+    return adv[:, None] * response_mask.to(dtype)
 
 
 @torch.no_grad()
@@ -210,10 +220,11 @@ def group_baseline_scores(
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must have shape [B], got {tuple(scores.shape)}")
-    s = _float(scores)
+    dtype = _float(scores).dtype
+    s = _wide(scores)
     index, num_groups = _group_index(s.shape[0], group_ids, group_size, s.device)
     count, mean, _ = _group_stats(s, index, num_groups)
-    return torch.where(count > 1, s - mean, torch.zeros_like(s))
+    return torch.where(count > 1, s - mean, torch.zeros_like(s)).to(dtype)
 
 
 @torch.no_grad()

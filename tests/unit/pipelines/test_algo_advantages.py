@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipelines.algorithms import (
@@ -115,6 +115,7 @@ def test_rloo():
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(2, 5), st.integers(0, 2**16))
+@example(groups=1, n=2, seed=56)  # scores -1.3281, -1.3268: a float32 group mean was 1e-7 off, / std 1e-3 -> 6e-5
 def test_grpo_group_means_are_zero(groups, n, seed):
     scores = torch.randn(groups * n, generator=torch.Generator().manual_seed(seed))
     adv = grpo_advantages(scores, torch.ones(groups * n, 1), group_size=n)[:, 0]
