@@ -172,6 +172,17 @@ class _Shared:
         self._wrap_watches(loop)
 
     # -- the fast path (orchestra._channel) ----------------------------------------------------------------------
+    @staticmethod
+    def reader_sizes() -> tuple[int, ...]:
+        """The DP sizes a shard call's output may be read at: every open group's rank count and the DP size of
+        each mesh it has looked up (a producer cuts its output's parts where such readers' shares start or end)."""
+        sizes = set()
+        for g in list(_runtime._groups):
+            if g.closed is None and g.hosts:
+                sizes.add(len(g.hosts))
+                sizes.update(ms[0].dp_size for ms in list(g.meshes.values()) if ms)
+        return tuple(sorted(sizes))
+
     def may_use_fast_path(self) -> bool:
         """Whether this group's calls may take a fast-path channel: on by default (``ORCHESTRA_FAST_PATH=0``
         turns it off), Ray ranks all on the controller's node, raw handles never taken, no rank dead."""

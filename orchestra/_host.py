@@ -26,7 +26,8 @@ import ray
 from . import _backend, _channel
 from ._batch import Batch, balanced_sizes
 from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerError
-from ._wire import INLINE_BYTES, REFS_KWARG, SHARED_KWARG, DataArg, Output, PartInfo, Source, overlapping, row_range
+from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Output, PartInfo, Source, Span,
+                    overlapping, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 __all__ = ["Host"]
@@ -40,6 +41,35 @@ def part_count(nbytes: int) -> int:
     >= 1 MiB each for outputs that large, so that a reader of a reshard fetches little beyond its own rows."""
     target = min(PART_BYTES, max(MIN_PART_BYTES, nbytes // 8))
     return max(1, -(-nbytes // target))
+
+
+def _part_sizes(n: int, nbytes: int, span: Span | None, readers: tuple[int, ...]) -> list[int]:
+    """Row counts of the parts an output of ``n`` rows is stored as (see ``Host._store``)."""
+    if not n:
+        return [0]
+    if nbytes < INLINE_BYTES:  # rides in the reply whole: every reader of the reply gets all of it anyway
+        return [n]
+    if span is None:
+        return balanced_sizes(n, max(1, min(n, part_count(nbytes))))
+    bounds = [0, *reader_cuts(span, readers), n]
+    sizes = []
+    for lo, hi in zip(bounds, bounds[1:]):  # each reader-aligned piece, split further to at most PART_BYTES
+        rows = hi - lo
+        pieces = max(1, min(rows, -(-(nbytes * rows // n) // PART_BYTES)))
+        sizes.extend(balanced_sizes(rows, pieces))
+    return sizes
+
+
+def _span_of(parts: list[PartInfo]) -> Span | None:
+    """Where ``parts`` (one reader's, in order) sit in their call's rows, when each says and they are contiguous."""
+    if not parts or parts[0].start < 0:
+        return None
+    at, total = parts[0].start, parts[0].total
+    for p in parts:
+        if p.start != at or p.total != total:
+            return None
+        at += p.rows
+    return Span(parts[0].start, at - parts[0].start, total)
 
 
 def _wanted(start: int, stop: int, n: int) -> list[tuple[int, int]]:
@@ -414,9 +444,10 @@ class Host:
         try:
             spec, fn, ctx, counters = self._begin(role, name)
             private = not kwargs.pop(SHARED_KWARG, False)
+            readers, given = kwargs.pop(STORE_KWARG, ((), None))
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
+            (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, counters, spec, fetched, private, given)
             rows_in = _rows_in(args, kwargs) if pad else None
             t0 = time.perf_counter()
             try:
@@ -428,7 +459,7 @@ class Host:
                 raise ValueError(f"endpoint returned {got} for an input of {rows_in} rows ({pad} of them padding); "
                                  f"an endpoint with padded input (shard(pad=True) or pad()) must return one row per "
                                  f"input row, so that the padding rows can be dropped")
-            out = self._store(result, pad, counters)
+            out = self._store(result, pad, counters, span if readers else None, readers)
             if fetched is not None:
                 self._event(role, name, start, time.time(), fetched, out)
             return out
@@ -442,9 +473,10 @@ class Host:
         try:
             spec, fn, ctx, counters = self._begin(role, name)
             private = not kwargs.pop(SHARED_KWARG, False)
+            kwargs.pop(STORE_KWARG, None)  # a stream's parts are cut as they come: no row positions to align to
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
+            (args, kwargs), pad, _ = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
             if pad:
                 raise ValueError("a streaming endpoint cannot take padded input; drop pad from its dispatch")
             gen = fn(*args, **kwargs)
@@ -483,18 +515,23 @@ class Host:
         counters["calls"] += 1
         return spec, getattr(self.roles[role], name), self.contexts[role], counters
 
-    def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict,
-                 spec: EndpointSpec, trace: list | None = None, private: bool = False) -> tuple[tuple[tuple, dict], int]:
+    def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict, spec: EndpointSpec,
+                 trace: list | None = None, private: bool = False,
+                 given: Span | None = None) -> tuple[tuple[tuple, dict], int, Span | None]:
         """The endpoint's arguments with data descriptors replaced by Batches it owns (``private``: the
-        controller-made shards of this call are read by this rank alone, so need no copy)."""
+        controller-made shards of this call are read by this rank alone, so need no copy), the padding rows, and
+        where this rank's input rows sit in the call's (None when not known, or the arguments disagree);
+        ``given``: that place for a controller-made shard (the controller split the batch)."""
         if not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
-            return (args, kwargs), 0
+            return (args, kwargs), 0, None
         pads: list[int] = []
+        spans: list[Span | None] = []
 
         def one(a: Any) -> Any:
             if isinstance(a, DataArg):
-                batch, p = self._materialize(a, resolved, counters, trace, spec.zero_copy_inputs)
+                batch, p, where = self._materialize(a, resolved, counters, trace, spec.zero_copy_inputs)
                 pads.append(p)
+                spans.append(where)
             elif isinstance(a, Batch):  # a controller-made shard, passed as is (or resolved by Ray from its ref)
                 # one that came through the object store (>= INLINE_BYTES) is shared memory: other ranks of a mesh
                 # read the same object, so the endpoint gets a private copy unless it promised not to write
@@ -504,6 +541,7 @@ class Host:
                 counters["rows_in"] += len(a)
                 counters["rows_used"] += len(a)
                 counters["bytes_in"] += nbytes
+                spans.append(given)
             else:
                 return a
             if not isinstance(batch, Batch):  # a forwarded plain value (e.g. a state dict from rank 0)
@@ -519,11 +557,13 @@ class Host:
         new_kwargs = {k: one(v) for k, v in kwargs.items()}
         if len(set(pads)) > 1:
             raise ValueError(f"data arguments were padded differently ({pads}); pass them as one union a | b")
-        return (new_args, new_kwargs), (pads[0] if pads else 0)
+        span = spans[0] if spans and all(w == spans[0] for w in spans) else None
+        return (new_args, new_kwargs), (pads[0] if pads else 0), span
 
     def _materialize(self, arg: DataArg, resolved: tuple, counters: dict,
-                     trace: list | None = None, zero_copy: bool = False) -> tuple[Any, int]:
-        """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union.
+                     trace: list | None = None, zero_copy: bool = False) -> tuple[Any, int, Span | None]:
+        """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union; also
+        the padding rows, and where this rank's rows sit in the rows of the call (None when not known).
 
         A source whose outputs are plain values (not Batches) arrives as its value: one rank's value as is,
         several ranks' as a list (what awaiting that future in the controller would give, less its collect)."""
@@ -531,7 +571,7 @@ class Host:
             outs = [resolved[o] if isinstance(o, int) else o for o in arg.sources[0].outputs]
             if outs and all(_is_value(o) for o in outs):
                 values = [o.value if isinstance(o, Output) else o for o in outs]
-                return (values[0] if len(values) == 1 else values), 0
+                return (values[0] if len(values) == 1 else values), 0, None
         part_lists = [self._parts(src, resolved) for src in arg.sources]
         totals = [sum(p.rows for p in parts) for parts in part_lists]
         if len(set(totals)) > 1:
@@ -548,7 +588,12 @@ class Host:
             b = self._read(parts, wanted, counters, trace, zero_copy)
             out = b if out is None else out.union(b)
         counters["rows_used"] += len(out)
-        return out, pad
+        if arg.layout.kind == "balanced":  # this rank's share of the upstream rows
+            where = Span(start, max(0, min(stop, n) - start), n)
+        else:  # all of them: they sit where the upstream parts say (one DP replica's rows read by the same replica)
+            where = _span_of(part_lists[0])
+            where = where if all(_span_of(p) == where for p in part_lists[1:]) else None
+        return out, pad, where
 
     @staticmethod
     def _parts(src: Source, resolved: tuple) -> list[PartInfo]:
@@ -596,23 +641,35 @@ class Host:
         first = _backend.get([parts[0].ref])[0] if _backend.is_ref(parts[0].ref) else parts[0].ref
         return first.slice(0, 0)
 
-    def _store(self, result: Any, pad: int, counters: dict) -> Output:
-        """Put a Batch result into the object store as bounded-size parts; other values travel inline."""
+    def _store(self, result: Any, pad: int, counters: dict, span: Span | None = None,
+               readers: tuple[int, ...] = ()) -> Output:
+        """Put a Batch result into the object store as parts; other values travel inline.
+
+        Parts are sized by what readers will fetch. When the rows are known to sit at ``span`` of the call's rows
+        (one output row per input row), they are cut where any reader of a DP size in ``readers`` (every group's
+        on the controller) starts or ends, and at PART_BYTES: each such reader fetches exactly its rows, in as few
+        objects as that allows. Otherwise into ``part_count`` parts (at least 8 for a large output), so that a
+        reader of any split fetches little beyond its rows. A result under INLINE_BYTES is one part in the reply."""
         if not isinstance(result, Batch):
             return result
         if pad:  # one row per input row (checked in _call): the last ``pad`` rows are the padding's
             result = result.slice(0, len(result) - pad)
         n, nbytes = len(result), result.nbytes
-        pieces = max(1, min(n, part_count(nbytes))) if n else 1
-        parts = []
-        for piece in (result.split(balanced_sizes(n, pieces)) if pieces > 1 else [result]):
+        if span is not None and span.rows != n:  # rows added or dropped: no longer where the input's were
+            span = None
+        sizes = _part_sizes(n, nbytes, span, readers)
+        parts, offset = [], 0
+        for piece in (result.split(sizes) if len(sizes) > 1 else [result]):
             size = piece.nbytes
+            where = (span.start + offset, span.total) if span is not None else (-1, -1)
+            offset += len(piece)
             # a small result rides inside the call's reply (no object of its own, no second fetch by readers)
             if nbytes < INLINE_BYTES:
                 self._inline_parts += 1
-                parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}"))
+                parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}",
+                                      start=where[0], total=where[1]))
             else:
-                parts.append(PartInfo(self.runtime.put(piece), len(piece), size))
+                parts.append(PartInfo(self.runtime.put(piece), len(piece), size, start=where[0], total=where[1]))
             counters["parts_out"] += 1
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size

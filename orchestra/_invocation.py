@@ -37,7 +37,8 @@ from ._errors import (
     WorkerDiedError,
     WorkerError,
 )
-from ._wire import INLINE_BYTES, REFS_KWARG, SHARED_KWARG, DataArg, Layout, Output, PartInfo, Source
+from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Layout, Output, PartInfo, Source,
+                    Span)
 from .dispatch import Plan
 
 __all__ = ["Invocation", "Slot", "convert_error", "components"]
@@ -144,7 +145,8 @@ class Invocation:
                 and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
             try:
                 self._bind_collect(plan)
-                self._send(plan, _per_rank_calls(plan, _describe_batches(plan)), None, checked=False)
+                self._send(plan, _per_rank_calls(plan, _describe_batches(plan), self.shared.reader_sizes()), None,
+                           checked=False)
             except BaseException as e:
                 self._fail_submit(e)
                 shared.live.discard(self)  # nothing was sent: no call of this group is left running
@@ -227,7 +229,7 @@ class Invocation:
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
         """Every rank's (args, kwargs, refs), each checked to serialize, before any rank is sent anything."""
-        calls = _per_rank_calls(plan, described)
+        calls = _per_rank_calls(plan, described, self.shared.reader_sizes())
         _preflight(plan, calls)
         return calls
 
@@ -611,9 +613,18 @@ class Invocation:
                         for s in self.slots if s.collected]
         infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
         refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
-        fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
-        by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
         _stats.add_materialized(sum(p.nbytes for p in infos))
+        if refs:  # parts in the object store (large): one fetch and the joins off the event loop
+            values = await anyio.to_thread.run_sync(self._join, per_slot, infos, refs)
+        else:  # every part rode in its reply (small): nothing to fetch, joins too small to move
+            values = self._join(per_slot, infos, [])
+        return self.collect(values) if self.collect else values
+
+    def _join(self, per_slot: list[list[Output]], infos: list[PartInfo], refs: list[Any]) -> list[Any]:
+        """Per collected slot, its value: Batch parts fetched (``refs``, in one batch; blocking) and joined into
+        fresh Batches, plain values as they came."""
+        fetched = iter(_backend.get(refs))
+        by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
 
         def joined(batches: list[Batch]) -> Batch:
             if not batches:
@@ -633,7 +644,7 @@ class Invocation:
             else:
                 values.append([o.value if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
                                for o in outs])
-        return self.collect(values) if self.collect else values
+        return values
 
     # -- cancellation ---------------------------------------------------------------------------------------------
     def fail(self, error: BaseException) -> BaseException:
@@ -726,15 +737,20 @@ def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:
     return args, {**kwargs, REFS_KWARG: list(refs)}
 
 
-def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
-    """(args, kwargs, top-level refs) for every executing rank, with data arguments turned into descriptors."""
+def _per_rank_calls(plan: Plan, described: dict[int, Any],
+                    readers: tuple[int, ...] = ()) -> dict[int, tuple[tuple, dict, list]]:
+    """(args, kwargs, top-level refs) for every executing rank, with data arguments turned into descriptors.
+    A shard call also tells each rank the DP sizes its output's readers may have (``readers``: see
+    ``Host._store``) and, for a controller-made shard, where its rows sit in the batch."""
     spec = plan.shard
-    readers = {d: sum(1 for r in plan.ranks if spec.dp_of_rank[r] == d) for d in range(spec.dp_size)} if spec else {}
+    per_dp_readers = ({d: sum(1 for r in plan.ranks if spec.dp_of_rank[r] == d) for d in range(spec.dp_size)}
+                      if spec else {})
     out = {}
     for r in plan.ranks:
         args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
         b = _ArgBuilder()
         shared = [False]
+        given: list[Span | None] = []
 
         def convert(a: Any) -> Any:
             per_dp = described.get(id(a))
@@ -746,7 +762,8 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tu
                     and layout.kind == "whole" and not layout.pad_rows):
                 # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
                 # rank reads (the TP ranks of a mesh replica) must be copied by each reader before use
-                shared[0] = shared[0] or readers.get(d, 2) > 1
+                shared[0] = shared[0] or per_dp_readers.get(d, 2) > 1
+                given.append(layout.span)
                 return sources[0][0].ref
             return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
                            values_ok=spec is None)
@@ -755,6 +772,8 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tu
         new_kwargs = {k: convert(v) for k, v in kwargs.items()}
         if shared[0]:
             new_kwargs[SHARED_KWARG] = True
+        if spec is not None and readers:
+            new_kwargs[STORE_KWARG] = (readers, given[0] if given and all(g == given[0] for g in given) else None)
         out[r] = (new_args, new_kwargs, b.refs)
     return out
 
@@ -803,9 +822,10 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
     out, start = {}, 0
     for d, s in enumerate(shards):
         pad_rows = min(len(s), max(0, start + len(s) - len(a))) if batch is not a else 0
+        span = Span(start, len(s) - pad_rows, len(a))
         start += len(s)
         rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
-        out[d] = ([[_put(s, plan, "argument", rank)]], Layout("whole", pad_rows=pad_rows))
+        out[d] = ([[_put(s, plan, "argument", rank)]], Layout("whole", pad_rows=pad_rows, span=span))
     return out
 
 

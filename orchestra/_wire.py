@@ -12,12 +12,22 @@ from typing import Any
 
 from ._batch import balanced_sizes
 
-__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "row_range", "overlapping", "REFS_KWARG",
-           "SHARED_KWARG", "INLINE_BYTES"]
+__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "overlapping", "reader_cuts",
+           "REFS_KWARG", "SHARED_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
 SHARED_KWARG = "_orc_shared"  # set when a controller-made shard of the call is read by other ranks too (a mesh)
+STORE_KWARG = "_orc_store"  # a shard call's (reader DP sizes, Span of a controller-made shard or None): see reader_cuts
 INLINE_BYTES = 64 << 10  # controller-made shards below this travel inside the call instead of via ray.put
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a rank's rows sit in the row sequence of a whole call: rows [start, start + rows) of ``total``."""
+
+    start: int
+    rows: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,8 @@ class PartInfo:
     rows: int
     nbytes: int
     tag: str = ""  # names a part that rides inline (no ref) so traces can follow it from producer to reader
+    start: int = -1  # its first row's index in the rows of the whole call (-1: not known)
+    total: int = -1  # how many rows the whole call has (-1: not known)
 
     @property
     def key(self) -> str:
@@ -73,6 +85,7 @@ class Layout:
     pad: bool = False
     pad_rows: int = 0
     allow_empty: bool = False
+    span: Span | None = None  # "whole" of a controller-made shard: where its rows sit in the caller's batch
 
 
 @dataclass(frozen=True)
@@ -118,3 +131,25 @@ def overlapping(part_rows: list[int], start: int, stop: int) -> list[tuple[int, 
         if offset >= stop:
             break
     return out
+
+
+def reader_cuts(span: Span, readers: tuple[int, ...]) -> list[int]:
+    """Local row offsets (0 < c < span.rows) at which rows [span.start, span.start + span.rows) of a
+    ``span.total``-row sequence cross a boundary between two readers' shares, for a reader of each DP size in
+    ``readers`` (balanced shares, and the equal shares of ``shard(pad=True)``). Parts cut there are read whole by
+    every such reader: no reader fetches another's rows."""
+    lo, hi, total = span.start, span.start + span.rows, span.total
+    cuts: set[int] = set()
+    for d in readers:
+        if d <= 1 or total <= 0:
+            continue
+        acc = 0
+        for size in balanced_sizes(total, d)[:-1]:
+            acc += size
+            if lo < acc < hi:
+                cuts.add(acc - lo)
+        per = -(-total // d)
+        for k in range(1, d):
+            if lo < k * per < hi:
+                cuts.add(k * per - lo)
+    return sorted(cuts)

@@ -13,6 +13,7 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch
+from orchestra._wire import Span, reader_cuts
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +33,22 @@ async def _stats(g, endpoint):
 async def test_large_parts_are_split_so_readers_fetch_their_share(groups):
     a, b = groups[2], groups[4]
     await b.reset_stats()
-    rows, width = 64, 80_000  # 64 rows x 320 kB = 20 MiB; each producer stores its 10 MiB as 8 parts
+    # 64 rows x 320 kB = 20 MiB; each producer knows its rows are the first or second half of the batch and cuts its
+    # 10 MiB where a reader of 4 (or of 3: the session has such a group too) starts: at row 16 (48), and 22 (43/44)
+    rows, width = 64, 80_000
     data = Batch.from_dict({"x": torch.arange(rows), "w": torch.ones(rows, width)})
     up = a.echo(data)
     down = b.echo(up)
     await down.wait()
     st = await _stats(b, "echo")
     shard_bytes = data.nbytes / 4
-    for s in st:
-        assert s["parts_in"] == 4  # a consumer's quarter is half of one producer's 8 parts
-        assert s["bytes_in"] <= 1.25 * shard_bytes
+    readers = a._shared.reader_sizes()
+    assert {2, 3, 4} <= set(readers)
+    # quarters [0,16) [16,32) [32,48) [48,64), each cut where another reader's share starts (a reader of 3: 22,
+    # 43, 44): the parts a quarter reads are the producer's parts inside it, no more
+    cuts = {h * 32 + c for h in (0, 1) for c in reader_cuts(Span(h * 32, 32, 64), readers)}
+    assert [s["parts_in"] for s in st] == [1 + sum(q * 16 < c < q * 16 + 16 for c in cuts) for q in range(4)]
+    assert [s["bytes_in"] for s in st] == [shard_bytes] * 4  # each reads exactly its rows
     out = await down
     assert torch.equal(out["x"], torch.arange(rows))
 

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from orchestra import Batch
 from orchestra._batch import balanced_sizes
-from orchestra._host import Host, _counters, _wanted
-from orchestra._wire import DataArg, Layout, Output, PartInfo, Source, overlapping, row_range
+from orchestra._host import PART_BYTES, Host, _counters, _part_sizes, _span_of, _wanted, part_count
+from orchestra._wire import (INLINE_BYTES, DataArg, Layout, Output, PartInfo, Source, Span, overlapping, reader_cuts,
+                             row_range)
 
 FAST = settings(deadline=None, max_examples=80)
 
@@ -165,7 +166,7 @@ def test_host_materializes_its_rows_and_counts_only_overlapping_parts(parts, cou
     for r in range(count):
         layout = Layout("balanced", r, count, pad, allow_empty=True)
         counters = _counters()
-        batch, pad_rows = _host()._materialize(DataArg((Source(tuple(infos)),), layout), (), counters)
+        batch, pad_rows, _ = _host()._materialize(DataArg((Source(tuple(infos)),), layout), (), counters)
         start, stop, expected_pad = row_range(n, layout)
         assert pad_rows == expected_pad
         assert batch["i"].tolist() == [k % n for k in range(start, stop)]
@@ -184,7 +185,7 @@ def test_host_union_of_two_sources_with_different_part_boundaries():
     right = [PartInfo(p, len(p), p.nbytes) for p in right_full.split(balanced_sizes(10, 3))]  # 4, 3, 3
     outs = (Output(0, parts=tuple(left[:1])), Output(1, parts=tuple(left[1:])))
     arg = DataArg((Source((0, 1)), Source(tuple(right))), Layout("balanced", 1, 2))
-    b, pad = _host()._materialize(arg, outs, _counters())  # ints index the call's resolved header refs
+    b, pad, _ = _host()._materialize(arg, outs, _counters())  # ints index the call's resolved header refs
     assert pad == 0
     assert b["i"].tolist() == [5, 6, 7, 8, 9] and b["y"].tolist() == [50, 60, 70, 80, 90]
     assert list(b["s"]) == ["r5", "r6", "r7", "r8", "r9"]
@@ -197,3 +198,46 @@ def test_host_rejects_misaligned_union_and_empty_shard():
         _host()._materialize(DataArg((Source(tuple(a)), Source(tuple(b))), Layout()), (), _counters())
     with pytest.raises(ValueError, match="shard of 2 rows is empty"):
         _host()._materialize(DataArg((Source(tuple(_produce([2])[1])),), balanced(3, 4)), (), _counters())
+
+
+# -- parts sized by their readers (Host._store) ------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 60), st.lists(st.integers(1, 8), min_size=1, max_size=3), st.data())
+def test_parts_cut_at_reader_boundaries_are_read_whole_by_every_reader(total, readers, data):
+    """A producer's rows [start, start + rows) cut at ``reader_cuts``: every reader of a DP size in ``readers``
+    (balanced or padded shares) reads only whole parts, i.e. exactly its rows."""
+    start = data.draw(st.integers(0, total - 1))
+    span = Span(start, data.draw(st.integers(1, total - start)), total)
+    bounds = [span.start, *[span.start + c for c in reader_cuts(span, tuple(readers))], span.start + span.rows]
+    assert bounds == sorted(set(bounds))  # strictly increasing: no empty part
+    for d in readers:
+        shares = [row_range(total, Layout("balanced", i, d, pad)) for i in range(d) for pad in (False, True)]
+        for lo, hi, _ in shares:
+            hi = min(hi, total)
+            for a, b in zip(bounds, bounds[1:]):  # a part either lies inside the share or outside it
+                assert b <= lo or a >= hi or (lo <= a and b <= hi), (d, (lo, hi), (a, b))
+
+
+def test_part_sizes_follow_readers_when_the_rows_place_is_known():
+    big = 64 << 20
+    # not known where the rows sit: at least 8 parts, so that any reader fetches little beyond its rows
+    assert len(_part_sizes(1000, big, None, (2, 4))) == part_count(big) >= 8
+    # rows 0..250 of 1000, readers of 4 (and 2): this rank's rows are one reader's share -> split only at PART_BYTES
+    sizes = _part_sizes(250, big // 4, Span(0, 250, 1000), (2, 4))
+    assert sum(sizes) == 250 and len(sizes) == -(-(big // 4) // PART_BYTES) == 2
+    # a reader of 3 needs a cut at row 334 inside rows 250..500
+    assert _part_sizes(250, 1 << 20, Span(250, 250, 1000), (3, 4)) == [84, 166]
+    # small: one part in the reply, wherever its readers start
+    assert _part_sizes(250, INLINE_BYTES - 1, Span(250, 250, 1000), (3, 4)) == [250]
+    assert _part_sizes(0, 0, Span(0, 0, 10), (2,)) == [0]
+
+
+def test_span_of_parts_needs_every_part_placed_and_contiguous():
+    def p(start: int, rows: int, total: int = 10) -> PartInfo:
+        return PartInfo(None, rows, rows, start=start, total=total)
+
+    assert _span_of([p(3, 2), p(5, 3)]) == Span(3, 5, 10)
+    assert _span_of([p(3, 2), p(6, 3)]) is None  # a gap
+    assert _span_of([p(-1, 2, -1)]) is None  # a producer that did not know
+    assert _span_of([p(0, 2), p(2, 3, 11)]) is None  # parts of different calls
+    assert _span_of([]) is None

@@ -285,6 +285,26 @@ async def test_forwarding_fetches_only_overlapping_parts(bed, src, dst, n, parts
     assert orc.controller_stats()["bytes_materialized"] == out.nbytes
 
 
+@pytest.mark.parametrize("src,dst", [(4, 2), (2, 4), (3, 4), (4, 3), (2, 2)])
+async def test_large_outputs_are_cut_where_their_readers_start_so_each_reads_exactly_its_rows(bed, src, dst):
+    """Over INLINE_BYTES a producer knows where its rows sit (its share of a controller-made batch, then of each
+    forwarded future) and cuts its parts at every open group's reader boundaries: a reshard reads no row twice."""
+    a, b = bed[f"s{src}"], bed[f"s{dst}"]
+    n = 48  # 8 KiB a row: every rank's output is over INLINE_BYTES (64 KiB)
+    big = Batch.from_dict({"x": torch.arange(n), "w": torch.ones(n, 2048)})
+    await a.reset_stats()
+    await b.reset_stats()
+    first = a.echo(big)
+    out = await b.plus_one(a.echo(first))  # the second echo reads its rows from the first: the place carries over
+    assert torch.equal(out["y"], torch.arange(n) + 1)
+    for g, name in ((a, "echo"), (b, "plus_one")):
+        st = [s[name] for s in await g.stats()]
+        assert [s["rows_in"] for s in st] == [s["rows_used"] for s in st], (g.name, st)
+    produced = [s["echo"]["parts_out"] for s in await a.stats()]
+    # cut only where a reader of 2, 3 or 4 ranks starts (at most 3 cuts per share here), not into 8 parts each
+    assert all(p <= 2 * 4 for p in produced) and sum(produced) < 8 * 2 * src, produced
+
+
 async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once(bed):
     g = bed["mesh4"]
     await g.reset_stats()
