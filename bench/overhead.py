@@ -3,7 +3,11 @@
     python -m bench.overhead [--iters 300] [--sizes 1,2,4]
 
 Prints JSON: per world size and transform, median/mean latency of orchestra and of raw Ray, and their ratio.
-Target: ratio <= 1.15.
+``orchestra_*``/``ratio``: the general path (one Ray actor task per rank: a call with a DataFuture argument, or a
+repeated call before the fast path opens). ``fast_*``/``fast_ratio``: the same repeated call as a user gets it by
+default, over the fast path's channel (``orchestra/_channel.py``), on the same actors (the group's fast path is on
+for those samples only: raw calls on a rank's compute lane would otherwise wait behind its channel loop).
+Target: ratio <= 1.15 (``meets_target``: the default path; ``meets_target_general``: the general path).
 """
 
 from __future__ import annotations
@@ -48,7 +52,13 @@ async def measure(world: int, iters: int) -> dict:
     pool = ResourcePool(process_on_nodes=[world])
     g = WorkerGroup(pool, Noop)
     await g.ready()
-    actors = g.actors
+    shared = g._shared
+    actors = g.actors  # raw handles: the fast path is off, except while the fast samples run (below)
+
+    def fast_path(on: bool) -> None:
+        shared.fast_path_off = not on
+        if not on:
+            shared.before_ray_compute()  # the ranks' loops return before any raw call reaches their lanes
     batch = Batch.from_dict({"x": torch.arange(world * 2)})
 
     # The floor: a bare actor method (Host.noop) on the same actors, given what the transform would deliver.
@@ -78,14 +88,21 @@ async def measure(world: int, iters: int) -> dict:
         async def call_ours(ours=ours):
             await ours()
         # interleave rounds so that drift on a shared machine hits both sides alike
-        r1, o1 = await timed(raw, iters // 2), await timed(call_ours, iters // 2)
-        r2, o2 = await timed(raw, iters // 2), await timed(call_ours, iters // 2)
-        raw_med = (r1["median_ms"] + r2["median_ms"]) / 2
-        our_med = (o1["median_ms"] + o2["median_ms"]) / 2
-        out[name] = {"orchestra_median_ms": round(our_med, 4), "raw_ray_median_ms": round(raw_med, 4),
-                     "orchestra_mean_ms": round((o1["mean_ms"] + o2["mean_ms"]) / 2, 4),
-                     "raw_ray_mean_ms": round((r1["mean_ms"] + r2["mean_ms"]) / 2, 4),
-                     "ratio": round(our_med / raw_med, 3)}
+        samples = {"raw": [], "ours": [], "fast": []}
+        before = shared.fast_calls
+        for _ in range(2):
+            fast_path(True)  # timed's 5 warm-up calls open the channel (on the 4th qualifying call in a row)
+            samples["fast"].append(await timed(call_ours, iters // 2))
+            fast_path(False)
+            samples["raw"].append(await timed(raw, iters // 2))
+            samples["ours"].append(await timed(call_ours, iters // 2))
+        assert shared.fast_calls - before >= iters, f"{name}: the fast samples did not take the fast path"
+        med = {k: sum(x["median_ms"] for x in v) / 2 for k, v in samples.items()}
+        mean = {k: sum(x["mean_ms"] for x in v) / 2 for k, v in samples.items()}
+        out[name] = {"orchestra_median_ms": round(med["ours"], 4), "raw_ray_median_ms": round(med["raw"], 4),
+                     "fast_median_ms": round(med["fast"], 4), "orchestra_mean_ms": round(mean["ours"], 4),
+                     "raw_ray_mean_ms": round(mean["raw"], 4), "fast_mean_ms": round(mean["fast"], 4),
+                     "ratio": round(med["ours"] / med["raw"], 3), "fast_ratio": round(med["fast"] / med["raw"], 3)}
     g.shutdown()
     return out
 
@@ -100,8 +117,9 @@ async def main() -> None:
     for w in [int(x) for x in a.sizes.split(",")]:
         results[f"workers_{w}"] = await measure(w, a.iters)
     worst = max(v["ratio"] for r in results.values() for v in r.values())
-    emit({"bench": "overhead", "target_ratio": 1.15, "worst_ratio": worst, "meets_target": worst <= 1.15,
-          "results": results})
+    worst_fast = max(v["fast_ratio"] for r in results.values() for v in r.values())
+    emit({"bench": "overhead", "target_ratio": 1.15, "worst_ratio_fast": worst_fast, "worst_ratio_general": worst,
+          "meets_target": worst_fast <= 1.15, "meets_target_general": worst <= 1.15, "results": results})
 
 
 if __name__ == "__main__":
