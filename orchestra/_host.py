@@ -590,6 +590,8 @@ class Host:
         counters["rows_used"] += len(out)
         if arg.layout.kind == "balanced":  # this rank's share of the upstream rows
             where = Span(start, max(0, min(stop, n) - start), n)
+        elif arg.layout.span is not None:  # a padded shard the controller made: it says where the rows sit
+            where = arg.layout.span
         else:  # all of them: they sit where the upstream parts say (one DP replica's rows read by the same replica)
             where = _span_of(part_lists[0])
             where = where if all(_span_of(p) == where for p in part_lists[1:]) else None

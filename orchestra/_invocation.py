@@ -613,17 +613,18 @@ class Invocation:
                         for s in self.slots if s.collected]
         infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
         refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
+        fetched = await asyncio.gather(*refs) if refs else []  # on the loop: a deadline or cancel ends it at once
         _stats.add_materialized(sum(p.nbytes for p in infos))
-        if refs:  # parts in the object store (large): one fetch and the joins off the event loop
-            values = await anyio.to_thread.run_sync(self._join, per_slot, infos, refs)
-        else:  # every part rode in its reply (small): nothing to fetch, joins too small to move
+        if refs:  # parts from the object store (large): joined off the event loop (a copy of every byte)
+            values = await anyio.to_thread.run_sync(self._join, per_slot, infos, fetched)
+        else:  # every part rode in its reply (small): joins too small to move
             values = self._join(per_slot, infos, [])
         return self.collect(values) if self.collect else values
 
-    def _join(self, per_slot: list[list[Output]], infos: list[PartInfo], refs: list[Any]) -> list[Any]:
-        """Per collected slot, its value: Batch parts fetched (``refs``, in one batch; blocking) and joined into
-        fresh Batches, plain values as they came."""
-        fetched = iter(_backend.get(refs))
+    def _join(self, per_slot: list[list[Output]], infos: list[PartInfo], got: list[Any]) -> list[Any]:
+        """Per collected slot, its value: Batch parts (``got``: the fetched ones, in order) joined into fresh
+        Batches, plain values as they came."""
+        fetched = iter(got)
         by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
 
         def joined(batches: list[Batch]) -> Batch:
@@ -746,6 +747,7 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
     per_dp_readers = ({d: sum(1 for r in plan.ranks if spec.dp_of_rank[r] == d) for d in range(spec.dp_size)}
                       if spec else {})
     out = {}
+    store: dict[Span | None, tuple] = {}
     for r in plan.ranks:
         args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
         b = _ArgBuilder()
@@ -773,7 +775,9 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
         if shared[0]:
             new_kwargs[SHARED_KWARG] = True
         if spec is not None and readers:
-            new_kwargs[STORE_KWARG] = (readers, given[0] if given and all(g == given[0] for g in given) else None)
+            span = given[0] if given and all(g == given[0] for g in given) else None
+            # one object per distinct value: ranks given the same arguments (a mesh replica) still share one pickle
+            new_kwargs[STORE_KWARG] = store.setdefault(span, (readers, span))
         out[r] = (new_args, new_kwargs, b.refs)
     return out
 

@@ -136,8 +136,8 @@ def overlapping(part_rows: list[int], start: int, stop: int) -> list[tuple[int, 
 def reader_cuts(span: Span, readers: tuple[int, ...]) -> list[int]:
     """Local row offsets (0 < c < span.rows) at which rows [span.start, span.start + span.rows) of a
     ``span.total``-row sequence cross a boundary between two readers' shares, for a reader of each DP size in
-    ``readers`` (balanced shares, and the equal shares of ``shard(pad=True)``). Parts cut there are read whole by
-    every such reader: no reader fetches another's rows."""
+    ``readers`` (balanced shares, and the equal shares of ``shard(pad=True)``, whose last ones wrap around to the
+    first rows). Parts cut there are read whole by every such reader: no reader fetches another's rows."""
     lo, hi, total = span.start, span.start + span.rows, span.total
     cuts: set[int] = set()
     for d in readers:
@@ -149,7 +149,8 @@ def reader_cuts(span: Span, readers: tuple[int, ...]) -> list[int]:
             if lo < acc < hi:
                 cuts.add(acc - lo)
         per = -(-total // d)
-        for k in range(1, d):
-            if lo < k * per < hi:
-                cuts.add(k * per - lo)
+        for k in range(1, d + 1):  # padded shares past the end read the first rows again: their bounds wrap too
+            at = (k * per) % total
+            if lo < at < hi:
+                cuts.add(at - lo)
     return sorted(cuts)

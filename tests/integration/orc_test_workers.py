@@ -54,6 +54,10 @@ class Scorer(Worker):
     def padded(self, batch: Batch) -> Batch:
         return Batch.from_dict({"x2": batch["x"] * 2, "n": torch.full((len(batch),), len(batch))})
 
+    @endpoint(D.shard(pad=True))
+    def padded_echo(self, batch: Batch) -> Batch:
+        return batch
+
     @endpoint(D.shard() | D.pad())
     def padded_pipe(self, batch: Batch) -> Batch:
         return Batch.from_dict({"x2": batch["x"] * 2, "n": torch.full((len(batch),), len(batch))})

@@ -212,10 +212,10 @@ def test_parts_cut_at_reader_boundaries_are_read_whole_by_every_reader(total, re
     assert bounds == sorted(set(bounds))  # strictly increasing: no empty part
     for d in readers:
         shares = [row_range(total, Layout("balanced", i, d, pad)) for i in range(d) for pad in (False, True)]
-        for lo, hi, _ in shares:
-            hi = min(hi, total)
-            for a, b in zip(bounds, bounds[1:]):  # a part either lies inside the share or outside it
-                assert b <= lo or a >= hi or (lo <= a and b <= hi), (d, (lo, hi), (a, b))
+        for start, stop, _ in shares:
+            for lo, hi in _wanted(start, stop, total):  # a padded share past the end wraps to the first rows
+                for a, b in zip(bounds, bounds[1:]):  # a part either lies inside the rows read or outside them
+                    assert b <= lo or a >= hi or (lo <= a and b <= hi), (d, (start, stop), (lo, hi), (a, b))
 
 
 def test_part_sizes_follow_readers_when_the_rows_place_is_known():

@@ -305,6 +305,23 @@ async def test_large_outputs_are_cut_where_their_readers_start_so_each_reads_exa
     assert all(p <= 2 * 4 for p in produced) and sum(produced) < 8 * 2 * src, produced
 
 
+async def test_padded_shares_read_exactly_their_rows_and_wrapped_rows(bed):
+    """A padded controller-made shard keeps its rows' place (the controller names it), and a padded reader's last
+    share, which wraps around to the first rows, finds a cut there too: nobody reads rows it does not use."""
+    a, b, c = bed["s2"], bed["s3"], bed["s4"]
+    n = 1001  # 8 KiB a row; 3 and 2 do not divide it: pad=True shares of 334 and 501 wrap 1 row to the start
+    big = Batch.from_dict({"x": torch.arange(n), "w": torch.ones(n, 2048)})
+    for g in (a, b, c):
+        await g.reset_stats()
+    up = a.padded_echo(big)  # padded controller-made shards
+    mid = b.padded_echo(up)  # padded readers of a forwarded future
+    out = await c.echo(mid)
+    assert torch.equal(out["x"], torch.arange(n))
+    for g, name in ((b, "padded_echo"), (c, "echo")):
+        st = [s[name] for s in await g.stats()]
+        assert [s["rows_in"] for s in st] == [s["rows_used"] for s in st], (g.name, st)
+
+
 async def test_mesh_stream_from_a_different_rank_count_waits_and_sends_once(bed):
     g = bed["mesh4"]
     await g.reset_stats()
