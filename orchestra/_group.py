@@ -175,12 +175,15 @@ class _Shared:
     @staticmethod
     def reader_sizes() -> tuple[int, ...]:
         """The DP sizes a shard call's output may be read at: every open group's rank count and the DP size of
-        each mesh it has looked up (a producer cuts its output's parts where such readers' shares start or end)."""
+        each mesh its workers registered at start or it has looked up since (a producer cuts its output's parts
+        where such readers' shares start or end)."""
         sizes = set()
         for g in list(_runtime._groups):
             if g.closed is None and g.hosts:
                 sizes.add(len(g.hosts))
                 sizes.update(ms[0].dp_size for ms in list(g.meshes.values()) if ms)
+                if g.info:  # meshes a worker registered in its __init__, before any call looked them up
+                    sizes.update(m["dp_size"] for role in g.info[0].get("meshes", {}).values() for m in role.values())
         return tuple(sorted(sizes))
 
     def may_use_fast_path(self) -> bool:

@@ -305,6 +305,20 @@ async def test_large_outputs_are_cut_where_their_readers_start_so_each_reads_exa
     assert all(p <= 2 * 4 for p in produced) and sum(produced) < 8 * 2 * src, produced
 
 
+class _FiveReplicas(orc.Worker):
+    """DP=5 x TP=2 on 10 ranks: a DP size that no group of the module has as its rank count."""
+
+    def __init__(self) -> None:
+        self.register_mesh("actor", dp_rank=self.rank // 2, dp_size=5, is_collector=self.rank % 2 == 0)
+
+
+async def test_reader_sizes_know_meshes_registered_at_start_before_any_call(bed):
+    async with WorkerGroup(pool(10), _FiveReplicas, group_name="five") as g:
+        await g.ready()
+        assert {2, 3, 4, 5, 10} <= set(bed["s2"]._shared.reader_sizes())  # the mesh was never looked up
+    assert 5 not in bed["s2"]._shared.reader_sizes()  # a closed group's readers are gone
+
+
 async def test_padded_shares_read_exactly_their_rows_and_wrapped_rows(bed):
     """A padded controller-made shard keeps its rows' place (the controller names it), and a padded reader's last
     share, which wraps around to the first rows, finds a cut there too: nobody reads rows it does not use."""
