@@ -171,7 +171,7 @@ class _Shared:
         self._watches = []
         self._wrap_watches(loop)
 
-    # -- the fast path (orchestra._channel) ----------------------------------------------------------------------
+    # -- who may read a shard call's output (Host._store cuts its parts for them) ---------------------------------
     @staticmethod
     def reader_sizes() -> tuple[int, ...]:
         """The DP sizes a shard call's output may be read at: every open group's rank count and the DP size of
@@ -186,6 +186,7 @@ class _Shared:
                     sizes.update(m["dp_size"] for role in g.info[0].get("meshes", {}).values() for m in role.values())
         return tuple(sorted(sizes))
 
+    # -- the fast path (orchestra._channel) ----------------------------------------------------------------------
     def may_use_fast_path(self) -> bool:
         """Whether this group's calls may take a fast-path channel: on by default (``ORCHESTRA_FAST_PATH=0``
         turns it off), Ray ranks all on the controller's node, raw handles never taken, no rank dead."""
