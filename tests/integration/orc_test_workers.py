@@ -129,11 +129,11 @@ class Scorer(Worker):
 
     @endpoint(D.broadcast())
     def fail_on(self, rank: int, seq: Sequencer, positions: list[list[int]]) -> int:
-        """Rank ``rank`` raises at once; every other rank first passes its Sequencer ``positions[rank]`` (so it is
-        still running until the caller lets it through)."""
+        """Every rank passes its Sequencer ``positions[rank]``; then rank ``rank`` raises, and the others return
+        (so a rank is still running until the caller lets it through its positions)."""
+        _pass(seq, positions[self.rank])
         if self.rank == rank:
             raise ValueError(f"boom on {self.rank}")
-        _pass(seq, positions[self.rank])
         return self.rank
 
     @endpoint(D.broadcast())

@@ -182,11 +182,14 @@ async def test_colocated_roles_share_processes():
 async def test_worker_error_names_location_and_fails_fast(bed, seq):
     g3 = bed["s3"]
     with pytest.raises(orc.WorkerError) as info:
-        await g3.fail_on(1, seq, [[1], [], [2]])  # ranks 0 and 2 wait for position 0, which the test holds
-    # did not wait for the other ranks: they are let through only now, and pass positions 1 and 2 before 3
-    async with seq(0):
-        pass
+        # ranks 0 and 2 run (positions 0, 1) before rank 1 fails (position 2); then they wait for position 3,
+        # which the test holds: the error must come while they still run
+        await g3.fail_on(1, seq, [[0, 4], [2], [1, 5]])
+    # did not wait for the other ranks: they are let through only now (their cancel is cooperative, and
+    # `fail_on` does not look at it), passing positions 4 and 5 before 6
     async with seq(3):
+        pass
+    async with seq(6):
         pass
     e = info.value
     assert type(e) is orc.WorkerError
