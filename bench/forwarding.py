@@ -1,6 +1,6 @@
 """Worker-to-worker forwarding: group A echo -> group B echo through a forwarded DataFuture, vs a naive raw Ray chain.
 
-    python -m bench.forwarding [--sizes 64,256] [--unaligned 100] [--iters 5] [--warmup 2]
+    python -m bench.forwarding [--sizes 64,256] [--unaligned 100] [--samples 4] [--iters 5] [--warmup 2]
 
 For each direction (4 -> 2 and 2 -> 4 ranks) and size, the input is made on the producer's workers (so the controller
 never holds payload), then the timed chain is ``up = A.echo(src); down = B.echo(up); await down.wait()`` — nothing
@@ -15,6 +15,11 @@ a naive chain (verl's DataProtoFuture) does. Targets: fetched/shard <= 1.25; con
 A reader fetches whole parts (a producer stores its rows as parts of at most ORCHESTRA_PART_BYTES, 8 MiB), so a rank
 whose rows start or end inside a part fetches the rest of that part too. At 64 and 256 MiB, 4 <-> 2, every part
 boundary falls on a consumer boundary; the ``--unaligned`` sizes (default 100 MiB) show a case where they do not.
+
+``--samples n`` (default 4; 0 skips it) adds the rollout shape at the first size: the producer's input is a batch of
+prompts on the controller (split by the call; the raw chain puts the same chunks each time), and it returns each of
+its rows ``n`` times (``rollout``: n samples a prompt), so its output has n times the rows of its input
+(``results_samples``; the raw chain's producer repeats its rows the same way).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import gc
 import statistics
 import time
 
+import ray
 import torch
 
 import orchestra as orc
@@ -48,6 +54,14 @@ class Stage(Worker):
     def echo(self, batch: Batch) -> Batch:
         return batch
 
+    @endpoint(D.shard())
+    def rollout(self, batch: Batch, n: int) -> Batch:
+        return batch.repeat(n)
+
+    @endpoint(D.broadcast())
+    def raw_rollout(self, n: int, *parts: Batch) -> tuple[Batch]:
+        return (Batch.concat(parts).repeat(n),)
+
     @endpoint(D.broadcast())
     def raw_echo(self, *parts: Batch) -> tuple[Batch]:
         # Raw baseline, called directly on the actor handle: Ray resolves the refs; the 1-tuple makes the host hand
@@ -66,8 +80,9 @@ def _ms(samples: list[float]) -> dict[str, float]:
     return {"median_ms": round(statistics.median(s), 1), "min_ms": round(s[0], 1), "max_ms": round(s[-1], 1)}
 
 
-async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warmup: int) -> dict:
-    rows_per_rank = max(1, (mib << 20) // (WIDTH * 4 + 8) // prod.world_size)
+async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warmup: int, samples: int = 0) -> dict:
+    """``samples``: the producer returns each input row that many times (0: echo); ``mib`` is its output's size."""
+    rows_per_rank = max(1, (mib << 20) // (WIDTH * 4 + 8) // prod.world_size // max(1, samples))
     src = prod.make(rows_per_rank)
     await src.wait()
     src_outs = await src.outputs()
@@ -75,15 +90,23 @@ async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warm
     n_rows = sum(p.rows for outs in src_outs for o in outs for p in o.parts)
     n_bytes = sum(p.nbytes for outs in src_outs for o in outs for p in o.parts)
     bpr = n_bytes / n_rows
-    raw_p, raw_c = method_name(0, "raw_echo"), method_name(0, "raw_consume")
+    raw_p, raw_c = method_name(0, "raw_rollout" if samples else "raw_echo"), method_name(0, "raw_consume")
+    raw_first = (samples,) if samples else ()
+    prompts = None
+    if samples:  # a rollout's input is the controller's batch of prompts, split by the call (the pipelines' shape)
+        prompts = Batch.from_dict({"x": torch.randn(n_rows, WIDTH), "idx": torch.arange(n_rows)})
 
     async def ours() -> None:
-        up = prod.echo(src)
+        up = prod.rollout(prompts, samples) if samples else prod.echo(src)
         down = cons.echo(up)
         await down.wait()
 
     async def raw() -> None:
-        up = [getattr(a, raw_p).remote(*refs) for a, refs in zip(prod.actors, src_refs)]
+        if samples:  # the same split and put per call, then each producer repeats its rows
+            refs_now = [[ray.put(c)] for c in prompts.chunk(prod.world_size)]
+        else:
+            refs_now = src_refs
+        up = [getattr(a, raw_p).remote(*raw_first, *refs) for a, refs in zip(prod.actors, refs_now)]
         await asyncio.gather(*[getattr(a, raw_c).remote(j, cons.world_size, *up) for j, a in enumerate(cons.actors)])
 
     for _ in range(warmup):
@@ -113,7 +136,7 @@ async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warm
     cs = orc.controller_stats()
     ours_ms, raw_ms = _ms(t_ours), _ms(t_raw)
     return {
-        "bytes": n_bytes, "rows": n_rows,
+        "bytes": n_bytes * max(1, samples), "rows": n_rows * max(1, samples),
         "orchestra": {**ours_ms, "MB_per_s": round(n_bytes / 1e3 / ours_ms["median_ms"], 1)},
         "raw_ray_naive": {**raw_ms, "MB_per_s": round(n_bytes / 1e3 / raw_ms["median_ms"], 1)},
         "ratio_vs_raw_ray_naive": round(ours_ms["median_ms"] / raw_ms["median_ms"], 3),
@@ -130,6 +153,7 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--sizes", default="64,256", help="batch sizes in MiB")
     p.add_argument("--unaligned", default="100", help="extra sizes in MiB, reported apart from the targets")
+    p.add_argument("--samples", type=int, default=4, help="rows a producer returns per input row (0: skip)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args()
@@ -151,6 +175,12 @@ async def main() -> None:
             for prod, cons in ((g4, g2), (g2, g4)):
                 key = f"{mib}MiB_{prod.world_size}to{cons.world_size}"
                 into[key] = await chain(prod, cons, mib, a.iters, a.warmup)
+    samples: dict = {}
+    first = [int(x) for x in a.sizes.split(",") if x][:1]
+    for mib in first if a.samples > 0 else []:
+        for prod, cons in ((g4, g2), (g2, g4)):
+            key = f"{mib}MiB_{prod.world_size}to{cons.world_size}_samples{a.samples}"
+            samples[key] = await chain(prod, cons, mib, a.iters, a.warmup, a.samples)
     g4.shutdown()
     g2.shutdown()
     worst_fetch = max(max(r["fetched_over_shard_per_rank"]) for r in results.values())
@@ -168,6 +198,9 @@ async def main() -> None:
         "worst_fetched_over_shard_unaligned": max((max(r["fetched_over_shard_per_rank"]) for r in unaligned.values()),
                                                   default=None),
         "results_unaligned": unaligned,
+        "worst_fetched_over_shard_samples": max((max(r["fetched_over_shard_per_rank"]) for r in samples.values()),
+                                                default=None),
+        "results_samples": samples,
     })
 
 

@@ -657,8 +657,11 @@ class Host:
         if pad:  # one row per input row (checked in _call): the last ``pad`` rows are the padding's
             result = result.slice(0, len(result) - pad)
         n, nbytes = len(result), result.nbytes
-        if span is not None and span.rows != n:  # rows added or dropped: no longer where the input's were
-            span = None
+        if span is not None and span.rows != n:
+            # n rows per input row (a rollout of n samples a prompt): at n times the input's place, if every rank of
+            # the call returns n per row (a rank cannot know; a wrong guess costs readers extra parts, not rows)
+            k = n // span.rows if span.rows and n % span.rows == 0 else 0
+            span = Span(span.start * k, n, span.total * k) if k else None
         sizes = _part_sizes(n, nbytes, span, readers)
         parts, offset = [], 0
         for piece in (result.split(sizes) if len(sizes) > 1 else [result]):

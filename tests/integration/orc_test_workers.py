@@ -58,6 +58,16 @@ class Scorer(Worker):
     def padded_echo(self, batch: Batch) -> Batch:
         return batch
 
+    @endpoint(D.shard())
+    def samples(self, batch: Batch, n: int) -> Batch:
+        """Each row ``n`` times, side by side (as a rollout of ``n`` samples a prompt returns them)."""
+        return batch.repeat(n)
+
+    @endpoint(D.shard())
+    def uneven_samples(self, batch: Batch) -> Batch:
+        """Odd ranks return each row twice, even ranks once: the ranks disagree on how many rows a row makes."""
+        return batch.repeat(1 + self.rank % 2)
+
     @endpoint(D.shard() | D.pad())
     def padded_pipe(self, batch: Batch) -> Batch:
         return Batch.from_dict({"x2": batch["x"] * 2, "n": torch.full((len(batch),), len(batch))})

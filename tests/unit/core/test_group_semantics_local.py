@@ -27,6 +27,7 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
+from orchestra._batch import balanced_sizes
 from orchestra.testing import Sequencer, kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
@@ -306,6 +307,36 @@ async def test_large_outputs_are_cut_where_their_readers_start_so_each_reads_exa
     produced = [s["echo"]["parts_out"] for s in await a.stats()]
     # cut only where a reader of 2, 3 or 4 ranks starts (at most 3 cuts per share here), not into 8 parts each
     assert all(p <= 2 * 4 for p in produced) and sum(produced) < 8 * 2 * src, produced
+
+
+@pytest.mark.parametrize("src,dst", [(2, 4), (4, 3), (3, 2)])
+async def test_outputs_of_n_rows_per_input_row_are_cut_where_their_readers_start(bed, src, dst):
+    """A result of ``n`` rows per input row (a rollout of n samples a prompt) sits at n times its input's place, if
+    every rank returns n per row: it is cut where its readers start, and each reader reads exactly its rows."""
+    a, b = bed[f"s{src}"], bed[f"s{dst}"]
+    prompts = 12  # 4 samples each; 8 KiB a row: every rank's output is over INLINE_BYTES (64 KiB)
+    batch = Batch.from_dict({"x": torch.arange(prompts), "w": torch.ones(prompts, 2048)})
+    await a.reset_stats()
+    await b.reset_stats()
+    out = await b.plus_one(a.samples(batch, 4))
+    assert torch.equal(out["y"], torch.arange(prompts).repeat_interleave(4) + 1)
+    st = [s["plus_one"] for s in await b.stats()]
+    assert [s["rows_in"] for s in st] == [s["rows_used"] for s in st], st
+    produced = [s["samples"]["parts_out"] for s in await a.stats()]
+    assert all(p <= 4 for p in produced), produced  # cut at readers' starts only, not into 8 parts each
+
+
+@pytest.mark.parametrize("src,dst", [(2, 3), (4, 3), (3, 4)])
+async def test_ranks_that_disagree_on_rows_per_input_row_still_give_readers_the_right_rows(bed, src, dst):
+    """Each rank guesses its output's place from its own rows; when the ranks disagree the guesses are wrong, which
+    may cost readers extra parts, never wrong or missing rows."""
+    a, b = bed[f"s{src}"], bed[f"s{dst}"]
+    n = 40
+    batch = Batch.from_dict({"x": torch.arange(n), "w": torch.ones(n, 2048)})
+    out = await b.plus_one(a.uneven_samples(batch))
+    shares = batch["x"].split(balanced_sizes(n, src))
+    want = torch.cat([s.repeat_interleave(1 + r % 2) for r, s in enumerate(shares)]) + 1
+    assert torch.equal(out["y"], want)
 
 
 class _FiveReplicas(orc.Worker):
