@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_testutils import (Payload, engine_snapshot, load_error_worker, payload_worker, save_then_load_worker,
-                            save_worker)
+from ckpt_testutils import Payload, engine_snapshot, load_error_worker, payload_worker, save_then_load_worker
 from engines_testutils import VOCAB, make_batch, model_factory, token_mean_loss
 
 from engines._dist import spawn
@@ -46,11 +45,18 @@ def _trained_engine(seed: int = 0, steps: int = 2) -> FSDPEngine:
 
 
 @pytest.fixture(scope="module")
-def two_rank_saved(tmp_path_factory) -> Path:
-    """One 2-rank checkpoint (``save_worker``), saved once for the module; tests copy it before changing it."""
+def two_rank_round_trip(tmp_path_factory) -> tuple[list[dict], Path]:
+    """One 2-rank ``save_then_load_worker`` run for the module (a spawn costs a fresh torch process per rank): each
+    rank's results, and the 2-rank checkpoint it saved (after two steps). Tests copy the checkpoint before changing
+    it."""
     ckpt = tmp_path_factory.mktemp("two_rank") / "ckpt"
-    spawn(save_worker, 2, CFG, str(ckpt))
-    return ckpt
+    return spawn(save_then_load_worker, 2, CFG, str(ckpt)), ckpt
+
+
+@pytest.fixture(scope="module")
+def two_rank_saved(two_rank_round_trip) -> Path:
+    """The module's 2-rank checkpoint (never changed: tests take ``two_rank_ckpt``, a copy, to change it)."""
+    return two_rank_round_trip[1]
 
 
 @pytest.fixture
@@ -89,9 +95,14 @@ def test_loading_under_another_lr_schedule_says_which_fields_differ(tmp_path, ca
     assert "schedule_start: 0 -> 3" in msg and f"warmup_steps: {CFG.warmup_steps} -> {CFG.warmup_steps + 1}" in msg
 
 
-def _schedule_log_worker(rank: int, world: int, ckpt_dir: str, cfg: EngineConfig) -> list:
-    """Load ``ckpt_dir`` under ``cfg``; return this rank's "learning-rate schedule" records as (level, message)."""
+def _load_worker(rank: int, world: int, ckpt_dir: str, other: EngineConfig) -> dict:
+    """Load ``ckpt_dir`` into a fresh engine under ``CFG`` and snapshot it; then load it into another fresh engine
+    under ``other`` and keep this rank's "learning-rate schedule" records of that load as (level, message)."""
     import logging
+
+    eng = FSDPEngine(model_factory(4), CFG)
+    eng.load(ckpt_dir)
+    snapshot = engine_snapshot(eng)
 
     records: list = []
 
@@ -103,20 +114,33 @@ def _schedule_log_worker(rank: int, world: int, ckpt_dir: str, cfg: EngineConfig
     logger = logging.getLogger("orchestra")
     logger.setLevel(logging.DEBUG)
     logger.addHandler(Keep())
-    FSDPEngine(model_factory(4), cfg).load(ckpt_dir)
-    return records
+    FSDPEngine(model_factory(4), other).load(ckpt_dir)
+    return {"snapshot": snapshot, "schedule_records": records}
+
+
+@pytest.fixture(scope="module")
+def one_rank_into_two(tmp_path_factory) -> tuple[dict, list[dict]]:
+    """A 1-rank checkpoint saved here (one step), loaded by both ranks of one 2-rank spawn (``_load_worker``, once
+    for the module: a spawn costs a fresh torch process per rank): the saved engine's snapshot, and each rank's
+    snapshot after loading under ``CFG`` and its schedule records after loading under ``CFG`` with one more warmup
+    step."""
+    import dataclasses
+
+    ckpt = tmp_path_factory.mktemp("one_rank") / "ckpt"
+    saved = _trained_engine(0, steps=1)
+    saved.save(ckpt)
+    other = dataclasses.replace(CFG, warmup_steps=CFG.warmup_steps + 1)
+    return engine_snapshot(saved), spawn(_load_worker, 2, str(ckpt), other)
 
 
 @pytest.mark.slow  # spawns fresh processes (each imports torch)
-def test_a_two_rank_load_under_another_lr_schedule_warns_once(tmp_path):
+def test_a_two_rank_load_under_another_lr_schedule_warns_once(one_rank_into_two):
     """Both ranks find the same difference; rank 0 warns and rank 1 says it at DEBUG only, so a group's load
     gives one warning, not one per rank."""
-    import dataclasses
     import logging
 
-    _trained_engine(0).save(tmp_path / "ckpt")
-    other = dataclasses.replace(CFG, warmup_steps=CFG.warmup_steps + 1)
-    r0, r1 = spawn(_schedule_log_worker, 2, str(tmp_path / "ckpt"), other)
+    _, res = one_rank_into_two
+    r0, r1 = (r["schedule_records"] for r in res)
     assert [level for level, _ in r0] == [logging.WARNING] and [level for level, _ in r1] == [logging.DEBUG]
     assert r0[0][1] == r1[0][1] and f"warmup_steps: {CFG.warmup_steps} -> {CFG.warmup_steps + 1}" in r0[0][1]
 
@@ -159,36 +183,28 @@ def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
 
 
 @pytest.mark.slow  # spawns fresh processes (each imports torch)
-def test_two_rank_round_trip_and_reshard_to_one_rank(tmp_path):
-    res = spawn(save_then_load_worker, 2, CFG, str(tmp_path / "ckpt"))
+def test_two_rank_round_trip_and_reshard_to_one_rank(two_rank_round_trip):
+    res, ckpt = two_rank_round_trip
     for r in res:  # every rank restored the same full state
         _assert_snapshots_equal(r["saved"], r["loaded"])
         ma, mb = r["metrics"]
         assert ma == mb
         for k, v in r["after"][0].items():
             assert torch.equal(v, r["after"][1][k]), k
-    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    index = json.loads((ckpt / "index.json").read_text())
     shards = index["tensors"]["model/model.embed_tokens.weight"]["shards"]
     assert [(s["rank"], s["offset"], s["shape"]) for s in shards] == [(0, [0, 0], [32, 64]), (1, [32, 0], [32, 64])]
     # the 2-rank checkpoint loads into a 1-rank engine (this process): every shard lands in place
     one = FSDPEngine(model_factory(5), CFG)
-    one.load(tmp_path / "ckpt")
+    one.load(ckpt)
     _assert_snapshots_equal(res[0]["saved"], engine_snapshot(one))
 
 
 @pytest.mark.slow  # spawns fresh processes (each imports torch)
-def test_one_rank_checkpoint_loads_into_two_ranks(tmp_path):
-    saved = _trained_engine(0, steps=1)
-    saved.save(tmp_path / "ckpt")
-    res = spawn(_load_worker, 2, str(tmp_path / "ckpt"))
+def test_one_rank_checkpoint_loads_into_two_ranks(one_rank_into_two):
+    saved, res = one_rank_into_two
     for r in res:
-        _assert_snapshots_equal(engine_snapshot(saved), r)
-
-
-def _load_worker(rank: int, world: int, ckpt_dir: str) -> dict:
-    eng = FSDPEngine(model_factory(4), CFG)
-    eng.load(ckpt_dir)
-    return engine_snapshot(eng)
+        _assert_snapshots_equal(saved, r["snapshot"])
 
 
 @pytest.mark.slow  # spawns fresh processes (each imports torch)
