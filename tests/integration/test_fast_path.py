@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import textwrap
 
 import anyio
 import pytest
@@ -195,6 +198,46 @@ async def test_a_rank_that_dies_fails_the_fast_call_with_worker_died():
             with anyio.fail_after(60):  # bounds a broken build only
                 await fut
         assert e.value.group == "dies" and e.value.rank == 1
+
+
+async def test_a_rank_that_dies_releases_the_other_ranks_loops():
+    """The survivors' loops return (their compute lanes free for Ray calls again) without waiting for the group to
+    close."""
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder,
+                           group_name="dies2") as g2:
+        await _open(g2)
+        ch = g2._shared.channel
+        await kill_rank(g2, 1)
+        with anyio.fail_after(60):  # bounds a broken build only: rank 0 would wait in its loop until the group closes
+            served = await ch._serves[0]
+        assert served >= 1 and not ch.open
+
+
+_LEFT_OPEN = textwrap.dedent("""
+    import os, sys, anyio
+    import orchestra as orc
+    sys.path.insert(0, {tests!r})
+    from fast_path_workers import Recorder
+
+    async def main():
+        orc.init(num_cpus=2)
+        g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01), Recorder)
+        for _ in range({calls}):
+            await g.note("x")
+        ch = g._shared.channel
+        print("DIR", ch._dir, ch.open and os.path.isdir(ch._dir), flush=True)
+
+    anyio.run(main)  # ends with the group and its channel open, and no orc.shutdown()
+""")
+
+
+def test_a_channel_left_open_at_exit_leaves_no_socket_dir():
+    code = _LEFT_OPEN.format(tests=os.path.dirname(__file__), calls=AFTER + 1)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("DIR "))
+    _, path, was_open = line.split()
+    assert was_open == "True" and not os.path.exists(path), (line, out.stderr[-2000:])
 
 
 def test_a_second_event_loop_releases_the_channel_and_calls_still_work():
