@@ -12,13 +12,23 @@ each rank returns a dict of two floats, collected into a list) — a training lo
 interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the controller's CPU ms per call (all
 its threads). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
 Target (issue "core speed"): the fast step on 4 ranks <= 0.5 ms median, >= 3x faster than verl (~raw sync).
+
+``*_socket_floor``: the same calls made the least a controller on an asyncio loop can do them — N plain processes
+(``multiprocessing``), one Unix socket each, one pickled frame each way per rank, the step's own work on the rank, and
+nothing else (no validation, stats, call order, cancellation, deadlines or errors). On a machine with fewer cores
+than ranks + 1 this floor is set by scheduling (every call wakes N + 1 processes); ``*_fast_over_socket_floor_ms``
+is what the fast path adds to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
+import pickle
+import socket
 import statistics
+import struct
 import time
 
 import ray
@@ -27,6 +37,7 @@ import torch
 import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
+from orchestra._batch import balanced_sizes
 
 from ._common import emit
 
@@ -47,6 +58,82 @@ class Stepper(Worker):
     @endpoint(D.broadcast())
     def read(self, b: Batch) -> int:
         return len(b)
+
+
+_LEN = struct.Struct("!I")
+
+
+def _floor_rank(sock: socket.socket) -> None:
+    """One rank of the floor: read a frame, run the step's work on it, write the reply; until the socket ends."""
+    import torch as _torch
+
+    while True:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return
+        body = sock.recv(_LEN.unpack(head)[0], socket.MSG_WAITALL)
+        arr = pickle.loads(body)
+        if arr is None:
+            out = pickle.dumps(None)
+        else:
+            x = _torch.from_numpy(arr)
+            out = pickle.dumps({"loss": float(x.float().mean()), "rows": float(len(x))})
+        sock.sendall(_LEN.pack(len(out)) + out)
+
+
+class _Floor:
+    """The least a controller on an asyncio loop can do for one call to N processes over Unix sockets: one
+    pickled frame each way per rank and the step's own work; no validation, stats, ordering, cancellation,
+    deadlines or errors. What the fast path's per-call overhead is measured against."""
+
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        pairs = [socket.socketpair() for _ in range(n)]
+        self.procs = [ctx.Process(target=_floor_rank, args=(b,), daemon=True) for _, b in pairs]
+        for p in self.procs:
+            p.start()
+        for _, b in pairs:
+            b.close()
+        self.socks = [a for a, _ in pairs]
+        self.loop = asyncio.get_running_loop()
+        self.bufs = [bytearray() for _ in range(n)]
+        self.waiting: list[asyncio.Future | None] = [None] * n
+        for i, sk in enumerate(self.socks):
+            sk.setblocking(False)
+            self.loop.add_reader(sk.fileno(), self._read, i)
+
+    def _read(self, i: int) -> None:
+        buf = self.bufs[i]
+        buf += self.socks[i].recv(1 << 16)
+        while len(buf) >= 4:
+            (k,) = _LEN.unpack_from(buf)
+            if len(buf) < 4 + k:
+                break
+            value = pickle.loads(bytes(buf[4:4 + k]))
+            del buf[:4 + k]
+            self.waiting[i].set_result(value)
+
+    async def call(self, payloads: list) -> list:
+        futs = []
+        for i, arr in enumerate(payloads):
+            f = self.waiting[i] = self.loop.create_future()
+            frame = pickle.dumps(arr, protocol=pickle.HIGHEST_PROTOCOL)
+            self.socks[i].send(_LEN.pack(len(frame)) + frame)
+            futs.append(f)
+        return await asyncio.gather(*futs)
+
+    async def noop(self) -> list:
+        return await self.call([None] * len(self.socks))
+
+    async def step(self, batch: Batch) -> list:
+        return await self.call([t.numpy() for t in torch.split(batch["x"], balanced_sizes(len(batch), len(self.socks)))])
+
+    def close(self) -> None:
+        for sk in self.socks:
+            self.loop.remove_reader(sk.fileno())
+            sk.close()
+        for p in self.procs:
+            p.join(timeout=30)
 
 
 async def _sample(fn, iters: int, is_async: bool, wall: list[float], cpu: list[float]) -> None:
@@ -73,6 +160,10 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             await fast.step(batch)
             await general.step(batch)
         assert fast._shared.channel is not None and general._shared.channel is None
+        floor = _Floor(n)
+        for _ in range(10):
+            assert (await floor.step(batch)) == [{"loss": float(s["x"].float().mean()), "rows": float(len(s))}
+                                                 for s in shards]
 
         cases = {
             "noop_fast": (lambda: fast.noop(), True),
@@ -81,6 +172,8 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             "step_fast": (lambda: fast.step(batch), True),
             "step_general": (lambda: general.step(batch), True),
             "step_raw_sync": (lambda: ray.get([a.noop.remote(s) for a, s in zip(actors, shards)]), False),
+            "noop_socket_floor": (lambda: floor.noop(), True),
+            "step_socket_floor": (lambda: floor.step(batch), True),
         }
         wall: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
@@ -89,6 +182,7 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             for k, (fn, is_async) in cases.items():
                 await _sample(fn, iters, is_async, wall[k], cpu[k])
         fast_calls = fast._shared.fast_calls - calls_before
+        floor.close()
 
         opens = []
         for _ in range(20):
@@ -108,6 +202,7 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
     for c in ("noop", "step"):
         out[f"{c}_fast_vs_raw_sync"] = round(out[f"{c}_raw_sync_ms"] / out[f"{c}_fast_ms"], 2)
         out[f"{c}_fast_vs_general"] = round(out[f"{c}_general_ms"] / out[f"{c}_fast_ms"], 2)
+        out[f"{c}_fast_over_socket_floor_ms"] = round(out[f"{c}_fast_ms"] - out[f"{c}_socket_floor_ms"], 4)
     out["open_ms"] = round(statistics.median(opens), 3)
     return out
 
