@@ -89,9 +89,7 @@ async def measure(n: int, iters: int) -> dict:
             await g.noop_shard(batch)
 
         def fast_path(on: bool) -> None:
-            shared.fast_path_off = not on
-            if not on:
-                shared.before_ray_compute()  # the ranks' loops return before any raw call reaches their lanes
+            g.fast_path = on  # off: the ranks' loops return before any raw call reaches their lanes
 
         async def noop_fast() -> None:
             await g.noop()

@@ -404,11 +404,25 @@ class WorkerGroup:
     @property
     def actors(self) -> list[Any]:
         """The Ray actor handles, one per rank (after ``ready()``). Taking them turns the group's fast path off
-        for good: a direct call on a handle's compute lane would otherwise wait behind the fast path's loop."""
+        (``fast_path``): a direct call on a handle's compute lane would otherwise wait behind the fast path's loop."""
+        self.fast_path = False
+        return list(self._shared.hosts)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether this group's repeated small calls may take the fast path (``orchestra._channel``; on by default,
+        where the backend and placement allow it). Set it to False to send every call through Ray: an open
+        channel is released first, after the calls already written. The setting is the group's (colocated roles
+        share it). Taking ``actors`` sets it to False; set it back to True only while you make no compute-lane
+        call on those handles yourself (such a call would wait until the group's next call that needs Ray)."""
+        return not self._shared.fast_path_off
+
+    @fast_path.setter
+    def fast_path(self, on: bool) -> None:
         shared = self._shared
-        shared.fast_path_off = True
-        shared.before_ray_compute()
-        return list(shared.hosts)
+        shared.fast_path_off = not on
+        if not on:
+            shared.before_ray_compute()  # the ranks' loops return before anything else reaches their lanes
 
     @property
     def closed(self) -> bool:

@@ -23,7 +23,7 @@ async def group(scorers):
     _replies.MIN_BATCH = 2
     # every call goes through Ray here: the fast path (orchestra._channel) would carry repeated small calls over its
     # own sockets, whose replies are not Ray refs and never reach the batching under test
-    fast_path_off, g._shared.fast_path_off = g._shared.fast_path_off, True
+    fast_path, g.fast_path = g.fast_path, False
 
     def counted(loop, pairs):
         BATCHES.append(len(pairs))
@@ -35,7 +35,7 @@ async def group(scorers):
         yield g
     finally:
         _replies.MIN_BATCH, _replies._batch = min_batch, batch
-        g._shared.fast_path_off = fast_path_off
+        g.fast_path = fast_path
 
 
 async def test_every_rank_gets_its_own_reply_in_order(group):

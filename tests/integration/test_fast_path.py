@@ -175,8 +175,21 @@ async def test_taking_the_raw_handles_turns_the_fast_path_off(g):
     assert ray.get([a.noop.remote() for a in actors]) == [None, None]  # the compute lane is free
     for i in range(AFTER + 2):
         await g.note(f"slow{i}")
-    assert g._shared.channel is None
-    g._shared.fast_path_off = False  # for the next tests of this module
+    assert g._shared.channel is None and g.fast_path is False
+    g.fast_path = True  # for the next tests of this module
+
+
+async def test_the_switch_sends_every_call_through_ray_and_back(g):
+    await _open(g)
+    g.fast_path = False
+    assert g._shared.channel is None  # released at once
+    before = g._shared.fast_calls
+    for i in range(AFTER + 2):
+        assert await g.note(f"ray{i}") == [(0, f"ray{i}"), (1, f"ray{i}")]
+    assert g._shared.channel is None and g._shared.fast_calls == before
+    g.fast_path = True
+    await _open(g)
+    assert g._shared.fast_calls > before
 
 
 async def test_the_switch_turns_it_off(monkeypatch):
