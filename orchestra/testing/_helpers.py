@@ -20,6 +20,7 @@ import anyio
 import ray
 
 from .. import _backend
+from ._sequencer_state import SequencerState as _SequencerState
 from .._errors import WorkerDiedError
 from .._group import WorkerGroup
 from .._worker import Worker, endpoint, endpoints_of
@@ -33,56 +34,6 @@ log = logging.getLogger("orchestra")
 # ------------------------------------------------------------------------------------------------------ Sequencer
 class SequencerError(RuntimeError):
     """A sequencer position could not be entered: it timed out, was entered twice, or an earlier position failed."""
-
-
-class _SequencerState:
-    """The Ray actor behind a Sequencer: the next position to run, and why the sequence broke (if it did)."""
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.entered: set[int] = set()
-        self.broken: str | None = None
-        self.cond: asyncio.Condition | None = None
-
-    def _cond(self) -> asyncio.Condition:
-        if self.cond is None:  # made on the actor's event loop, on first use
-            self.cond = asyncio.Condition()
-        return self.cond
-
-    async def enter(self, pos: int, timeout: float) -> tuple[str, str]:
-        """Wait until every position before ``pos`` has exited; ("ok", "") or ("error", why)."""
-        cond = self._cond()
-        async with cond:
-            if pos in self.entered:
-                return "error", f"position {pos} was entered twice; each position is used once"
-            self.entered.add(pos)
-            try:
-                await asyncio.wait_for(cond.wait_for(lambda: self.broken is not None or self.next == pos), timeout)
-            except asyncio.TimeoutError:
-                return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
-                                 f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} "
-                                 f"never run or never exit?")
-            if self.broken is not None:
-                return "error", f"the sequence is broken: {self.broken}"
-            return "ok", ""
-
-    async def exit(self, pos: int, error: str | None) -> tuple[str, str]:
-        """Leave ``pos`` (the current position): the next one may enter, or, on ``error``, every waiter fails."""
-        cond = self._cond()
-        async with cond:
-            if self.broken is not None:
-                return "error", f"the sequence is broken: {self.broken}"
-            if pos != self.next:
-                return "error", f"position {pos} exited while the sequence is at position {self.next}"
-            if error is not None:
-                self.broken = f"position {pos} raised {error}"
-            else:
-                self.next += 1
-            cond.notify_all()
-            return "ok", ""
-
-    def position(self) -> int:
-        return self.next
 
 
 class _ThreadSequencerState:

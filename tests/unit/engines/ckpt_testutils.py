@@ -44,15 +44,6 @@ def save_then_load_worker(rank: int, world: int, cfg: EngineConfig, ckpt_dir: st
     return {"saved": snap_a, "loaded": snap_b, "metrics": (ma, mb), "after": (after_a["model"], after_b["model"])}
 
 
-def save_worker(rank: int, world: int, cfg: EngineConfig, ckpt_dir: str) -> dict[str, object]:
-    """Train one step and save; returns the snapshot that was saved."""
-    batch = local_rows(make_batch(B=6, seed=11), rank, world)
-    a = FSDPEngine(model_factory(0), cfg)
-    a.train_step(batch, token_mean_loss)
-    a.save(ckpt_dir)
-    return engine_snapshot(a)
-
-
 class Payload:
     """Unpickling this creates ``marker``: the stand-in for an attacker's code."""
 
