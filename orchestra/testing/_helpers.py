@@ -20,11 +20,11 @@ import anyio
 import ray
 
 from .. import _backend
-from ._sequencer_state import SequencerState as _SequencerState
 from .._errors import WorkerDiedError
 from .._group import WorkerGroup
 from .._worker import Worker, endpoint, endpoints_of
 from ..dispatch import broadcast
+from ._sequencer_state import SequencerState as _SequencerState
 
 __all__ = ["FailOnCue", "InjectedFailure", "Sequencer", "SequencerError", "fail_rank", "kill_rank"]
 
