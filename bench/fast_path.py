@@ -103,8 +103,15 @@ class _Floor:
             self.loop.add_reader(sk.fileno(), self._read, i)
 
     def _read(self, i: int) -> None:
+        data = self.socks[i].recv(1 << 16)
+        if not data:  # the rank's process went away: stop watching its socket, fail a call waiting on it
+            self.loop.remove_reader(self.socks[i].fileno())
+            f = self.waiting[i]
+            if f is not None and not f.done():
+                f.set_exception(ConnectionError(f"floor rank {i} closed its socket"))
+            return
         buf = self.bufs[i]
-        buf += self.socks[i].recv(1 << 16)
+        buf += data
         while len(buf) >= 4:
             (k,) = _LEN.unpack_from(buf)
             if len(buf) < 4 + k:
@@ -130,7 +137,7 @@ class _Floor:
 
     def close(self) -> None:
         for sk in self.socks:
-            self.loop.remove_reader(sk.fileno())
+            self.loop.remove_reader(sk.fileno())  # False (no error) for one already removed at its end
             sk.close()
         for p in self.procs:
             p.join(timeout=30)
@@ -153,7 +160,7 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
     pool_b = ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01)
     async with WorkerGroup(pool_a, Stepper, group_name="fast") as fast, \
             WorkerGroup(pool_b, Stepper, group_name="general") as general:
-        actors = general.actors  # raw handles: this group's fast path is off for good
+        actors = general.actors  # raw handles: this group's fast path is off (never set back on here)
         batch = Batch.from_dict({"x": torch.arange(16)})
         shards = batch.chunk(n)
         for _ in range(10):  # warm up both paths (the fast group opens its channel here)

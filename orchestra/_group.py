@@ -410,11 +410,12 @@ class WorkerGroup:
 
     @property
     def fast_path(self) -> bool:
-        """Whether this group's repeated small calls may take the fast path (``orchestra._channel``; on by default,
-        where the backend and placement allow it). Set it to False to send every call through Ray: an open
-        channel is released first, after the calls already written. The setting is the group's (colocated roles
-        share it). Taking ``actors`` sets it to False; set it back to True only while you make no compute-lane
-        call on those handles yourself (such a call would wait until the group's next call that needs Ray)."""
+        """This group's fast-path switch (``orchestra._channel``; True by default). True lets its repeated small
+        calls take the fast path where it applies (a Ray group on the controller's node, ``ORCHESTRA_FAST_PATH``
+        not 0; never on the in-process backend). Set it to False to send every call through Ray: an open channel
+        is released first, after the calls already written. The switch is the group's (colocated roles share it).
+        Taking ``actors`` sets it to False; set it back to True only while you make no compute-lane call on those
+        handles yourself (such a call would wait until the group's next call that needs Ray)."""
         return not self._shared.fast_path_off
 
     @fast_path.setter

@@ -3,8 +3,8 @@
 They need their own Ray cluster, so they live apart from ``tests/integration`` (whose session starts one local
 cluster for all its tests). The module's tests share one cluster (a cluster of three node processes costs seconds to
 start and to shut down), connected with ``orc.init(address=...)`` — the remote-cluster path, which ships the code with
-Ray's ``runtime_env`` — and shut down after the module's last test. A test that removes a node adds a 1-CPU node back,
-so every test finds a head with no CPUs and two 1-CPU worker nodes."""
+Ray's ``runtime_env`` — and shut down after the module's last test. The test that removes a node adds a 1-CPU node
+back and waits until it is up, so every test finds a head with no CPUs and two live 1-CPU worker nodes."""
 
 from __future__ import annotations
 

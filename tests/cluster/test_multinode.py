@@ -65,3 +65,4 @@ async def test_a_lost_node_restarts_the_run_once_capacity_returns(cluster, tmp_p
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
     assert len(events) == 1 and events[0]["event"] == "restart" and "died" in events[0]["reason"]
     assert events[0]["checkpoint"] is not None
+    cluster.wait_for_nodes()  # the replacement node is up for any test that shares this cluster after this one

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -170,24 +171,28 @@ async def test_an_unserializable_argument_runs_on_no_rank(g):
 
 async def test_taking_the_raw_handles_turns_the_fast_path_off(g):
     await _open(g)
-    actors = g.actors
-    assert g._shared.channel is None
-    assert ray.get([a.noop.remote() for a in actors]) == [None, None]  # the compute lane is free
-    for i in range(AFTER + 2):
-        await g.note(f"slow{i}")
-    assert g._shared.channel is None and g.fast_path is False
-    g.fast_path = True  # for the next tests of this module
+    try:
+        actors = g.actors
+        assert g._shared.channel is None
+        assert ray.get([a.noop.remote() for a in actors]) == [None, None]  # the compute lane is free
+        for i in range(AFTER + 2):
+            await g.note(f"slow{i}")
+        assert g._shared.channel is None and g.fast_path is False
+    finally:
+        g.fast_path = True  # for the next tests of this module
 
 
 async def test_the_switch_sends_every_call_through_ray_and_back(g):
     await _open(g)
-    g.fast_path = False
-    assert g._shared.channel is None  # released at once
-    before = g._shared.fast_calls
-    for i in range(AFTER + 2):
-        assert await g.note(f"ray{i}") == [(0, f"ray{i}"), (1, f"ray{i}")]
-    assert g._shared.channel is None and g._shared.fast_calls == before
-    g.fast_path = True
+    try:
+        g.fast_path = False
+        assert g._shared.channel is None  # released at once
+        before = g._shared.fast_calls
+        for i in range(AFTER + 2):
+            assert await g.note(f"ray{i}") == [(0, f"ray{i}"), (1, f"ray{i}")]
+        assert g._shared.channel is None and g._shared.fast_calls == before
+    finally:
+        g.fast_path = True
     await _open(g)
     assert g._shared.fast_calls > before
 
@@ -246,7 +251,15 @@ _LEFT_OPEN = textwrap.dedent("""
 
 def test_a_channel_left_open_at_exit_leaves_no_socket_dir():
     code = _LEFT_OPEN.format(tests=os.path.dirname(__file__), calls=AFTER + 1)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a timeout ends its Ray processes too
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("DIR "))
     _, path, was_open = line.split()

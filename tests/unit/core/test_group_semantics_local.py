@@ -28,6 +28,7 @@ import torch
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
 from orchestra._batch import balanced_sizes
+from orchestra._wire import Span, reader_cuts
 from orchestra.testing import Sequencer, kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
@@ -322,8 +323,14 @@ async def test_outputs_of_n_rows_per_input_row_are_cut_where_their_readers_start
     assert torch.equal(out["y"], torch.arange(prompts).repeat_interleave(4) + 1)
     st = [s["plus_one"] for s in await b.stats()]
     assert [s["rows_in"] for s in st] == [s["rows_used"] for s in st], st
-    produced = [s["samples"]["parts_out"] for s in await a.stats()]
-    assert all(p <= 4 for p in produced), produced  # cut at readers' starts only, not into 8 parts each
+    # each producer rank cut its output where a reader of some open group's size starts inside it (the old rule kept
+    # an output of this size whole: one part, which readers fetched whole)
+    sizes, shares, start, want = a._shared.reader_sizes(), balanced_sizes(prompts, src), 0, []
+    for rows in shares:
+        want.append(len(reader_cuts(Span(4 * start, 4 * rows, 4 * prompts), sizes)) + 1)
+        start += rows
+    assert [s["samples"]["parts_out"] for s in await a.stats()] == want
+    assert max(want) > 1
 
 
 @pytest.mark.parametrize("src,dst", [(2, 3), (4, 3), (3, 4)])
