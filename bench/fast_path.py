@@ -37,7 +37,6 @@ import torch
 import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
-from orchestra._batch import balanced_sizes
 
 from ._common import emit
 
@@ -133,7 +132,8 @@ class _Floor:
         return await self.call([None] * len(self.socks))
 
     async def step(self, batch: Batch) -> list:
-        return await self.call([t.numpy() for t in torch.split(batch["x"], balanced_sizes(len(batch), len(self.socks)))])
+        # tensor_split: the same balanced pieces as the call's shard (larger ones first)
+        return await self.call([t.numpy() for t in torch.tensor_split(batch["x"], len(self.socks))])
 
     def close(self) -> None:
         for sk in self.socks:

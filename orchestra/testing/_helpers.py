@@ -25,6 +25,7 @@ from .._group import WorkerGroup
 from .._worker import Worker, endpoint, endpoints_of
 from ..dispatch import broadcast
 from ._sequencer_state import SequencerState as _SequencerState
+from ._sequencer_state import ThreadSequencerState as _ThreadSequencerState
 
 __all__ = ["FailOnCue", "InjectedFailure", "Sequencer", "SequencerError", "fail_rank", "kill_rank"]
 
@@ -34,55 +35,6 @@ log = logging.getLogger("orchestra")
 # ------------------------------------------------------------------------------------------------------ Sequencer
 class SequencerError(RuntimeError):
     """A sequencer position could not be entered: it timed out, was entered twice, or an earlier position failed."""
-
-
-class _ThreadSequencerState:
-    """The in-process backend's Sequencer state: the same protocol as ``_SequencerState``, for threads. Passed to
-    in-process ranks by reference (never copied), as a Ray actor handle would be."""
-
-    _orc_in_process = True
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.entered: set[int] = set()
-        self.broken: str | None = None
-        self.cond = threading.Condition()
-
-    def enter(self, pos: int, timeout: float) -> tuple[str, str]:
-        with self.cond:
-            if pos in self.entered:
-                return "error", f"position {pos} was entered twice; each position is used once"
-            self.entered.add(pos)
-            if not self.cond.wait_for(lambda: self.broken is not None or self.next == pos, timeout):
-                return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
-                                 f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} "
-                                 f"never run or never exit?")
-            if self.broken is not None:
-                return "error", f"the sequence is broken: {self.broken}"
-            return "ok", ""
-
-    def exit(self, pos: int, error: str | None) -> tuple[str, str]:
-        with self.cond:
-            if self.broken is not None:
-                return "error", f"the sequence is broken: {self.broken}"
-            if pos != self.next:
-                return "error", f"position {pos} exited while the sequence is at position {self.next}"
-            if error is not None:
-                self.broken = f"position {pos} raised {error}"
-            else:
-                self.next += 1
-            self.cond.notify_all()
-            return "ok", ""
-
-    def position(self) -> int:
-        with self.cond:
-            return self.next
-
-    def close(self) -> None:
-        with self.cond:
-            if self.broken is None:
-                self.broken = "the sequencer was closed"
-            self.cond.notify_all()
 
 
 class Sequencer:

@@ -1,23 +1,64 @@
-"""The Ray actor behind a ``Sequencer`` (see ``orchestra.testing._helpers``).
+"""The state behind a ``Sequencer`` (see ``orchestra.testing._helpers``): one protocol, two ways to wait.
 
-In a module of its own that imports nothing but asyncio: the actor's process imports the module its class is
-defined in, and the helpers' module imports the core and torch (about 4 s of CPU per Sequencer on 2 cores).
+``SequencerState`` is the Ray actor (asyncio); ``ThreadSequencerState`` the in-process backend's object (threads).
+In a module of its own that imports nothing but asyncio and threading: the actor's process imports the module its
+class is defined in, and the helpers' module imports the core and torch (about 4 s of CPU per Sequencer on 2 cores).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Callable
 
-__all__ = ["SequencerState"]
+__all__ = ["SequencerState", "ThreadSequencerState"]
+
+OK = ("ok", "")
 
 
-class SequencerState:
-    """The Ray actor behind a Sequencer: the next position to run, and why the sequence broke (if it did)."""
+class _Protocol:
+    """The sequence itself: the next position to run, the positions entered, and why it broke (if it did). Every
+    method here runs under the subclass's lock."""
 
     def __init__(self) -> None:
         self.next = 0
         self.entered: set[int] = set()
         self.broken: str | None = None
+
+    def _arrive(self, pos: int) -> tuple[str, str] | None:
+        if pos in self.entered:
+            return "error", f"position {pos} was entered twice; each position is used once"
+        self.entered.add(pos)
+        return None
+
+    def _turn(self, pos: int) -> Callable[[], bool]:
+        return lambda: self.broken is not None or self.next == pos
+
+    def _timed_out(self, pos: int, timeout: float) -> tuple[str, str]:
+        return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
+                         f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} never run "
+                         f"or never exit?")
+
+    def _entered(self) -> tuple[str, str]:
+        return ("error", f"the sequence is broken: {self.broken}") if self.broken is not None else OK
+
+    def _leave(self, pos: int, error: str | None) -> tuple[str, str]:
+        if self.broken is not None:
+            return "error", f"the sequence is broken: {self.broken}"
+        if pos != self.next:
+            return "error", f"position {pos} exited while the sequence is at position {self.next}"
+        if error is not None:
+            self.broken = f"position {pos} raised {error}"
+        else:
+            self.next += 1
+        return OK
+
+
+class SequencerState(_Protocol):
+    """The Ray actor behind a Sequencer."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.cond: asyncio.Condition | None = None
 
     def _cond(self) -> asyncio.Condition:
@@ -29,33 +70,58 @@ class SequencerState:
         """Wait until every position before ``pos`` has exited; ("ok", "") or ("error", why)."""
         cond = self._cond()
         async with cond:
-            if pos in self.entered:
-                return "error", f"position {pos} was entered twice; each position is used once"
-            self.entered.add(pos)
+            refused = self._arrive(pos)
+            if refused:
+                return refused
             try:
-                await asyncio.wait_for(cond.wait_for(lambda: self.broken is not None or self.next == pos), timeout)
+                await asyncio.wait_for(cond.wait_for(self._turn(pos)), timeout)
             except asyncio.TimeoutError:
-                return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
-                                 f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} "
-                                 f"never run or never exit?")
-            if self.broken is not None:
-                return "error", f"the sequence is broken: {self.broken}"
-            return "ok", ""
+                return self._timed_out(pos, timeout)
+            return self._entered()
 
     async def exit(self, pos: int, error: str | None) -> tuple[str, str]:
         """Leave ``pos`` (the current position): the next one may enter, or, on ``error``, every waiter fails."""
         cond = self._cond()
         async with cond:
-            if self.broken is not None:
-                return "error", f"the sequence is broken: {self.broken}"
-            if pos != self.next:
-                return "error", f"position {pos} exited while the sequence is at position {self.next}"
-            if error is not None:
-                self.broken = f"position {pos} raised {error}"
-            else:
-                self.next += 1
+            out = self._leave(pos, error)
             cond.notify_all()
-            return "ok", ""
+            return out
 
     def position(self) -> int:
         return self.next
+
+
+class ThreadSequencerState(_Protocol):
+    """The in-process backend's Sequencer state, for threads. Passed to in-process ranks by reference (never
+    copied), as a Ray actor handle would be."""
+
+    _orc_in_process = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cond = threading.Condition()
+
+    def enter(self, pos: int, timeout: float) -> tuple[str, str]:
+        with self.cond:
+            refused = self._arrive(pos)
+            if refused:
+                return refused
+            if not self.cond.wait_for(self._turn(pos), timeout):
+                return self._timed_out(pos, timeout)
+            return self._entered()
+
+    def exit(self, pos: int, error: str | None) -> tuple[str, str]:
+        with self.cond:
+            out = self._leave(pos, error)
+            self.cond.notify_all()
+            return out
+
+    def position(self) -> int:
+        with self.cond:
+            return self.next
+
+    def close(self) -> None:
+        with self.cond:
+            if self.broken is None:
+                self.broken = "the sequencer was closed"
+            self.cond.notify_all()
