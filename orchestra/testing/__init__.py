@@ -6,7 +6,8 @@ Installed with the package (entry point ``pytest11: orchestra``), so no conftest
 ``await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``; every group it made is closed at the end of the
 test, and the test fails if calls, tasks or actors were left behind) and ``orc_sequencer``. Options:
 ``--orc-backend=ray|local`` (``local``: every rank in the test process, see ``orchestra._local``) and
-``--orc-num-cpus``.
+``--orc-num-cpus``. Marker: ``@pytest.mark.orc_backend("local")`` runs one test's (or module's) groups in process
+in a Ray session; ``orc_backend("ray")`` skips a test that needs real processes under ``--orc-backend=local``.
 
 Helpers: ``Sequencer`` (order events across ranks without sleeps), ``FailOnCue`` + ``fail_rank`` (one rank's next
 call of an endpoint raises), ``kill_rank`` (SIGKILL one rank — in-process: end it as a death — and wait until the
@@ -54,5 +55,7 @@ def pytest_configure(config: Any) -> None:
     from . import _plugin
 
     _plugin.check_options(config)
+    config.addinivalue_line("markers", "orc_backend(name): 'local' runs the test's make_group groups in process "
+                                       "whatever --orc-backend says; 'ray' skips the test under --orc-backend=local")
     if not config.pluginmanager.is_registered(_plugin):
         config.pluginmanager.register(_plugin, "orchestra.testing.fixtures")

@@ -99,8 +99,9 @@ class GroupFactory:
     """What the ``make_group`` fixture gives a test: ``await make_group(WorkerCls, *init_args, ranks=2,
     init_kwargs=None, group_name=None, **pool_kwargs)`` returns a ready ``WorkerGroup``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, backend: str | None = None) -> None:
         self.loop = loop
+        self.backend = backend  # the test's ``orc_backend`` marker: the backend of its pools (None: the session's)
         self.made: list[_Made] = []
 
     @property
@@ -120,6 +121,8 @@ class GroupFactory:
                                "asyncio_default_fixture_loop_scope and asyncio_default_test_loop_scope, or "
                                "@pytest.mark.asyncio(loop_scope=...))")
         pool_kwargs.setdefault("cpus_per_worker", 0.1)
+        if self.backend is not None:
+            pool_kwargs.setdefault("backend", self.backend)
         pool = ResourcePool(process_on_nodes=[ranks], **pool_kwargs)
         group = WorkerGroup(pool, cls, *init_args, group_name=group_name, **(init_kwargs or {}))
         made = _Made(group)
@@ -194,16 +197,33 @@ async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], boun
     return problems
 
 
+def marked_backend(node: pytest.Item, config: pytest.Config) -> str | None:
+    """The backend a test's ``@pytest.mark.orc_backend(...)`` asks for: ``"local"`` runs its make_group groups in
+    process even in a Ray session (a test of semantics only); ``"ray"`` needs real processes, so the test is skipped
+    in a session on the in-process backend. None: no marker (the session's backend)."""
+    marker = node.get_closest_marker("orc_backend")
+    if marker is None:
+        return None
+    name = marker.args[0] if len(marker.args) == 1 and not marker.kwargs else None
+    if name not in ("ray", "local"):
+        raise pytest.UsageError(f"{node.nodeid}: write @pytest.mark.orc_backend('local') or "
+                                f"@pytest.mark.orc_backend('ray'), got orc_backend{marker.args!r}")
+    if name == "ray" and backend(config) == "local":
+        pytest.skip("needs the Ray backend (marked orc_backend('ray')); this session runs --orc-backend=local")
+    return name
+
+
 if pytest_asyncio is not None:
     @pytest_asyncio.fixture
-    async def make_group(orc_cluster: dict[str, float]) -> AsyncIterator[GroupFactory]:
+    async def make_group(orc_cluster: dict[str, float], request: pytest.FixtureRequest) -> AsyncIterator[GroupFactory]:
         """``group = await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``: a ready WorkerGroup (pool
         ``ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.1, **pool_kwargs)``; ``init_kwargs=`` and
         ``group_name=`` pass through). After the test every group it made is closed; the test fails if calls were
-        left in flight, and its teardown fails if orchestra tasks, actors or pools outlive the close."""
+        left in flight, and its teardown fails if orchestra tasks, actors or pools outlive the close. A test marked
+        ``@pytest.mark.orc_backend("local")`` gets in-process groups whatever the session's backend."""
         loop = asyncio.get_running_loop()
         before = {t for t in asyncio.all_tasks(loop) if t.get_name().startswith("orchestra:")}
-        factory = GroupFactory(loop)
+        factory = GroupFactory(loop, marked_backend(request.node, request.config))
         yield factory
         problems = await close_and_check(factory, before)
         if problems:

@@ -13,6 +13,9 @@ from orchestra.dispatch import Plan
 from orchestra.testing import FailOnCue, fail_rank
 from pipelines.advantage_worker import AdvantageWorker
 
+# these examples check semantics only: their groups run in process, even in this directory's Ray session
+pytestmark = pytest.mark.orc_backend("local")
+
 
 # -- a dispatch transform --------------------------------------------------------------------------------------------
 class EvenRanks(D.Dispatch):

@@ -98,7 +98,9 @@ def test_orc_cluster_reuses_a_running_cluster_and_leaves_it_running(orc_cluster,
         "def test_inner(orc_cluster):\n"
         f"    assert orc_cluster['CPU'] == {orc_cluster['CPU']!r}\n"
         f"    assert ray.get_runtime_context().get_node_id() == {ray.get_runtime_context().get_node_id()!r}\n")
-    assert pytest.main(["-q", "-p", "no:cacheprovider", str(tmp_path)]) == pytest.ExitCode.OK
+    # the tmp dir has no ini file: set the loop scope pytest-asyncio asks for, as a user's project would
+    assert pytest.main(["-q", "-p", "no:cacheprovider", "-o", "asyncio_default_fixture_loop_scope=function",
+                        str(tmp_path)]) == pytest.ExitCode.OK
     assert ray.is_initialized()
     assert ray.cluster_resources()["CPU"] == orc_cluster["CPU"]
 
@@ -154,10 +156,32 @@ def test_a_users_test_file_passes_in_process_without_ray(tmp_path):
         shutil.copy(src / name, tmp_path / name)
     (tmp_path / "test_no_ray.py").write_text(
         "import pytest\nimport ray\n\n\n@pytest.mark.asyncio\nasync def test_ray_was_never_started(make_group):\n"
-        "    assert not ray.is_initialized()\n")
+        "    assert not ray.is_initialized()\n\n\n"
+        "@pytest.mark.orc_backend('ray')\n@pytest.mark.asyncio\nasync def test_needs_processes(make_group):\n"
+        "    assert False, 'a test marked orc_backend(ray) must not run in process'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-backend=local",
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "3 passed" in out, out
+    assert "3 passed, 1 skipped" in out, out
+
+
+@pytest.mark.orc_backend("local")
+async def test_a_test_marked_local_gets_in_process_groups_in_a_ray_session(make_group):
+    """``orc_backend('local')``: this test's groups run in this process although the session runs on Ray."""
+    import ray
+
+    group = await make_group(Recorder)
+    assert ray.is_initialized() and group.pool.backend.name == "local"
+    assert {d["pid"] for d in await group.describe()} == {os.getpid()}
+    out = await group.double(Batch.from_dict({"x": torch.arange(4)}))
+    assert out["y"].tolist() == [0, 2, 4, 6] and out["rank"].tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.orc_backend("gpu")
+def test_a_marker_naming_no_backend_is_a_usage_error(request):
+    from orchestra.testing import _plugin
+
+    with pytest.raises(pytest.UsageError, match="orc_backend\\('local'\\)"):
+        _plugin.marked_backend(request.node, request.config)
