@@ -59,6 +59,8 @@ async def test_a_position_never_reached_fails_instead_of_hanging(orc_cluster):
         seq.close()
 
 
+# the group's calls in flight are controller state: the same on both backends (in process: no start-up)
+@pytest.mark.orc_backend("local")
 async def test_calls_in_flight_names_a_running_call_until_it_finishes(make_group, orc_sequencer):
     group = await make_group(Recorder, ranks=1)
     fut = group.hold(orc_sequencer)
@@ -68,6 +70,8 @@ async def test_calls_in_flight_names_a_running_call_until_it_finishes(make_group
     assert group.calls_in_flight() == []
 
 
+# fail_rank on Ray ranks is covered by the contract suite (tests/contract): here, in process
+@pytest.mark.orc_backend("local")
 async def test_fail_rank_fails_the_next_call_on_that_rank_only(make_group):
     group = await make_group(Recorder)
     batch = Batch.from_dict({"x": torch.arange(4)})
