@@ -147,6 +147,12 @@ def save_load_worker(rank: int, world: int, cfg: EngineConfig, batch, ckpt_dir: 
     }
 
 
+def parity_and_save_load_worker(rank: int, world: int, parity: tuple, save_load: tuple):
+    """Spawned rank: ``fsdp_parity_worker(*parity)`` then ``save_load_worker(*save_load)`` in the same processes (a
+    spawn costs a fresh torch process per rank, so the two 2-rank tests share one)."""
+    return fsdp_parity_worker(rank, world, *parity), save_load_worker(rank, world, *save_load)
+
+
 def assert_states_close(state, ref_state, rel: float = 1e-5) -> None:
     """Every tensor within `rel` norm-wise relative error, except the attention key biases.
 

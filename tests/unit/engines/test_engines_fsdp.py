@@ -11,13 +11,12 @@ import torch
 from engines_testutils import (
     VOCAB,
     assert_states_close,
-    fsdp_parity_worker,
     make_batch,
     model_factory,
+    parity_and_save_load_worker,
     ref_log_probs,
     reference_steps,
     row_mean_loss,
-    save_load_worker,
     token_mean_loss,
 )
 
@@ -28,14 +27,29 @@ from engines.models import build_causal_lm, build_value_model, tiny_qwen2_config
 pytestmark = pytest.mark.timeout(300)  # a bound on a hang; spawns take minutes on a loaded 2-core box
 
 
+# 7 rows -> rank 0 holds 4 (2 micro-batches of 3+1), rank 1 holds 3 (1 micro-batch):
+# uneven micro-batch counts exercise the zero-weight dummy path.
+PARITY_BATCH = make_batch(B=7)
+PARITY_CFG = EngineConfig(lr=1e-3, weight_decay=0.01, warmup_steps=2, grad_clip=0.5, micro_batch_size=3)
+SAVE_LOAD_BATCH = make_batch(B=4, seed=5)
+SAVE_LOAD_CFG = EngineConfig(lr=1e-3, warmup_steps=3, micro_batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> tuple[list, list, object]:
+    """The module's two 2-rank runs in one spawn (each spawn starts a fresh torch process per rank): per rank, the
+    parity run's results and the save/load run's, and the save/load run's checkpoint directory."""
+    ckpt = tmp_path_factory.mktemp("fsdp_round_trip") / "ckpt"
+    variant = replace(PARITY_CFG, accumulate_without_sync=True, gradient_checkpointing=True)
+    per_rank = spawn(parity_and_save_load_worker, 2, ([PARITY_CFG, variant], PARITY_BATCH, 2),
+                     (SAVE_LOAD_CFG, SAVE_LOAD_BATCH, str(ckpt)))
+    return [p for p, _ in per_rank], [s for _, s in per_rank], ckpt
+
+
 @pytest.mark.slow  # spawns fresh processes (each imports torch)
-def test_two_rank_fsdp_matches_unsharded_reference():
-    # 7 rows -> rank 0 holds 4 (2 micro-batches of 3+1), rank 1 holds 3 (1 micro-batch):
-    # uneven micro-batch counts exercise the zero-weight dummy path.
-    batch = make_batch(B=7)
-    cfg = EngineConfig(lr=1e-3, weight_decay=0.01, warmup_steps=2, grad_clip=0.5, micro_batch_size=3)
-    variant = replace(cfg, accumulate_without_sync=True, gradient_checkpointing=True)
-    per_rank = spawn(fsdp_parity_worker, 2, [cfg, variant], batch, 2)
+def test_two_rank_fsdp_matches_unsharded_reference(two_rank_runs):
+    batch, cfg = PARITY_BATCH, PARITY_CFG
+    per_rank = two_rank_runs[0]
 
     ref_model, ref_losses = reference_steps(cfg, batch, steps=2)
     ref0 = build_causal_lm(tiny_qwen2_config(VOCAB), seed=0)
@@ -84,10 +98,9 @@ def test_result_independent_of_micro_batch_size(scale, loss_fn):
 
 
 @pytest.mark.slow  # spawns fresh processes (each imports torch)
-def test_save_load_round_trip(tmp_path):
-    batch = make_batch(B=4, seed=5)
-    cfg = EngineConfig(lr=1e-3, warmup_steps=3, micro_batch_size=2)
-    res = spawn(save_load_worker, 2, cfg, batch, str(tmp_path / "ckpt"))
+def test_save_load_round_trip(two_rank_runs):
+    cfg = SAVE_LOAD_CFG
+    _, res, ckpt = two_rank_runs
     assert res[0]["loaded_equal"] is True
     assert res[0]["max_diff_after_step"] == 0.0  # optimizer state and lr restored too
     ma, mb = res[0]["metrics"]
@@ -95,7 +108,7 @@ def test_save_load_round_trip(tmp_path):
     assert res[0]["step"] == 2
     # resharding: the 2-rank checkpoint loads into a 1-rank engine in this process
     eng = FSDPEngine(model_factory(7), cfg)
-    eng.load(tmp_path / "ckpt")
+    eng.load(ckpt)
     assert eng.global_step == 1
     assert eng.lr == pytest.approx(cfg.lr * 2 / 3)
 
