@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from pipelines.checkpoint import LATEST
 from pipelines.cli import main as cli_main
 from pipelines.config import load_config
 from pipelines.runner import Runner
@@ -24,19 +26,30 @@ async def _run(overrides: list[str], resume: bool = False) -> list[dict]:
     return await Runner(load_config(None, overrides), resume=resume, progress=False).run()
 
 
-async def test_grpo_end_to_end_with_trace_and_checkpoint(tmp_path):
-    out = tmp_path / "grpo"
-    hist = await _run([*TINY, "runner.total_steps=3", f"runner.output_dir={out}", "runner.trace=true",
-                       "runner.plot=true", "runner.checkpoint_every=2"])
-    assert [h["step"] for h in hist] == [0, 1, 2]
+# one 4-step GRPO run on the cluster, shared: the end-to-end checks read its outputs and the resume test continues
+# a copy of it from its step-1 checkpoint (each Runner run starts worker processes that import torch: seconds each)
+GRPO = [*TINY, "runner.total_steps=4", "runner.trace=true", "runner.plot=true", "runner.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+async def grpo_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """``(output_dir, history)`` of the 4-step GRPO run (trace, plot, checkpoints after steps 1 and 3)."""
+    out = tmp_path_factory.mktemp("grpo") / "grpo"
+    return out, await _run([*GRPO, f"runner.output_dir={out}"])
+
+
+async def test_grpo_end_to_end_with_trace_and_checkpoint(grpo_run):
+    out, hist = grpo_run
+    assert [h["step"] for h in hist] == [0, 1, 2, 3]
     recs = _metrics(out)
-    assert len(recs) == 3
+    assert len(recs) == 4
     for r in recs:
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert r["actor/tokens"] > 0 and r["actor/rows"] == 32 and r["staleness"] == 0
         assert "time/update_actor" in r and "perf/tokens_per_s" in r
-    assert recs[-1]["actor/weights_version"] == 3
-    assert (out / "checkpoints" / "latest").read_text() == "step_000001"
+    assert recs[-1]["actor/weights_version"] == 4
+    assert (out / "checkpoints" / "latest").read_text() == "step_000003"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000003"]
     assert (out / "reward.png").stat().st_size > 1000
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     spans = {e["name"] for e in events if e["ph"] == "X"}
@@ -64,18 +77,29 @@ async def test_ppo_end_to_end(tmp_path):
     assert "adv/std" in r and r["actor/weights_version"] == 2
 
 
-async def test_resume_continues_exactly(tmp_path):
-    common = [*TINY, "runner.checkpoint_every=2"]
-    full = await _run([*common, "runner.total_steps=4", f"runner.output_dir={tmp_path / 'full'}"])
-    await _run([*common, "runner.total_steps=2", f"runner.output_dir={tmp_path / 'cut'}"])
-    resumed = await _run([*common, "runner.total_steps=4", f"runner.output_dir={tmp_path / 'cut'}"], resume=True)
+async def test_resume_continues_exactly(grpo_run, tmp_path):
+    """A run stopped after its step-1 checkpoint and resumed to 4 steps gives the uninterrupted run's steps 2-3.
+    The stopped run is the full run's output as it stood after step 1 (runs are deterministic: a run cut at 2 steps
+    writes the same checkpoint): only step_000001, ``latest`` naming it, and metrics.jsonl still holding the lines
+    of steps 2-3, which the resume must drop before it writes its own."""
+    full_out, full = grpo_run
+    cut = tmp_path / "cut"
+    shutil.copytree(full_out, cut)
+    for p in (cut / "checkpoints").iterdir():
+        if p.is_dir() and p.name != "step_000001":
+            shutil.rmtree(p)
+    (cut / "checkpoints" / LATEST).write_text("step_000001")  # what the runner's commit writes: the bare name
+    assert [r["step"] for r in _metrics(cut)] == [0, 1, 2, 3]
+    resumed = await _run([*GRPO, f"runner.output_dir={cut}"], resume=True)
     assert [r["step"] for r in resumed] == [2, 3]
     assert any(r["actor/grad_norm"] > 0 for r in full)  # the run learns something, so equality means something
     skip = ("time", "perf/")
     for a, b in zip(full[2:], resumed):
         keys = [k for k in a if not k.startswith(skip) and "seconds" not in k]
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
-    assert [r["step"] for r in _metrics(tmp_path / "cut")] == [0, 1, 2, 3]
+    recs = _metrics(cut)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]  # the copied lines of steps 2-3 were replaced, not appended to
+    assert recs[:2] == _metrics(full_out)[:2]
 
 
 def test_cli_rejects_bad_config(capsys, tmp_path):

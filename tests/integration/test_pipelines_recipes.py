@@ -55,7 +55,8 @@ async def test_remax_example_on_the_addition_task(tmp_path):
 async def test_recipe_resumes_exactly(tmp_path, example):
     """4 steps in one go and 2 + resume-to-4 from the step-1 checkpoint give the same steps 2-3: DAPO's extra
     sampling rounds draw from the restored sampler and RNG, ReMax's greedy rollouts from the restored weights."""
-    # constant LR: the cut run's cosine would end at its own total_steps=2, so its first steps would differ
+    # a run of 2 steps extended to 4 by the resume (a changed total_steps; tests/integration/test_pipelines.py resumes
+    # an unchanged config). Constant LR: the cut run's cosine would end at its own total_steps=2
     common = ["runner.checkpoint_every=2", "actor.lr_schedule=constant", "resources.backend=local",
               "resources.actor_workers=1", "resources.rollout_workers=1"]
     full = await _run(example, [*common, "runner.total_steps=4", f"runner.output_dir={tmp_path / 'full'}"])
