@@ -396,9 +396,9 @@ class Host:
         until it shuts its side (a release, or the group closing); returns how many were served. Each call runs
         exactly as on the general path; its reply (or error) is written back as one frame."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(path)
         served = 0
         try:
+            sock.connect(path)  # a rank that cannot connect fails this call: the controller then releases the others
             _channel.send_frame(sock, pickle.dumps(self.rank))
             while True:
                 body = _channel.recv_frame(sock)

@@ -110,3 +110,18 @@ class Recorder(Worker):
     @endpoint
     def kind(self, cfg) -> str:  # noqa: ANN001
         return type(cfg).__name__ + ":" + str(cfg.lr)
+
+    @endpoint
+    def refuse_connects(self, rank: int) -> bool:
+        """On ``rank`` (-1: none), make this process's Unix-socket connects fail, as for a rank that cannot reach the
+        controller's socket: its next fast-path loop then ends before it joins. Any other rank undoes it."""
+        import socket
+
+        if self.rank == rank:
+            def refuse(sock, address):  # noqa: ANN001, ANN202
+                raise ConnectionRefusedError(f"rank {self.rank} refuses to connect to {address!r} (test)")
+
+            socket.socket.connect = refuse
+        elif "connect" in socket.socket.__dict__:
+            del socket.socket.connect  # the inherited connect again
+        return True

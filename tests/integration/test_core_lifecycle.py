@@ -82,7 +82,7 @@ _AFTER_SHUTDOWN = textwrap.dedent("""
     from orc_test_workers import Scorer
 
     async def main():
-        orc.init(num_cpus=2)
+        orc.init(num_cpus=1)  # one CPU: one Ray worker prestarted, the rank's
         g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.1), Scorer)
         await g.ready()
         import ray

@@ -231,6 +231,35 @@ async def test_a_rank_that_dies_releases_the_other_ranks_loops():
         assert served >= 1 and not ch.open
 
 
+async def test_a_rank_that_cannot_join_the_channel_fails_that_call_and_frees_the_others(g, caplog):
+    """A rank whose loop ends before it connects (here its connects are refused): the call sent to it fails naming
+    that rank instead of waiting for a socket that never comes, the channel is released at once, the other ranks'
+    loops return, and the next calls go through Ray, then over a new channel."""
+    g.fast_path = False  # release any open channel: the calls below start a new streak
+    g.fast_path = True
+    try:
+        assert await g.refuse_connects(1) == [True, True]
+        while g._shared._streak < AFTER - 1:  # qualifying calls through Ray, up to the one that opens a channel
+            await g.note("ray")
+        assert g._shared.channel is None
+        fut = g.note("opens")
+        ch = g._shared.channel
+        assert ch is not None
+        with pytest.raises(orc.WorkerError) as e:
+            with anyio.fail_after(60):  # bounds a broken build only: the call would wait for rank 1's socket
+                await fut
+        assert e.value.rank == 1 and "refuses to connect" in str(e.value)
+        assert not ch.open
+        with anyio.fail_after(60):  # bounds a broken build only: rank 0 would wait in its loop
+            assert await ch._serves[0] == 1  # it served the call, then its loop returned
+        assert any("fast-path loop failed" in r.getMessage() and "rank 1" in r.getMessage() for r in caplog.records)
+    finally:
+        assert await g.refuse_connects(-1) == [True, True]  # through Ray: the channel was released
+    assert g._shared.channel is None
+    await _open(g)
+    assert await g.note("after") == [(0, "after"), (1, "after")]
+
+
 _LEFT_OPEN = textwrap.dedent("""
     import os, sys, anyio
     import orchestra as orc
@@ -238,7 +267,7 @@ _LEFT_OPEN = textwrap.dedent("""
     from fast_path_workers import Recorder
 
     async def main():
-        orc.init(num_cpus=2)
+        orc.init(num_cpus=1)  # one CPU: one Ray worker prestarted, the rank's
         g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01), Recorder)
         for _ in range({calls}):
             await g.note("x")
