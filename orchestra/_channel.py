@@ -18,7 +18,9 @@ lane (``Host.take_result``), so large payloads still go to the object store and 
 Semantics do not change: the rank runs the same ``Host._call`` (private inputs, padding, stats, traces, errors with
 group, rank and endpoint); cancellation names the call's own id (``Worker.cancelled()`` sees it); deadlines,
 supervision and ``aclose`` work as on the general path; a rank that dies closes its socket, and its calls fail with
-``WorkerDiedError``. Setting ``ORCHESTRA_FAST_PATH=0`` turns the fast path off.
+``WorkerDiedError``; a rank whose loop ends before it connects fails the calls sent to it (naming the rank), and in
+both cases the channel is released, so the other ranks' loops return. Setting ``ORCHESTRA_FAST_PATH=0`` turns the
+fast path off.
 
 The sockets live in a fresh ``0700`` directory of the controller's temp dir: only this user's processes on this
 node can connect, and the socket's name is removed once every rank has connected.
