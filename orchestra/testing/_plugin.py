@@ -213,6 +213,13 @@ def marked_backend(node: pytest.Item, config: pytest.Config) -> str | None:
     return name
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Check every test's ``orc_backend`` marker before its fixtures start anything, and skip a test marked
+    ``orc_backend("ray")`` in a session on the in-process backend (with or without ``make_group``)."""
+    marked_backend(item, item.config)
+
+
 if pytest_asyncio is not None:
     @pytest_asyncio.fixture
     async def make_group(orc_cluster: dict[str, float], request: pytest.FixtureRequest) -> AsyncIterator[GroupFactory]:

@@ -162,13 +162,15 @@ def test_a_users_test_file_passes_in_process_without_ray(tmp_path):
         "import pytest\nimport ray\n\n\n@pytest.mark.asyncio\nasync def test_ray_was_never_started(make_group):\n"
         "    assert not ray.is_initialized()\n\n\n"
         "@pytest.mark.orc_backend('ray')\n@pytest.mark.asyncio\nasync def test_needs_processes(make_group):\n"
+        "    assert False, 'a test marked orc_backend(ray) must not run in process'\n\n\n"
+        "@pytest.mark.orc_backend('ray')\ndef test_needs_processes_without_make_group():\n"
         "    assert False, 'a test marked orc_backend(ray) must not run in process'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-backend=local",
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "3 passed, 1 skipped" in out, out
+    assert "3 passed, 2 skipped" in out, out
 
 
 @pytest.mark.orc_backend("local")
@@ -183,9 +185,10 @@ async def test_a_test_marked_local_gets_in_process_groups_in_a_ray_session(make_
     assert out["y"].tolist() == [0, 2, 4, 6] and out["rank"].tolist() == [0, 0, 1, 1]
 
 
-@pytest.mark.orc_backend("gpu")
 def test_a_marker_naming_no_backend_is_a_usage_error(request):
+    """(Checked before any fixture starts: the plugin's ``pytest_runtest_setup`` calls this for every test.)"""
     from orchestra.testing import _plugin
 
+    request.node.add_marker(pytest.mark.orc_backend("gpu"))
     with pytest.raises(pytest.UsageError, match="orc_backend\\('local'\\)"):
         _plugin.marked_backend(request.node, request.config)
