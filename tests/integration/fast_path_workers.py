@@ -113,12 +113,18 @@ class Recorder(Worker):
 
     @endpoint
     def refuse_connects(self, rank: int) -> bool:
-        """On ``rank`` (-1: none), make this process's Unix-socket connects fail, as for a rank that cannot reach the
-        controller's socket: its next fast-path loop then ends before it joins. Any other rank undoes it."""
+        """On ``rank`` (-1: none), make this process's next Unix-socket connect fail, as for a rank that cannot reach
+        the controller's socket: its next fast-path loop then ends before it joins. One connect only (the patch
+        removes itself); any other rank, or ``rank=-1``, removes a patch still in place."""
         import socket
 
         if self.rank == rank:
+            inherited = socket.socket.connect
+
             def refuse(sock, address):  # noqa: ANN001, ANN202
+                if sock.family != socket.AF_UNIX:
+                    return inherited(sock, address)
+                del socket.socket.connect  # one-shot: the inherited connect again
                 raise ConnectionRefusedError(f"rank {self.rank} refuses to connect to {address!r} (test)")
 
             socket.socket.connect = refuse

@@ -253,8 +253,11 @@ async def test_a_rank_that_cannot_join_the_channel_fails_that_call_and_frees_the
         with anyio.fail_after(60):  # bounds a broken build only: rank 0 would wait in its loop
             assert await ch._serves[0] == 1  # it served the call, then its loop returned
         assert any("fast-path loop failed" in r.getMessage() and "rank 1" in r.getMessage() for r in caplog.records)
-    finally:
-        assert await g.refuse_connects(-1) == [True, True]  # through Ray: the channel was released
+    finally:  # left as found for the module's later tests, whatever failed above
+        g.fast_path = False  # through Ray, whether or not the channel was released
+        with anyio.fail_after(60):  # bounds a broken build only
+            assert await g.refuse_connects(-1) == [True, True]
+        g.fast_path = True
     assert g._shared.channel is None
     await _open(g)
     assert await g.note("after") == [(0, "after"), (1, "after")]

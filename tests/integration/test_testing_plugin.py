@@ -183,12 +183,3 @@ async def test_a_test_marked_local_gets_in_process_groups_in_a_ray_session(make_
     assert {d["pid"] for d in await group.describe()} == {os.getpid()}
     out = await group.double(Batch.from_dict({"x": torch.arange(4)}))
     assert out["y"].tolist() == [0, 2, 4, 6] and out["rank"].tolist() == [0, 0, 1, 1]
-
-
-def test_a_marker_naming_no_backend_is_a_usage_error(request):
-    """(Checked before any fixture starts: the plugin's ``pytest_runtest_setup`` calls this for every test.)"""
-    from orchestra.testing import _plugin
-
-    request.node.add_marker(pytest.mark.orc_backend("gpu"))
-    with pytest.raises(pytest.UsageError, match="orc_backend\\('local'\\)"):
-        _plugin.marked_backend(request.node, request.config)
