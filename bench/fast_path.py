@@ -10,7 +10,8 @@ given each rank's arguments), which is what verl's blocking controller does (~1.
 Calls: ``await g.noop()`` (broadcast, no argument) and ``await g.step(batch)`` (16 rows sharded over the ranks,
 each rank returns a dict of two floats, collected into a list) — a training loop's repeated call. The three are
 interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the controller's CPU ms per call (all
-its threads). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
+its threads); ``*_rank_cpu_ms``: each rank process's CPU ms per call (``/proc/<pid>/stat``, averaged over the
+ranks). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
 Target (issue "core speed"): the fast step on 4 ranks <= 0.5 ms median, >= 3x faster than verl (~raw sync).
 
 ``*_socket_floor``: the same calls made the least a controller on an asyncio loop can do them — N plain processes
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import statistics
@@ -143,8 +145,19 @@ class _Floor:
             p.join(timeout=30)
 
 
-async def _sample(fn, iters: int, is_async: bool, wall: list[float], cpu: list[float]) -> None:
-    c0 = time.process_time()
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (``/proc/<pid>/stat``)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def _sample(fn, iters: int, is_async: bool, wall: list[float], cpu: list[float], pids: list[int],
+                  rank_cpu: list[float]) -> None:
+    c0, r0 = time.process_time(), _cpu_s(pids)
     for _ in range(iters):
         t0 = time.perf_counter()
         if is_async:
@@ -153,6 +166,7 @@ async def _sample(fn, iters: int, is_async: bool, wall: list[float], cpu: list[f
             fn()
         wall.append((time.perf_counter() - t0) * 1e3)
     cpu.append((time.process_time() - c0) / iters * 1e3)
+    rank_cpu.append((_cpu_s(pids) - r0) / iters / len(pids) * 1e3)
 
 
 async def measure(n: int, iters: int, rounds: int) -> dict:
@@ -182,12 +196,17 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             "noop_socket_floor": (lambda: floor.noop(), True),
             "step_socket_floor": (lambda: floor.step(batch), True),
         }
+        pids = {"fast": [d["pid"] for d in await fast.describe()],
+                "general": [d["pid"] for d in await general.describe()],
+                "raw_sync": [d["pid"] for d in await general.describe()],
+                "socket_floor": [p.pid for p in floor.procs]}
         wall: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
+        rank_cpu: dict[str, list[float]] = {k: [] for k in cases}
         calls_before = fast._shared.fast_calls
         for _ in range(rounds):
             for k, (fn, is_async) in cases.items():
-                await _sample(fn, iters, is_async, wall[k], cpu[k])
+                await _sample(fn, iters, is_async, wall[k], cpu[k], pids[k.split("_", 1)[1]], rank_cpu[k])
         fast_calls = fast._shared.fast_calls - calls_before
         floor.close()
 
@@ -206,6 +225,7 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
     for k in cases:
         out[f"{k}_ms"] = round(statistics.median(wall[k]), 4)
         out[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]), 4)
+        out[f"{k}_rank_cpu_ms"] = round(statistics.median(rank_cpu[k]), 4)
     for c in ("noop", "step"):
         out[f"{c}_fast_vs_raw_sync"] = round(out[f"{c}_raw_sync_ms"] / out[f"{c}_fast_ms"], 2)
         out[f"{c}_fast_vs_general"] = round(out[f"{c}_general_ms"] / out[f"{c}_fast_ms"], 2)

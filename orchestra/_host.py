@@ -649,9 +649,10 @@ class Host:
 
         Parts are sized by what readers will fetch. When the rows are known to sit at ``span`` of the call's rows
         (one output row per input row, or k per input row: then at k times the input's place), they are cut where
-        any reader of a DP size in ``readers`` (every group's on the controller) starts or ends, and at PART_BYTES: each such reader fetches exactly its rows, in as few
-        objects as that allows. Otherwise into ``part_count`` parts (at least 8 for a large output), so that a
-        reader of any split fetches little beyond its rows. A result under INLINE_BYTES is one part in the reply."""
+        any reader of a DP size in ``readers`` (every group's on the controller) starts or ends, and at PART_BYTES:
+        each such reader fetches exactly its rows, in as few objects as that allows. Otherwise into ``part_count``
+        parts (at least 8 for a large output), so that a reader of any split fetches little beyond its rows. A
+        result under INLINE_BYTES is one part in the reply."""
         if not isinstance(result, Batch):
             return result
         if pad:  # one row per input row (checked in _call): the last ``pad`` rows are the padding's

@@ -14,8 +14,6 @@ import signal
 import time
 from typing import Any
 
-import threading
-
 import anyio
 import ray
 

@@ -197,27 +197,27 @@ async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], boun
     return problems
 
 
-def marked_backend(node: pytest.Item, config: pytest.Config) -> str | None:
-    """The backend a test's ``@pytest.mark.orc_backend(...)`` asks for: ``"local"`` runs its make_group groups in
-    process even in a Ray session (a test of semantics only); ``"ray"`` needs real processes, so the test is skipped
-    in a session on the in-process backend. None: no marker (the session's backend)."""
-    marker = node.get_closest_marker("orc_backend")
+def marked_backend(item: pytest.Item) -> str | None:
+    """The backend a test's ``@pytest.mark.orc_backend("local" | "ray")`` names (the closest marker: test, class or
+    module), or None without one. Checked for every test at collection (``pytest_collection_modifyitems``)."""
+    marker = item.get_closest_marker("orc_backend")
     if marker is None:
         return None
     name = marker.args[0] if len(marker.args) == 1 and not marker.kwargs else None
     if name not in ("ray", "local"):
-        raise pytest.UsageError(f"{node.nodeid}: write @pytest.mark.orc_backend('local') or "
+        raise pytest.UsageError(f"{item.nodeid}: write @pytest.mark.orc_backend('local') or "
                                 f"@pytest.mark.orc_backend('ray'), got orc_backend{marker.args!r}")
-    if name == "ray" and backend(config) == "local":
-        pytest.skip("needs the Ray backend (marked orc_backend('ray')); this session runs --orc-backend=local")
     return name
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Check every test's ``orc_backend`` marker before its fixtures start anything, and skip a test marked
-    ``orc_backend("ray")`` in a session on the in-process backend (with or without ``make_group``)."""
-    marked_backend(item, item.config)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A bad ``orc_backend`` marker stops the run as a usage error before any test starts; a test marked
+    ``orc_backend("ray")`` is skipped in a session on the in-process backend (with or without ``make_group``)."""
+    local_session = backend(config) == "local"
+    for item in items:
+        if marked_backend(item) == "ray" and local_session:
+            item.add_marker(pytest.mark.skip(reason="needs the Ray backend (marked orc_backend('ray')); this "
+                                                    "session runs --orc-backend=local"))
 
 
 if pytest_asyncio is not None:
@@ -230,7 +230,7 @@ if pytest_asyncio is not None:
         ``@pytest.mark.orc_backend("local")`` gets in-process groups whatever the session's backend."""
         loop = asyncio.get_running_loop()
         before = {t for t in asyncio.all_tasks(loop) if t.get_name().startswith("orchestra:")}
-        factory = GroupFactory(loop, marked_backend(request.node, request.config))
+        factory = GroupFactory(loop, marked_backend(request.node))
         yield factory
         problems = await close_and_check(factory, before)
         if problems:

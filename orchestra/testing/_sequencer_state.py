@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["SequencerState", "ThreadSequencerState"]
 

@@ -1,5 +1,6 @@
 """orchestra.testing without a cluster: importing orchestra (or the helpers workers unpickle) never imports pytest,
-the plugin is installed through the pytest11 entry point, and fail_rank refuses a Worker that did not opt in."""
+the plugin is installed through the pytest11 entry point, fail_rank refuses a Worker that did not opt in, and a bad
+``orc_backend`` marker stops a run before any test starts."""
 
 from __future__ import annotations
 
@@ -49,12 +50,29 @@ def test_fail_rank_asks_for_the_fail_on_cue_mixin():
 def test_the_sequencer_actors_module_imports_no_torch():
     """A Sequencer's Ray actor process imports only the module its class is defined in: keep it free of torch (and
     of the core), or every Sequencer costs a torch import (~4 s of CPU on 2 cores)."""
-    import subprocess
-    import sys
-
     from orchestra.testing._helpers import _SequencerState
 
     code = (f"import sys, {_SequencerState.__module__}; "
             f"print(sorted(m for m in ('torch', 'tensordict', 'orchestra._group') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_marker_naming_no_backend_stops_the_run_before_any_test_runs(tmp_path):
+    """An ``orc_backend`` marker naming neither backend is a usage error at collection: pytest exits with 4 and
+    names the test, and no test ran (the marked test would create a file)."""
+    ran = tmp_path / "ran"
+    (tmp_path / "test_bad_marker.py").write_text(
+        "import pytest\n\n\n"
+        "def test_unmarked():\n"
+        f"    open({str(ran)!r}, 'w').close()\n\n\n"
+        "@pytest.mark.orc_backend('gpu')\n"
+        "def test_marked():\n"
+        "    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--orc-backend=local",
+                           "-o", "asyncio_default_fixture_loop_scope=function", str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out
+    assert "test_bad_marker.py::test_marked: write @pytest.mark.orc_backend('local')" in out, out
+    assert not ran.exists()
