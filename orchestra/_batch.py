@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+from ._tensordict import TensorDict
 
 __all__ = ["Batch"]
 
