@@ -24,7 +24,9 @@ __all__ = ["DataFuture", "Part"]
 
 @dataclass(frozen=True)
 class Part:
-    """One stored piece of a result: its rows, columns and bytes, readable with ``await part.get()``."""
+    """One stored piece of a result: its rows, columns and bytes, readable with ``await part.get()``. ``slot`` is
+    the output slot it belongs to (for a ``stream()`` call, the upstream slot whose part it maps); ``rank`` is the
+    rank of this group that produced it."""
 
     slot: int
     seq: int

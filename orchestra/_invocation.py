@@ -397,7 +397,9 @@ class Invocation:
             return
         members = {d: [r for r in plan.ranks if shard.dp_of_rank[r] == d] for d in range(D)}
         comp_slots = [[s for s in c.slots if s.collected] for c in comps]
-        out_slots = [self._slot(cs.rank, True) for cs in comp_slots[0]]
+        collector_of = {shard.dp_of_rank[r]: r for r in shard.collectors}
+        # the part of upstream slot i runs on replica i mod D: its slot names the rank of this group that reports it
+        out_slots = [self._slot(collector_of[i % D], True) for i in range(len(comp_slots[0]))]
         side: list[Slot] = [self._slot(r, False) for r in plan.ranks if r not in shard.collectors]
         self._set_slots([*out_slots, *side])
         side_of = {s.rank: s for s in side}

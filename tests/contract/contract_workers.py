@@ -35,6 +35,13 @@ class Echo(FailOnCue, Worker):
         return Batch.from_dict({"z": batch["x"] + 1})
 
     @endpoint(D.shard())
+    def refuse_row(self, batch: Batch, x: int) -> Batch:
+        """Fails on the part that holds row value ``x`` (so a test knows which part, hence which rank, failed)."""
+        if x in batch["x"].tolist():
+            raise ValueError(f"refused row {x} on rank {self.rank}")
+        return Batch.from_dict({"z": batch["x"] + 1})
+
+    @endpoint(D.shard())
     def write_in_place(self, batch: Batch) -> Batch:
         """Writes into its input (allowed: inputs are private) and returns it."""
         batch["x"].add_(1000)

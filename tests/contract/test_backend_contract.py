@@ -94,6 +94,19 @@ async def test_generator_parts_arrive_in_order_and_stream_into_the_next_call(bed
     assert sorted(mapped["z"].tolist()) == list(range(1, 9))
 
 
+async def test_a_streamed_call_names_the_ranks_that_ran_each_part(bed):
+    """Three upstream parts mapped over a 2-rank group: the part of upstream slot i runs on rank i mod 2, and both
+    its Part and an error it raises name that rank (a rank of this group), not the upstream's."""
+    e2, e3 = bed["e2"], bed["e3"]
+    mapped = e2.plus_one.options(stream=True)(e3.echo(xs(3)))
+    parts = sorted([(p.slot, p.rank) async for p in mapped])
+    assert parts == [(0, 0), (1, 1), (2, 0)]
+    assert (await mapped)["z"].tolist() == [1, 2, 3]
+    with pytest.raises(orc.WorkerError, match="refused row 2 on rank 0") as info:
+        await e2.refuse_row.options(stream=True)(e3.echo(xs(3)), x=2)
+    assert info.value.group == "e2" and info.value.rank == 0
+
+
 # -- integrity -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [8, 40_000])  # inline in the call, and stored once for every reader
 async def test_a_writing_reader_changes_nothing_another_reader_or_the_caller_sees(bed, n):
