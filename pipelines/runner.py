@@ -183,16 +183,22 @@ class Runner:
                         f"{died.message}; giving up after {len(self.restarts)} restart(s) "
                         f"(runner.max_restarts={max_restarts})", group=died.group, rank=died.rank,
                         endpoint=died.endpoint, exc_type="WorkerDied") from died
-                died = await self._supervised(self._restart(died, sink, bar))
+                # the job being torn down is not watched: what it reports now is part of the failure being handled
+                # (the awaited call failed first, or a lost node's ranks are reported one by one); a rank of the new
+                # job dying while it starts fails ``ready()``, and while it is restored, supervision reports it
+                rebuilt: dict[str, float] = {}
+                died = await self._supervised(self._rebuild(died, bar, rebuilt), watch=False)
+                if died is None:
+                    died = await self._supervised(self._recover(sink, bar, rebuilt))
                 if died is None:
                     died = await self._supervised(self._loop(sink, bar))
         finally:
             if bar is not None:
                 bar.close()
 
-    async def _supervised(self, work: Awaitable[None]) -> orc.WorkerDiedError | None:
-        """Await ``work``; a rank dying anywhere in the job cancels it at once, even when ``work`` is awaiting
-        another group (supervision's ``on_death``). Returns the death (None when ``work`` finished)."""
+    async def _supervised(self, work: Awaitable[None], watch: bool = True) -> orc.WorkerDiedError | None:
+        """Await ``work``; with ``watch``, a rank dying anywhere in the job cancels it at once, even when ``work`` is
+        awaiting another group (supervision's ``on_death``). Returns the death (None when ``work`` finished)."""
         seen: list[orc.WorkerDiedError] = []
         noticed: list[float] = []
         with anyio.CancelScope() as scope:
@@ -203,7 +209,7 @@ class Runner:
                 seen.append(err)
                 scope.cancel()
 
-            removers = [g.on_death(on_death) for g in self.cluster.groups()]
+            removers = [g.on_death(on_death) for g in self.cluster.groups()] if watch else []
             try:
                 await work
             except orc.WorkerDiedError as e:
@@ -223,9 +229,9 @@ class Runner:
         self._noticed = min(noticed)
         return died
 
-    async def _restart(self, died: orc.WorkerDiedError, sink: MetricsSink, bar: Any) -> None:
-        """Tear the job down, wait until its pools fit again, rebuild the roles, restore the latest good
-        checkpoint (step 0 state without one) and record the restart (metrics.jsonl event, log, progress bar)."""
+    async def _rebuild(self, died: orc.WorkerDiedError, bar: Any, rebuilt: dict[str, float]) -> None:
+        """Tear the job down, wait until its pools fit again and start the roles anew (``rebuilt`` gets the times
+        of each phase, for the restart's event)."""
         cfg = self.cfg
         n = len(self.restarts) + 1
         step = self._step
@@ -248,7 +254,16 @@ class Runner:
             await asyncio.gather(*[p.slots() for p in self.cluster.pools])
             t_slots = time.time()
             await self.cluster.ready()
-        t_placed = time.time()
+        rebuilt.update(t0=t0, teardown=t_teardown, slots=t_slots, placed=time.time())
+
+    async def _recover(self, sink: MetricsSink, bar: Any, rebuilt: dict[str, float]) -> None:
+        """Restore the rebuilt job from the latest good checkpoint (step 0 state without one) and record the
+        restart (metrics.jsonl event, log, progress bar)."""
+        cfg = self.cfg
+        n = len(self.restarts)
+        step = self.restarts[-1]["step"]
+        reason = self.restarts[-1]["reason"]
+        t0, t_teardown, t_slots, t_placed = rebuilt["t0"], rebuilt["teardown"], rebuilt["slots"], rebuilt["placed"]
         if cfg.runner.trace:
             self.tracer = orc.Tracer(*self.cluster.groups())
             await self.tracer.start()
