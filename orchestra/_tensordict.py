@@ -30,9 +30,10 @@ _DYNAMO = "torch._dynamo"
 _HELD = ("allow_in_graph", "assume_constant_result")
 _log = logging.getLogger("orchestra")
 
-_lock = threading.Lock()
-_pending: list[tuple[Callable[[Any], Any], Any]] = []  # (torch.compiler's function, its argument), in call order
-_dynamo_ready = False
+# kept across importlib.reload(), which re-runs this module in the same namespace: held registrations stay held
+_lock: threading.Lock = globals().get("_lock") or threading.Lock()
+_pending: list[tuple[Callable[[Any], Any], Any]] = globals().get("_pending", [])  # (register, its argument), in order
+_dynamo_ready: bool = globals().get("_dynamo_ready", False)
 
 
 def held_registrations() -> int:
@@ -41,15 +42,29 @@ def held_registrations() -> int:
         return len(_pending)
 
 
+def _dynamo_loaded() -> bool:
+    """True once ``torch._dynamo`` is fully imported (in ``sys.modules`` and no longer initializing)."""
+    module = sys.modules.get(_DYNAMO)
+    return module is not None and not getattr(module.__spec__, "_initializing", False)
+
+
 def _replay() -> None:
-    """Make every held registration, in the order tensordict asked for them; later calls go straight through."""
+    """Make every held registration, in the order tensordict asked for them; later calls go straight through.
+
+    Runs as ``torch._dynamo`` finishes importing, so a registration that fails cannot be raised to whoever imported
+    it without breaking that import: it is logged with its traceback, and the others are still made."""
     global _dynamo_ready
     with _lock:
         held = list(_pending)
         _pending.clear()
         _dynamo_ready = True
     for register, fn in held:
-        register(fn)
+        try:
+            register(fn)
+        except Exception:
+            _log.exception("torch.compiler.%s(%r), held while tensordict was imported, failed when torch._dynamo "
+                           "loaded; torch.compile treats that function as if it had not been registered",
+                           register.__name__, fn)
 
 
 def _holding(register: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -63,6 +78,8 @@ def _holding(register: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def hold(fn: Any) -> Any:
         if not callable(fn):
             return register(fn)
+        if not _dynamo_ready and _dynamo_loaded():  # loaded without our finder seeing it: make what is held now
+            _replay()
         with _lock:
             if not _dynamo_ready:
                 _pending.append((register, fn))
@@ -77,7 +94,8 @@ def _holding(register: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 class _ReplayAfterExec(importlib.abc.Loader):
-    """Runs ``torch._dynamo``'s own loader, then makes the held registrations; leaves the module's loader as found."""
+    """Runs ``torch._dynamo``'s own loader, then makes the held registrations and retires the finder; leaves the
+    module's loader as found."""
 
     def __init__(self, loader: importlib.abc.Loader, finder: _WhenDynamoImports) -> None:
         self._loader = loader
@@ -90,27 +108,31 @@ class _ReplayAfterExec(importlib.abc.Loader):
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
-        try:
-            self._loader.exec_module(module)
-        except BaseException:
-            sys.meta_path.insert(0, self._finder)  # a later import of torch._dynamo replays instead
-            raise
+        self._loader.exec_module(module)  # if this raises, the finder stays: a later import replays instead
+        self._finder.retire()
         _replay()
 
 
 class _WhenDynamoImports(importlib.abc.MetaPathFinder):
-    """Finds ``torch._dynamo`` as the other finders would and wraps its loader to replay what was held."""
+    """Finds ``torch._dynamo`` as the other finders would, with its loader wrapped to replay what was held. Stays on
+    ``sys.meta_path`` until that import has run (a ``find_spec`` that only looks does not retire it)."""
+
+    def retire(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _DYNAMO:
+        if fullname != _DYNAMO or _dynamo_ready:
             return None
-        try:
-            sys.meta_path.remove(self)  # one import only; the finders after us find the real spec
-        except ValueError:
-            pass
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        for finder in list(sys.meta_path):  # the finders after us, as the import system would ask them
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None:
             _log.warning("torch._dynamo has no loader; %d held torch.compile registrations of tensordict stay unmade",
                          held_registrations())
             return spec
@@ -135,6 +157,9 @@ def _import_tensordict() -> ModuleType:
     finally:
         for name, register in originals.items():
             setattr(torch.compiler, name, register)
+    if not _dynamo_ready and _dynamo_loaded():  # another thread imported torch._dynamo before our finder was in place
+        finder.retire()
+        _replay()
     return tensordict
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,9 +196,10 @@ class Runner:
             if bar is not None:
                 bar.close()
 
-    async def _supervised(self, work: Awaitable[None], watch: bool = True) -> orc.WorkerDiedError | None:
+    async def _supervised(self, work: Coroutine[Any, Any, None], watch: bool = True) -> orc.WorkerDiedError | None:
         """Await ``work``; with ``watch``, a rank dying anywhere in the job cancels it at once, even when ``work`` is
-        awaiting another group (supervision's ``on_death``). Returns the death (None when ``work`` finished)."""
+        awaiting another group (supervision's ``on_death``), and a rank already dead stops it before it starts.
+        Returns the death (None when ``work`` finished)."""
         seen: list[orc.WorkerDiedError] = []
         noticed: list[float] = []
         with anyio.CancelScope() as scope:
@@ -210,8 +211,15 @@ class Runner:
                 scope.cancel()
 
             removers = [g.on_death(on_death) for g in self.cluster.groups()] if watch else []
+            for group, rank in self.cluster.dead_ranks() if watch else []:  # died before this watch began
+                on_death(orc.WorkerDiedError(f"the worker process of rank {rank} died while the job was starting "
+                                             f"(seen by supervision)", group=group, rank=rank, exc_type="WorkerDied"))
+                break
             try:
-                await work
+                if seen:
+                    work.close()  # never started: the job it would work on is already failing
+                else:
+                    await work
             except orc.WorkerDiedError as e:
                 noticed.append(time.time())
                 seen.insert(0, e)  # the awaited call's error also names the endpoint

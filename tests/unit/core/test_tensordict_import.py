@@ -8,29 +8,52 @@ import subprocess
 import sys
 
 # Runs in a fresh interpreter: optionally imports orchestra first, then makes torch._dynamo load (by import or by
-# torch.compile), then lists every tensordict function torch.compile treats specially.
+# torch.compile), then lists every tensordict function torch.compile treats specially. ``calls`` are the
+# registrations tensordict made (plain: seen by dynamo as they happen; deferred: as held before dynamo loaded), and
+# ``made`` says whether each held one was in effect once dynamo had loaded.
 _PROBE = """
 import json, sys, types
+calls, fns = [], []
+def name(fn):
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
 FIRST
 import orchestra._tensordict as shim
 import torch
 report = {"dynamo_before": "torch._dynamo" in sys.modules, "held_before": shim.held_registrations()}
+if not report["dynamo_before"]:
+    fns = [(register.__name__, fn) for register, fn in shim._pending]
+    calls = [(kind, name(fn)) for kind, fn in fns]
 THEN
 import torch._dynamo.trace_rules as rules
 allowed, constant = set(), set()
-for name, module in list(sys.modules.items()):
-    if not name.startswith("tensordict") or module is None:
+for mod_name, module in list(sys.modules.items()):
+    if not mod_name.startswith("tensordict") or module is None:
         continue
     for attr, obj in list(vars(module).items()):
         if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
             if id(obj) in rules._allowed_callable_ids:
-                allowed.add(f"{name}.{attr}")
+                allowed.add(f"{mod_name}.{attr}")
             if getattr(obj, "_dynamo_marked_constant", False):
-                constant.add(f"{name}.{attr}")
+                constant.add(f"{mod_name}.{attr}")
+made = [id(fn) in rules._allowed_callable_ids if kind == "allow_in_graph" else
+        getattr(fn, "_dynamo_marked_constant", False) for kind, fn in fns]
 report.update(allowed=sorted(allowed), constant=sorted(constant), held_after=shim.held_registrations(),
-              finders=[type(f).__name__ for f in sys.meta_path])
+              finders=[type(f).__name__ for f in sys.meta_path], calls=calls, made=made)
 print(json.dumps(report))
 """
+
+# Records each registration as torch._dynamo receives it, while tensordict is imported the plain way.
+_PLAIN = """import torch._dynamo as dynamo
+def recording(kind, real):
+    def record(fn):
+        calls.append((kind, name(fn)))
+        return real(fn)
+    return record
+real = dynamo.allow_in_graph, dynamo.assume_constant_result
+dynamo.allow_in_graph = recording("allow_in_graph", real[0])
+dynamo.assume_constant_result = recording("assume_constant_result", real[1])
+import tensordict
+dynamo.allow_in_graph, dynamo.assume_constant_result = real"""
 
 
 def _probe(first: str, then: str) -> dict:
@@ -41,7 +64,7 @@ def _probe(first: str, then: str) -> dict:
 
 
 def test_torch_compile_sees_the_registrations_a_plain_tensordict_import_makes():
-    plain = _probe("import tensordict, torch._dynamo", "")
+    plain = _probe(_PLAIN, "")
     compiled = ("f = torch.compile(lambda x: x * 2 + 1, backend='eager', fullgraph=True)\n"
                 "assert f(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]")
     deferred = _probe("import orchestra._batch, orchestra._host, orchestra._worker", compiled)
@@ -51,10 +74,23 @@ def test_torch_compile_sees_the_registrations_a_plain_tensordict_import_makes():
     assert deferred["held_before"] > 0
     assert deferred["held_after"] == 0
     assert "_WhenDynamoImports" not in deferred["finders"]
+    # every registration tensordict makes at import was held, in its order, and is in effect once dynamo loads
+    assert [tuple(c) for c in deferred["calls"]] == [tuple(c) for c in plain["calls"]]
+    assert len(plain["calls"]) == deferred["held_before"] and all(deferred["made"])
     assert "tensordict.base._foreach_copy_compiled" in plain["allowed"]
     assert "tensordict.utils._lock_warn" in plain["constant"]
     assert deferred["allowed"] == plain["allowed"]
     assert deferred["constant"] == plain["constant"]
+
+
+def test_a_lookup_that_does_not_import_keeps_the_registrations_held_until_the_import():
+    lookup = ("import importlib.util\n"
+              "assert importlib.util.find_spec('torch._dynamo') is not None\n"
+              "assert 'torch._dynamo' not in sys.modules and shim.held_registrations() == report['held_before']\n"
+              "import torch._dynamo")
+    report = _probe("import orchestra._batch", lookup)
+    assert report["held_before"] > 0 and report["held_after"] == 0 and all(report["made"])
+    assert "_WhenDynamoImports" not in report["finders"]
 
 
 def test_a_registration_after_torch_dynamo_loads_goes_straight_through():
