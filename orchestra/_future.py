@@ -1,10 +1,10 @@
 """DataFuture: what every group call returns at once — a thin public view of the call's ``Invocation``.
 
 A call's result is an ordered list of *slots* (one per collected rank, in row order; for a ``stream()`` call, one per
-upstream slot, run by replica i mod D); each slot holds the outputs that rank produced (one for a plain endpoint, one per yield for a streaming one). An output is a small header
-(row count, columns, part refs) whose payload parts stay in the object store. ``await`` materializes the value
-(a private copy); passing the future into another call forwards the header refs so that the next workers read
-the parts directly.
+upstream slot, run by replica i mod D); each slot holds the outputs that rank produced (one for a plain endpoint,
+one per yield for a streaming one). An output is a small header (row count, columns, part refs) whose payload
+parts stay in the object store. ``await`` materializes the value (a private copy); passing the future into
+another call forwards the header refs so that the next workers read the parts directly.
 """
 
 from __future__ import annotations
