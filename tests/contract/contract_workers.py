@@ -132,6 +132,23 @@ class Echo(FailOnCue, Worker):
         self.outcomes.append("cancelled")
         return self.rank
 
+    @endpoint(D.shard())
+    def hold_part_until_cancelled(self, batch: Batch, seq: Sequencer, bound: float = 120.0) -> Batch:
+        """For ``stream()``: part x (the part whose first row is x) records that it started, passes sequencer
+        position x, then polls ``cancelled()`` like :meth:`hold_until_cancelled`."""
+        x = int(batch["x"][0])
+        self.outcomes.append(f"part {x} started")
+        with seq(x):
+            pass
+        end = time.monotonic() + bound
+        while not self.cancelled():
+            if time.monotonic() > end:
+                self.outcomes.append(f"part {x} bound")
+                return batch
+            time.sleep(0.002)
+        self.outcomes.append(f"part {x} cancelled")
+        return batch
+
     @endpoint
     def hold_like_a_collective(self, seq: Sequencer) -> int:
         """Every rank passes position ``rank``; then rank 0 blocks without looking at ``cancelled()`` (as a rank

@@ -238,6 +238,20 @@ async def test_cancel_ends_the_call_on_every_rank(bed, seq):
     assert g.calls_in_flight() == []
 
 
+async def test_cancelling_a_streamed_call_skips_the_parts_still_queued_on_the_rank_that_runs_them(bed, seq):
+    """Three upstream parts mapped over 2 ranks: parts 0 and 2 run on rank 0, one after the other. Cancelled while
+    parts 0 and 1 run, the call ends both and part 2, queued on rank 0, never starts."""
+    e2, e3 = bed["e2"], bed["e3"]
+    fut = e2.hold_part_until_cancelled.options(stream=True)(e3.echo(xs(3)), seq)
+    async with seq(2):  # parts 0 and 1 passed positions 0 and 1: both run
+        pass
+    fut.cancel()
+    with pytest.raises(orc.CallCancelledError):
+        await fut
+    assert await e2.take_outcomes() == [["part 0 started", "part 0 cancelled"], ["part 1 started", "part 1 cancelled"]]
+    assert e2.calls_in_flight() == []
+
+
 async def test_a_deadline_names_the_running_ranks_and_cancels_them(bed, seq):
     g = bed["e2"]
     with pytest.raises(orc.CallTimeoutError) as info:
