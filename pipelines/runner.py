@@ -54,6 +54,16 @@ StepFn = Callable[[StepContext, DataFuture], Awaitable[dict[str, float]]]
 STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step, "dapo": dapo_step}
 
 
+@dataclass(frozen=True)
+class _Rebuilt:
+    """When each phase of a restart's rebuild ended (``time.time()``), for the restart's event."""
+
+    started: float
+    torn_down: float
+    placed: float
+    ready: float
+
+
 @dataclass
 class _Launched:
     """A step's rollout in flight: the prompts it was made from and the weights version that makes it."""
@@ -100,6 +110,7 @@ class Runner:
         self.restarts: list[dict[str, Any]] = []  # the restart events of this run (also in metrics.jsonl)
         self._step = 0  # the step running now (a restart event names it)
         self._noticed = 0.0  # when the last death was seen (unix time)
+        self._rebuilt: _Rebuilt | None = None  # the last restart's rebuild (its phases, for its event)
         self._state_time: dict[int, float] = {}  # step -> when the state after it was current (lost_s)
 
     @property
@@ -186,10 +197,9 @@ class Runner:
                 # the job being torn down is not watched: what it reports now is part of the failure being handled
                 # (the awaited call failed first, or a lost node's ranks are reported one by one); a rank of the new
                 # job dying while it starts fails ``ready()``, and while it is restored, supervision reports it
-                rebuilt: dict[str, float] = {}
-                died = await self._supervised(self._rebuild(died, bar, rebuilt), watch=False)
+                died = await self._supervised(self._rebuild(died, bar), watch=False)
                 if died is None:
-                    died = await self._supervised(self._recover(sink, bar, rebuilt))
+                    died = await self._supervised(self._recover(sink, bar))
                 if died is None:
                     died = await self._supervised(self._loop(sink, bar))
         finally:
@@ -237,9 +247,9 @@ class Runner:
         self._noticed = min(noticed)
         return died
 
-    async def _rebuild(self, died: orc.WorkerDiedError, bar: Any, rebuilt: dict[str, float]) -> None:
-        """Tear the job down, wait until its pools fit again and start the roles anew (``rebuilt`` gets the times
-        of each phase, for the restart's event)."""
+    async def _rebuild(self, died: orc.WorkerDiedError, bar: Any) -> None:
+        """Tear the job down, wait until its pools fit again and start the roles anew (``self._rebuilt``: when each
+        phase ended, for the restart's event)."""
         cfg = self.cfg
         n = len(self.restarts) + 1
         step = self._step
@@ -262,16 +272,18 @@ class Runner:
             await asyncio.gather(*[p.slots() for p in self.cluster.pools])
             t_slots = time.time()
             await self.cluster.ready()
-        rebuilt.update(t0=t0, teardown=t_teardown, slots=t_slots, placed=time.time())
+        self._rebuilt = _Rebuilt(t0, t_teardown, t_slots, time.time())
 
-    async def _recover(self, sink: MetricsSink, bar: Any, rebuilt: dict[str, float]) -> None:
+    async def _recover(self, sink: MetricsSink, bar: Any) -> None:
         """Restore the rebuilt job from the latest good checkpoint (step 0 state without one) and record the
         restart (metrics.jsonl event, log, progress bar)."""
         cfg = self.cfg
         n = len(self.restarts)
         step = self.restarts[-1]["step"]
         reason = self.restarts[-1]["reason"]
-        t0, t_teardown, t_slots, t_placed = rebuilt["t0"], rebuilt["teardown"], rebuilt["slots"], rebuilt["placed"]
+        r = self._rebuilt
+        assert r is not None, "_recover runs after _rebuild"
+        t0, t_teardown, t_slots, t_placed = r.started, r.torn_down, r.placed, r.ready
         if cfg.runner.trace:
             self.tracer = orc.Tracer(*self.cluster.groups())
             await self.tracer.start()
