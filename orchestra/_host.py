@@ -191,7 +191,8 @@ class RayRuntime:
 
 
 class CallCancelled(Exception):
-    """Raised on the worker for a call the controller cancelled before it started (its id was in cancel_calls)."""
+    """Raised on the worker for a call the controller cancelled (its id was in cancel_calls) before it started,
+    while it waited for its inputs, or while it ran: a cancelled call has no result, for the caller or any reader."""
 
 
 class _CancelledCalls:
@@ -448,12 +449,16 @@ class Host:
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, counters, spec, fetched, private, given)
+            if self.is_cancelled():  # while it waited for a forwarded input: it never reaches the endpoint
+                raise CallCancelled("cancelled while it waited for its inputs; the endpoint did not run")
             rows_in = _rows_in(args, kwargs) if pad else None
             t0 = time.perf_counter()
             try:
                 result = self._aloop().run_until_complete(fn(*args, **kwargs)) if spec.is_async else fn(*args, **kwargs)
             finally:
                 counters["seconds"] += time.perf_counter() - t0
+            if self.is_cancelled():  # the caller was told the call ended: no reader may take this result for one
+                raise CallCancelled("cancelled while it ran; its result is discarded")
             if pad and (not isinstance(result, Batch) or len(result) != rows_in):
                 got = f"{len(result)} rows" if isinstance(result, Batch) else type(result).__name__
                 raise ValueError(f"endpoint returned {got} for an input of {rows_in} rows ({pad} of them padding); "

@@ -149,6 +149,19 @@ class Echo(FailOnCue, Worker):
         self.outcomes.append(f"part {x} cancelled")
         return batch
 
+    @endpoint(D.shard())
+    def gate_rows(self, batch: Batch, seq: Sequencer) -> Batch:
+        """Returns its rows once sequencer position x + 1 is its turn (x: its first row), so a test decides when."""
+        with seq(int(batch["x"][0]) + 1):
+            pass
+        return batch
+
+    @endpoint(D.shard())
+    def mark_rows(self, batch: Batch) -> Batch:
+        """Records that its body ran (a side effect a cancelled call must not have)."""
+        self.outcomes.append(f"ran on {len(batch)} rows")
+        return batch
+
     @endpoint
     def hold_like_a_collective(self, seq: Sequencer) -> int:
         """Every rank passes position ``rank``; then rank 0 blocks without looking at ``cancelled()`` (as a rank

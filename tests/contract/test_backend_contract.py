@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import anyio
 import pytest
 import torch
 from contract_workers import BadInit, Critic, Echo
@@ -249,6 +250,55 @@ async def test_cancelling_a_streamed_call_skips_the_parts_still_queued_on_the_ra
     with pytest.raises(orc.CallCancelledError):
         await fut
     assert await e2.take_outcomes() == [["part 0 started", "part 0 cancelled"], ["part 1 started", "part 1 cancelled"]]
+    assert e2.calls_in_flight() == []
+
+
+async def test_a_call_cancelled_while_it_waits_for_a_forwarded_input_never_runs_its_endpoint(bed, seq):
+    """Both ranks of ``down`` started and wait for ``up``'s rows; cancelled then, ``down`` does not run its body
+    once the rows arrive (a trainer would otherwise take an optimizer step the caller was told did not happen)."""
+    e2, e3 = bed["e2"], bed["e3"]
+    fast = e3.fast_path
+    e3.fast_path = False  # up's result then stays on its ranks: down is sent at once and waits there for the rows
+    try:
+        up = e3.gate_rows(xs(3), seq)
+        down = e2.mark_rows(up)
+        with anyio.fail_after(60):  # bounded wait for a condition (not a result): both ranks entered the call
+            while [s.get("mark_rows", {}).get("calls", 0) for s in await e2.stats()] != [1, 1]:
+                await anyio.sleep(0.01)
+        down.cancel()
+        with pytest.raises(orc.CallCancelledError):
+            await down
+        async with seq(0):  # now up's ranks pass positions 1, 2, 3 and return
+            pass
+        assert (await up)["x"].tolist() == [0, 1, 2]
+        assert await e2.take_outcomes() == [[], []]  # runs after down's calls on each rank's lane
+    finally:
+        e3.fast_path = fast
+        await e2.reset_stats()
+    assert e2.calls_in_flight() == []
+
+
+async def test_a_reader_of_a_cancelled_call_gets_its_error_not_its_result(bed, seq):
+    """A call cancelled while it ran has no result: its endpoint returned (as cooperative cancellation asks), yet a
+    later call that reads it fails with the cancelled call's own error instead of computing on its rows."""
+    e2 = bed["e2"]
+    fast = e2.fast_path
+    e2.fast_path = False  # up's result stays on its ranks, where down, queued behind it, reads it
+    try:
+        up = e2.hold_part_until_cancelled(xs(2), seq)
+        down = e2.echo(up)  # made while up runs: queued behind it on each rank, reads up's rows when it starts
+        async with seq(2):  # parts 0 and 1 passed positions 0 and 1: both run
+            pass
+        up.cancel()
+        with pytest.raises(orc.CallCancelledError):
+            await up
+        with pytest.raises(orc.CallCancelledError) as info:
+            await down
+        assert "hold_part_until_cancelled" in str(info.value)
+        assert await e2.take_outcomes() == [["part 0 started", "part 0 cancelled"],
+                                            ["part 1 started", "part 1 cancelled"]]
+    finally:
+        e2.fast_path = fast
     assert e2.calls_in_flight() == []
 
 
