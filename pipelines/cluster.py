@@ -98,9 +98,13 @@ class Cluster:
 def capacity_problems(pools: list[ResourcePool]) -> list[str]:
     """Why ``pools`` (all of them at once) cannot fit the live nodes of the Ray cluster now; empty when they fit.
     Counts node totals, not what is free: a restart asks this right after closing the old groups, whose
-    resources Ray frees asynchronously (placement then waits for them)."""
+    resources Ray frees asynchronously (placement then waits for them). In-process pools (``resources.backend=
+    local``) take no node capacity and are not counted: a job of only those needs no Ray cluster."""
     import ray
 
+    pools = [p for p in pools if p.backend.own_process]
+    if not pools:
+        return []
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     total: dict[str, float] = {}
     for t in nodes:
