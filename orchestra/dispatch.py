@@ -207,6 +207,10 @@ class _Shard(Dispatch):
     def check(self, plan: Plan) -> Plan:
         if not plan.data_args():
             raise _error(plan, "shard() needs at least one Batch or DataFuture argument to split by rows")
+        if len(plan.ranks) != plan.world_size:
+            raise _error(plan, f"shard() splits rows over all {plan.world_size} ranks, but only rank(s) "
+                               f"{list(plan.ranks)} run this call: the rows of the others would be lost. Shard "
+                               f"over a group (a pool) of just those ranks, or drop only_ranks()")
         spec = None
         if self.mesh is None:
             spec = ShardSpec(tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)),

@@ -162,6 +162,14 @@ def test_only_ranks_after_shard_is_rejected():
         (D.shard() | D.only_ranks(0, 1)).check(plan(rows(8)))
 
 
+@pytest.mark.parametrize("mesh", [None, "actor"])
+def test_shard_after_only_ranks_is_rejected_instead_of_dropping_the_other_ranks_rows(mesh):
+    with pytest.raises(DispatchError, match=r"only rank\(s\) \[0\] run this call: the rows of the others would be "
+                                            r"lost"):
+        (D.only_ranks(0) | D.shard(mesh=mesh)).check(plan(rows(6), world=2))
+    assert (D.only_ranks(0, 1) | D.shard()).check(plan(rows(6), world=2)).shard.dp_size == 2  # every rank: fine
+
+
 def test_reducing_transforms_must_come_last():
     with pytest.raises(TypeError, match="must come last"):
         D.broadcast() | D.metrics() | D.rank_zero()
