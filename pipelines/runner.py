@@ -74,6 +74,7 @@ class _Launched:
     version: int
     started: float
     greedy: DataFuture | None = None  # ReMax: the greedy rollout of the same prompts (same weights version)
+    sampler_before: dict[str, Any] | None = None  # the prompt sampler's state before it drew these prompts
 
     def cancel(self) -> None:
         """Cancel the generate calls in flight."""
@@ -111,6 +112,9 @@ class Runner:
         self._step = 0  # the step running now (a restart event names it)
         self._noticed = 0.0  # when the last death was seen (unix time)
         self._rebuilt: _Rebuilt | None = None  # the last restart's rebuild (its phases, for its event)
+        # a checkpoint written while the next step's prompts were already drawn (max_staleness=1): the sampler state
+        # to draw them again from, once, so the resumed step trains on the prompts the interrupted run had drawn
+        self._redraw_from: dict[str, Any] | None = None
         self._state_time: dict[int, float] = {}  # step -> when the state after it was current (lost_s)
 
     @property
@@ -292,6 +296,7 @@ class Runner:
         if self._resume_from is not None:
             await self._restore()
         else:  # no checkpoint yet: step 0 state, the same seeds as the run's start
+            self._redraw_from = None
             _seed_everything(cfg.runner.seed)
             self.sampler = PromptSampler(self.task.records, cfg.data.prompts_per_step, seed=cfg.data.seed,
                                          shuffle=cfg.data.shuffle)
@@ -353,13 +358,20 @@ class Runner:
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward/mean']:.3f}", tok_s=f"{rec['perf/tokens_per_s']:.0f}")
             if cfg.runner.checkpoint_every and (step + 1) % cfg.runner.checkpoint_every == 0:
-                await self.save(step)
+                await self.save(step, pending)
             if self.tracer is not None:
                 await self.tracer.collect()
 
     def _launch(self, step: int) -> _Launched:
         """Sample this step's prompts and start generating (returns at once)."""
-        recs = next(self.sampler)
+        before = self.sampler.state_dict()
+        if self._redraw_from is not None:  # the prompts the interrupted run drew for this step, then on as it went
+            self.sampler.load_state_dict(self._redraw_from)
+            recs = next(self.sampler)
+            self.sampler.load_state_dict(before)
+            before, self._redraw_from = self._redraw_from, None
+        else:
+            recs = next(self.sampler)
         prompts = prompt_batch(recs, self.tok, uid_offset=step * len(recs))
         rollouts = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
                                                  seed=self.cfg.rollout.seed)
@@ -367,7 +379,7 @@ class Runner:
         if self.cfg.algorithm.adv_estimator == "remax":  # its baseline: one greedy response per prompt
             greedy = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
                                                    seed=self.cfg.rollout.seed, n=1, temperature=0.0)
-        return _Launched(step, prompts, rollouts, self.rollout_version, time.time(), greedy)
+        return _Launched(step, prompts, rollouts, self.rollout_version, time.time(), greedy, before)
 
     def _sample_more(self, step: int, count: int) -> DataFuture:
         """DAPO's extra sampling round for ``step``: the first ``count`` prompts of the sampler's next batch,
@@ -419,10 +431,12 @@ class Runner:
         self.actor_version = 0  # RL starts from the warm-started weights as version 0
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
-    async def save(self, step: int) -> Path:
+    async def save(self, step: int, pending: _Launched | None = None) -> Path:
         """Checkpoint after ``step``: actor (and critic) weights + optimizer + scheduler, rollout RNG counters,
         sampler state, controller RNG, versions. Written into a staging directory and renamed into place with a
-        manifest (``pipelines.checkpoint``), so ``latest`` always names a complete checkpoint."""
+        manifest (``pipelines.checkpoint``), so ``latest`` always names a complete checkpoint. ``pending``: the next
+        step's rollout, already launched (``max_staleness=1``); its prompts were drawn before this checkpoint, so
+        the sampler state they were drawn from is kept too, and a resume draws them again."""
         d = ckpt.stage(self.out / "checkpoints", step)
         c = self.cluster
         try:
@@ -433,6 +447,8 @@ class Runner:
                 await c.rollout.save(str(d / "rollout"))
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
                      "rng": _rng_state(), "config": json.loads(json.dumps(config_to_dict(self.cfg)))}
+            if pending is not None and pending.step == step + 1 and pending.sampler_before is not None:
+                state["sampler_next_step"] = pending.sampler_before
             if self.kl_ctl is not None:
                 state["kl_ctl"] = self.kl_ctl.state_dict()
             ckpt.write_json_atomic(d / "runner.json", state)
@@ -467,6 +483,7 @@ class Runner:
                 raise
             raise CheckpointError(f"--resume from {d}: {e.role} rank {e.rank} cannot load it: {e.message}") from e
         self.sampler.load_state_dict(state["sampler"])
+        self._redraw_from = state.get("sampler_next_step")
         _set_rng_state(state["rng"])
         self.actor_version = state["actor_version"]
         self.start_step = state["step"] + 1
