@@ -224,17 +224,25 @@ def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | No
     """Check ``out`` before anything starts; returns the checkpoint to resume from (None for a fresh run).
 
     - ``resume``: the newest good checkpoint (:func:`latest_good`), or :class:`CheckpointError`.
-    - a fresh run into a directory that holds checkpoints: :class:`CheckpointError` unless ``overwrite``, which
-      removes our checkpoints (``step_*``, ``latest``, unfinished ones) and ``metrics.jsonl``, nothing else.
+    - a fresh run into a directory that holds checkpoints or a non-empty ``metrics.jsonl`` of an earlier run:
+      :class:`CheckpointError` unless ``overwrite``, which removes our checkpoints (``step_*``, ``latest``,
+      unfinished ones) and ``metrics.jsonl``, nothing else.
     """
     out = Path(out)
     root = out / "checkpoints"
+    metrics = out / "metrics.jsonl"
     if resume and overwrite:
         raise CheckpointError("--resume continues the run in runner.output_dir and --overwrite replaces it: pass one")
     if resume:
         return latest_good(root)
     steps = committed(root)
     if not steps and not (root / LATEST).exists():
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            if not overwrite:
+                raise CheckpointError(f"{out} holds the metrics.jsonl of an earlier run (and no checkpoint to resume "
+                                      f"from); pass --overwrite to replace it, or choose another runner.output_dir")
+            metrics.unlink()
+            log.warning("--overwrite: removed the metrics.jsonl of the earlier run in %s", out)
         return None
     if not overwrite:
         newest = steps[-1][1].name if steps else (root / LATEST)
@@ -247,7 +255,6 @@ def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | No
             p.unlink()
     if not any(root.iterdir()):
         root.rmdir()
-    metrics = out / "metrics.jsonl"
     if metrics.is_file():
         metrics.unlink()
     log.warning("--overwrite: removed the checkpoints and metrics.jsonl of the earlier run in %s", out)

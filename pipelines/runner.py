@@ -134,6 +134,7 @@ class Runner:
         resume_state: Any = None  # the checkpoint's runner.json, read once: the config check and _restore use it
         if self._resume_from is not None:
             resume_state = ckpt.read_json(self._resume_from / "runner.json")
+            self._check_resumable(resume_state)  # before config.json is rewritten and anything starts
             _warn_config_changes(resume_state, self.out / "config.json", now)
         (self.out / "config.json").write_text(json.dumps(now, indent=2))
         _seed_everything(cfg.runner.seed)
@@ -157,7 +158,9 @@ class Runner:
                 await self._train(sink)
             finally:
                 sink.close()
-            if cfg.runner.plot:
+            if cfg.runner.plot and not cfg.runner.metrics:
+                log.warning("runner.plot: no reward.png, since runner.metrics=false wrote no metrics.jsonl to draw")
+            elif cfg.runner.plot:
                 plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png",
                              keys=("reward/mean", "reward/solved"))
             return self.history
@@ -166,6 +169,24 @@ class Runner:
             raise
         finally:
             await self._close(failed)
+
+    def _check_resumable(self, state: Any) -> None:
+        """Refuse a resume this config cannot continue, naming what to change: nothing left to run, or prompts
+        sampled another way than the checkpoint's (batch size, data, seed)."""
+        d = self._resume_from
+        step = state.get("step") if isinstance(state, dict) else None
+        total = self.cfg.runner.total_steps
+        if isinstance(step, int) and step + 1 >= total:
+            raise CheckpointError(f"--resume from {d}: the checkpoint is after step {step}, so runner.total_steps="
+                                  f"{total} leaves no step to run; raise runner.total_steps to continue the run")
+        if isinstance(state, dict) and "sampler" in state:
+            probe = PromptSampler(self.task.records, self.cfg.data.prompts_per_step, seed=self.cfg.data.seed,
+                                  shuffle=self.cfg.data.shuffle)
+            try:
+                probe.load_state_dict(state["sampler"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"--resume from {d}: the prompts were sampled another way than this config "
+                                      f"samples them ({e}); resume with the data settings it was written with") from e
 
     async def _close(self, failed: bool) -> None:
         """Save the trace, then shut the cluster down, whatever happens. If saving the trace fails while the run

@@ -186,3 +186,15 @@ def test_overwrite_removes_only_our_checkpoints_and_metrics(tmp_path):
 def test_fresh_directory_needs_nothing(tmp_path):
     assert ckpt.prepare_output_dir(tmp_path / "new", resume=False, overwrite=False) is None
     assert ckpt.prepare_output_dir(tmp_path / "new", resume=False, overwrite=True) is None
+
+
+def test_a_fresh_run_refuses_to_wipe_an_earlier_runs_metrics_unless_overwrite(tmp_path):
+    """No checkpoints, but metrics.jsonl of an earlier run: a fresh run used to empty it without a word."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    with pytest.raises(CheckpointError, match="metrics.jsonl of an earlier run.*--overwrite"):
+        ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=False)
+    assert (tmp_path / "metrics.jsonl").read_text().count("step") == 2  # untouched
+    assert ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=True) is None
+    assert not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "metrics.jsonl").write_text("")  # an empty one (a run that wrote nothing) is no earlier run
+    assert ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=False) is None

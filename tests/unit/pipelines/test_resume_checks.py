@@ -1,0 +1,34 @@
+"""What `orchestra train` refuses before it starts anything, and what it does not write: a resume with nothing left
+to run, or with prompts sampled another way than the checkpoint's, stops with exit 2 and a message, leaving the
+run's config.json as it was; runner.plot without runner.metrics draws nothing instead of failing after the run
+(or drawing an earlier run's metrics.jsonl)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.cli import main as cli_main
+
+TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "actor.warmup_steps=0",
+        "runner.micro_batches_per_step=1", "resources.backend=local", "resources.actor_workers=1",
+        "resources.rollout_workers=1", "task.params={format_bonus: 0.5}", "runner.checkpoint_every=1"]
+
+
+@pytest.mark.slow  # one real (in-process) job, ~4 s
+def test_resumes_this_config_cannot_continue_stop_before_anything_starts(tmp_path, capsys):
+    out = [*TINY, f"runner.output_dir={tmp_path}"]
+    assert cli_main(["train", *out, "runner.total_steps=1", "runner.metrics=false", "runner.plot=true",
+                     "--no-progress"]) == 0
+    assert not (tmp_path / "reward.png").exists() and not (tmp_path / "metrics.jsonl").exists()
+    config = (tmp_path / "config.json").read_text()
+    capsys.readouterr()
+
+    assert cli_main(["train", *out, "runner.total_steps=1", "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "after step 0" in err and "runner.total_steps=1 leaves no step to run" in err
+
+    assert cli_main(["train", *out, "runner.total_steps=2", "data.prompts_per_step=16", "--resume",
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "sampled another way" in err and "batch_size: saved 8, now 16" in err
+    assert (tmp_path / "config.json").read_text() == config
