@@ -32,7 +32,7 @@ def _committed(out: Path, step: int = 1) -> Path:
 
 
 def _train(out: Path, *flags: str) -> list[str]:
-    return ["train", f"runner.output_dir={out}", "runner.total_steps=2", "--no-progress", *flags]
+    return ["train", f"runner.output_dir={out}", "runner.total_steps=3", "--no-progress", *flags]  # step 2 left
 
 
 def test_second_run_into_the_same_output_dir_is_refused(tmp_path, capsys):
