@@ -98,8 +98,7 @@ class Runner:
         self.step_fn = STEPS[cfg.algorithm.name]
         self.task: TaskSpec = get_task(cfg)
         self.tok = self.task.tokenizer()
-        self.sampler = PromptSampler(self.task.records, cfg.data.prompts_per_step, seed=cfg.data.seed,
-                                     shuffle=cfg.data.shuffle)
+        self.sampler = self._new_sampler()
         self.cluster: Cluster | None = None
         self.tracer: orc.Tracer | None = None
         self.actor_version = 0
@@ -170,6 +169,11 @@ class Runner:
         finally:
             await self._close(failed)
 
+    def _new_sampler(self) -> PromptSampler:
+        """The prompt sampler at the start of the run's data, as this config samples it."""
+        d = self.cfg.data
+        return PromptSampler(self.task.records, d.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
+
     def _check_resumable(self, state: Any) -> None:
         """Refuse a resume this config cannot continue, naming what to change: nothing left to run, or prompts
         sampled another way than the checkpoint's (batch size, data, seed)."""
@@ -180,10 +184,8 @@ class Runner:
             raise CheckpointError(f"--resume from {d}: the checkpoint is after step {step}, so runner.total_steps="
                                   f"{total} leaves no step to run; raise runner.total_steps to continue the run")
         if isinstance(state, dict) and "sampler" in state:
-            probe = PromptSampler(self.task.records, self.cfg.data.prompts_per_step, seed=self.cfg.data.seed,
-                                  shuffle=self.cfg.data.shuffle)
             try:
-                probe.load_state_dict(state["sampler"])
+                self._new_sampler().load_state_dict(state["sampler"])
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"--resume from {d}: the prompts were sampled another way than this config "
                                       f"samples them ({e}); resume with the data settings it was written with") from e
@@ -246,10 +248,11 @@ class Runner:
                 scope.cancel()
 
             removers = [g.on_death(on_death) for g in self.cluster.groups()] if watch else []
-            for group, rank in self.cluster.dead_ranks() if watch else []:  # died before this watch began
+            dead = self.cluster.dead_ranks() if watch else []
+            if dead:  # died before this watch began: on_death reports a death once, to those registered then
+                group, rank = dead[0]
                 on_death(orc.WorkerDiedError(f"the worker process of rank {rank} died while the job was starting "
                                              f"(seen by supervision)", group=group, rank=rank, exc_type="WorkerDied"))
-                break
             try:
                 if seen:
                     work.close()  # never started: the job it would work on is already failing
@@ -319,8 +322,7 @@ class Runner:
         else:  # no checkpoint yet: step 0 state, the same seeds as the run's start
             self._redraw_from = None
             _seed_everything(cfg.runner.seed)
-            self.sampler = PromptSampler(self.task.records, cfg.data.prompts_per_step, seed=cfg.data.seed,
-                                         shuffle=cfg.data.shuffle)
+            self.sampler = self._new_sampler()
             self.actor_version = self.rollout_version = self.start_step = 0
             self.kl_ctl = make_kl_controller(cfg)
             if self.task.warm_start_steps:

@@ -10,7 +10,6 @@ import random
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -116,81 +115,6 @@ async def test_max_restarts_zero_stops_with_an_error_naming_group_and_rank(tmp_p
     assert "group 'actor'" in str(info.value) and "rank 1" in str(info.value)
     assert runner.restarts == []
     assert not any("event" in r for r in _lines(tmp_path / "run"))
-
-
-async def test_a_death_reported_by_the_job_being_torn_down_is_not_another_restart(tmp_path, monkeypatch):
-    """One failure can reach the runner twice: the awaited call fails first, then supervision reports the dead rank
-    (or a lost node's ranks are reported one by one). What the job being torn down reports is part of the failure
-    being handled, not a new one: one restart, and the run finishes. In process (the runner is the same on both
-    backends); the old job's second death is reported while the restart closes it."""
-    from orchestra.testing import kill_rank
-    from pipelines.cluster import Cluster
-
-    closing = Cluster.aclose
-    reported: list[orc.WorkerDiedError] = []
-
-    async def aclose_after_another_death(self: Cluster) -> None:
-        if not reported and not self.reward.closed:  # the first teardown: the old job's reward rank dies too
-            reported.append(await kill_rank(self.reward, 0))
-        await closing(self)
-
-    monkeypatch.setattr(Cluster, "aclose", aclose_after_another_death)
-    out = tmp_path / "run"
-    runner = _runner(out, 2, "resources.backend=local", "resources.actor_workers=1", "resources.rollout_workers=1",
-                     "runner.max_restarts=1", "runner.checkpoint_every=0")
-
-    step_fn, killed = runner.step_fn, []
-
-    async def step_killing_the_actor_once_at_step_1(ctx: Any, rollouts: Any) -> dict:
-        if ctx.step == 1 and not killed:
-            killed.append(ctx.cluster.actor)  # before the kill: supervision cancels this step once it reports it
-            await kill_rank(ctx.cluster.actor, 0)
-        return await step_fn(ctx, rollouts)
-
-    runner.step_fn = step_killing_the_actor_once_at_step_1
-    hist = await runner.run()
-    assert [(r.group, r.rank) for r in reported] == [("reward", 0)]  # the old job reported a second death
-    assert [h["step"] for h in hist] == [0, 1]
-    assert [(e["event"], e["step"], e["restart"]) for e in runner.restarts] == [("restart", 1, 1)]
-    assert "group 'actor' rank 0" in runner.restarts[0]["reason"]
-
-
-async def test_a_rank_of_the_new_job_dead_before_its_restore_is_the_next_restart_not_a_recovery(tmp_path,
-                                                                                              monkeypatch):
-    """A rank of the rebuilt job that dies after its group started, while another group still starts, is seen when
-    the restore begins: no restart is recorded as done for a job already failing; the next restart follows."""
-    from orchestra.testing import kill_rank
-    from pipelines.cluster import Cluster
-
-    starting = Cluster.ready
-    rebuilds: list[Cluster] = []
-
-    async def ready_then_a_death_in_the_first_rebuild(self: Cluster) -> None:
-        await starting(self)
-        if killed and not rebuilds:
-            rebuilds.append(self)
-            await kill_rank(self.reward, 0)
-
-    monkeypatch.setattr(Cluster, "ready", ready_then_a_death_in_the_first_rebuild)
-    out = tmp_path / "run"
-    runner = _runner(out, 2, "resources.backend=local", "resources.actor_workers=1", "resources.rollout_workers=1",
-                     "runner.max_restarts=2", "runner.checkpoint_every=0")
-    step_fn, killed = runner.step_fn, []
-
-    async def step_killing_the_actor_once_at_step_1(ctx: Any, rollouts: Any) -> dict:
-        if ctx.step == 1 and not killed:
-            killed.append(ctx.cluster.actor)
-            await kill_rank(ctx.cluster.actor, 0)
-        return await step_fn(ctx, rollouts)
-
-    runner.step_fn = step_killing_the_actor_once_at_step_1
-    hist = await runner.run()
-    assert len(rebuilds) == 1 and [h["step"] for h in hist] == [0, 1]
-    assert [r.get("restart") for r in runner.restarts] == [None, 2]  # the first never finished: its job was failing
-    assert "group 'actor' rank 0" in runner.restarts[0]["reason"]
-    assert "group 'reward' rank 0" in runner.restarts[1]["reason"] and "while the job was starting" in \
-        runner.restarts[1]["reason"]
-    assert [(e["event"], e["restart"]) for e in _lines(out) if "event" in e] == [("restart", 2)]
 
 
 def test_cli_reports_a_worker_death_it_cannot_recover_from(monkeypatch, capsys, tmp_path):

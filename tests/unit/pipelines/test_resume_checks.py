@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.cli import main as cli_main
+from local_jobs import LOCAL_TINY
 
-TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "actor.warmup_steps=0",
-        "runner.micro_batches_per_step=1", "resources.backend=local", "resources.actor_workers=1",
-        "resources.rollout_workers=1", "task.params={format_bonus: 0.5}", "runner.checkpoint_every=1"]
+from pipelines.cli import main as cli_main
 
 
 @pytest.mark.slow  # one real (in-process) job, ~4 s
 def test_resumes_this_config_cannot_continue_stop_before_anything_starts(tmp_path, capsys):
-    out = [*TINY, f"runner.output_dir={tmp_path}"]
+    out = [*LOCAL_TINY, "runner.checkpoint_every=1", f"runner.output_dir={tmp_path}"]
     assert cli_main(["train", *out, "runner.total_steps=1", "runner.metrics=false", "runner.plot=true",
                      "--no-progress"]) == 0
     assert not (tmp_path / "reward.png").exists() and not (tmp_path / "metrics.jsonl").exists()
