@@ -262,9 +262,15 @@ class Runner:
                 noticed.append(time.time())
                 seen.insert(0, e)  # the awaited call's error also names the endpoint
             except orc.OrchestraError as e:
+                if not seen and watch:  # a peer's error can come before the death that caused it is reported
+                    behind = await self._death_behind()
+                    if behind is not None:
+                        noticed.append(time.time())
+                        seen.append(behind)
                 if not seen:
                     raise
-                # a consequence of the death (a sibling's call cancelled, an upstream gone): the death is the cause
+                # a consequence of the death (a sibling's call cancelled, a collective's peer gone): the death is the
+                # cause
                 log.warning("after %s: %s", seen[0], e)
             finally:
                 for remove in removers:
@@ -274,6 +280,20 @@ class Runner:
         died = seen[0]
         self._noticed = min(noticed)
         return died
+
+    async def _death_behind(self, bound_s: float = 30.0) -> orc.WorkerDiedError | None:
+        """A call failed with no death reported. When a rank dies, its peers' collectives fail at once (gloo:
+        "connection closed by peer"), often before supervision reports the death. So ask every rank of the job
+        whether it is alive (a control-lane round trip) and return the first death found, at most ``bound_s``."""
+        with anyio.move_on_after(bound_s):
+            for g in self.cluster.groups():
+                try:
+                    await g.ping()
+                except orc.WorkerDiedError as err:
+                    return err
+                except orc.OrchestraError as err:  # not a death (a closed group): that group tells nothing
+                    log.debug("after a failed call, %r did not answer a ping: %s", g.name, err)
+        return None
 
     async def _rebuild(self, died: orc.WorkerDiedError, bar: Any) -> None:
         """Tear the job down, wait until its pools fit again and start the roles anew (``self._rebuilt``: when each

@@ -85,3 +85,26 @@ async def test_a_rank_of_the_new_job_dead_before_its_restore_is_the_next_restart
     assert "group 'reward' rank 0" in runner.restarts[1]["reason"]
     assert "while the job was starting" in runner.restarts[1]["reason"]
     assert [(e["event"], e["restart"]) for e in _events(tmp_path)] == [("restart", 2)]
+
+
+@pytest.mark.slow  # a real (in-process) job, ~5 s
+async def test_a_peers_error_that_comes_before_the_death_is_reported_still_restarts(tmp_path):
+    """When a rank dies, its peers' collectives fail at once ("connection closed by peer"), often before supervision
+    reports the death. The runner asks the job's ranks whether they are alive, finds the dead one and restarts,
+    instead of failing the run with the peer's error."""
+    runner = local_runner(tmp_path, *ONE_RESTART)
+    step_fn, killed = runner.step_fn, []
+
+    async def step_where_a_peer_fails_first(ctx, rollouts) -> dict:
+        if ctx.step == 1 and not killed:
+            killed.append(ctx.cluster.actor)
+            ctx.cluster.actor.pool.backend.kill(ctx.cluster.actor.actors[0])  # not yet reported: no await since
+            raise orc.WorkerError("Connection closed by peer", group="actor", rank=1, endpoint="compute_log_prob",
+                                  exc_type="RuntimeError")
+        return await step_fn(ctx, rollouts)
+
+    runner.step_fn = step_where_a_peer_fails_first
+    hist = await runner.run()
+    assert [h["step"] for h in hist] == [0, 1]
+    assert [(e["event"], e["step"], e["restart"]) for e in runner.restarts] == [("restart", 1, 1)]
+    assert "group 'actor' rank 0" in runner.restarts[0]["reason"]
