@@ -241,9 +241,12 @@ async def test_cancel_ends_the_call_on_every_rank(bed, seq):
 
 async def test_cancelling_a_streamed_call_skips_the_parts_still_queued_on_the_rank_that_runs_them(bed, seq):
     """Three upstream parts mapped over 2 ranks: parts 0 and 2 run on rank 0, one after the other. Cancelled while
-    parts 0 and 1 run, the call ends both and part 2, queued on rank 0, never starts."""
+    parts 0 and 1 run, the call ends both and part 2, queued on rank 0, never starts. (The upstream finishes first:
+    stream() sends each part as it arrives, so an upstream slot 2 done before slot 0 would reach rank 0 first.)"""
     e2, e3 = bed["e2"], bed["e3"]
-    fut = e2.hold_part_until_cancelled.options(stream=True)(e3.echo(xs(3)), seq)
+    up = e3.echo(xs(3))
+    await up.wait()
+    fut = e2.hold_part_until_cancelled.options(stream=True)(up, seq)
     async with seq(2):  # parts 0 and 1 passed positions 0 and 1: both run
         pass
     fut.cancel()
