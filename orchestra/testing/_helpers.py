@@ -11,7 +11,9 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
+import uuid
 from typing import Any
 
 import anyio
@@ -22,7 +24,7 @@ from .._errors import WorkerDiedError
 from .._group import WorkerGroup
 from .._worker import Worker, endpoint, endpoints_of
 from ..dispatch import broadcast
-from ._sequencer_state import SequencerState as _SequencerState
+from ._sequencer_state import SequencerHost as _SequencerHost
 from ._sequencer_state import ThreadSequencerState as _ThreadSequencerState
 
 __all__ = ["FailOnCue", "InjectedFailure", "Sequencer", "SequencerError", "fail_rank", "kill_rank"]
@@ -40,12 +42,15 @@ class Sequencer:
     ``async with seq(i): ...`` (in the test or an async endpoint) enters only after every position below ``i``
     has exited. Positions count from 0; each is used once.
 
-    Backed by a small Ray actor, so a Sequencer can be passed to endpoints as an argument and used by every rank.
+    Backed by a small Ray actor, so a Sequencer can be passed to endpoints as an argument and used by every rank;
+    every Sequencer this process makes on one cluster is a sequence of its own on one such actor (started with the
+    first), so a new Sequencer costs no process start.
     A block that raises breaks the sequence: every waiting and later position fails with ``SequencerError``
     instead of waiting forever; so does a position still waiting after ``timeout`` seconds (a bound on a broken
     test, never what decides a passing one). Make one with ``Sequencer()`` after ``orc.init()`` (or use the
-    ``orc_sequencer`` fixture); ``close()`` ends its actor. Under the in-process backend (``backend="local"``,
-    the default after ``orc.init(backend="local")``) it is a thread-safe object in this process instead.
+    ``orc_sequencer`` fixture); ``close()`` breaks its sequence (its waiting positions fail; a blocking round trip).
+    Under the in-process backend (``backend="local"``, the default after ``orc.init(backend="local")``) it is a
+    thread-safe object in this process instead.
     """
 
     def __init__(self, timeout: float = 60.0, *, backend: str | None = None) -> None:
@@ -59,7 +64,8 @@ class Sequencer:
             raise RuntimeError("Sequencer() needs a running Ray cluster: call orc.init() first (or use the orc_cluster "
                                "fixture); for groups of the in-process backend use Sequencer(backend='local')")
         self._local = None
-        self._actor = ray.remote(num_cpus=0)(_SequencerState).remote()
+        self._id = uuid.uuid4().hex
+        self._actor = _sequencer_host()
 
     def __call__(self, position: int) -> _Turn:
         """The block at ``position``: use it as ``with`` (blocking, e.g. in a sync endpoint) or ``async with``."""
@@ -71,14 +77,18 @@ class Sequencer:
         """The position that may run now (blocking round trip)."""
         if self._local is not None:
             return self._local.position()
-        return ray.get(self._actor.position.remote())
+        return _on_host(self, lambda: ray.get(self._actor.position.remote(self._id)))
 
     def close(self) -> None:
-        """End the sequencer's actor (in-process: break the sequence, so no one waits on it)."""
+        """Break the sequence, so no one waits on it: every waiting and later position raises SequencerError."""
         if self._local is not None:
             self._local.close()
-        else:
-            ray.kill(self._actor)
+            return
+        try:
+            ray.get(self._actor.close.remote(self._id))
+        except ray.exceptions.RayActorError:
+            log.debug("Sequencer.close(): its actor is gone, and its sequence with it")
+            _forget_host(self._actor)
 
     def __repr__(self) -> str:
         return f"<Sequencer timeout={self.timeout:g}>"
@@ -98,7 +108,8 @@ class _Turn:
         if local is not None:
             self._check(local.enter(self.pos, self.seq.timeout))
         else:
-            self._check(ray.get(self.seq._actor.enter.remote(self.pos, self.seq.timeout)))
+            seq = self.seq
+            self._check(_on_host(seq, lambda: ray.get(seq._actor.enter.remote(seq._id, self.pos, seq.timeout))))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
@@ -106,14 +117,16 @@ class _Turn:
         if local is not None:
             self._check(local.exit(self.pos, err))
         else:
-            self._check(ray.get(self.seq._actor.exit.remote(self.pos, err)))
+            seq = self.seq
+            self._check(_on_host(seq, lambda: ray.get(seq._actor.exit.remote(seq._id, self.pos, err))))
 
     async def __aenter__(self) -> None:
         local = self.seq._local
         if local is not None:  # a blocking wait: in a worker thread, never on the event loop
             self._check(await anyio.to_thread.run_sync(local.enter, self.pos, self.seq.timeout, abandon_on_cancel=True))
         else:
-            self._check(await self.seq._actor.enter.remote(self.pos, self.seq.timeout))
+            seq = self.seq
+            self._check(await _on_host_async(seq, seq._actor.enter.remote(seq._id, self.pos, seq.timeout)))
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
@@ -121,7 +134,55 @@ class _Turn:
         if local is not None:
             self._check(local.exit(self.pos, err))
         else:
-            self._check(await self.seq._actor.exit.remote(self.pos, err))
+            seq = self.seq
+            self._check(await _on_host_async(seq, seq._actor.exit.remote(seq._id, self.pos, err)))
+
+
+_host_lock = threading.Lock()
+_host: tuple[tuple[str, str], Any] | None = None  # ((job id, node id) of the cluster it runs on, its handle)
+
+
+def _sequencer_host() -> Any:
+    """The actor holding this process's Sequencers on the current cluster, started on first use (on this node, so
+    that a test removing other nodes cannot take it away)."""
+    global _host
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ctx = ray.get_runtime_context()
+    key = (ctx.get_job_id(), ctx.get_node_id())
+    with _host_lock:
+        if _host is None or _host[0] != key:  # none yet, or one of an earlier cluster (shut down since)
+            strategy = NodeAffinitySchedulingStrategy(node_id=key[1], soft=False)
+            _host = (key, ray.remote(num_cpus=0)(_SequencerHost).options(scheduling_strategy=strategy).remote())
+        return _host[1]
+
+
+def _forget_host(handle: Any) -> None:
+    """Drop a dead host, so that the next Sequencer starts a new one."""
+    global _host
+    with _host_lock:
+        if _host is not None and _host[1] is handle:
+            _host = None
+
+
+def _host_died(seq: Sequencer, e: BaseException) -> SequencerError:
+    _forget_host(seq._actor)
+    return SequencerError(f"the actor holding this Sequencer's sequence died ({type(e).__name__}: {e}); its positions "
+                          f"are lost: make a new Sequencer")
+
+
+def _on_host(seq: Sequencer, fn: Any) -> Any:
+    try:
+        return fn()
+    except ray.exceptions.RayActorError as e:
+        raise _host_died(seq, e) from e
+
+
+async def _on_host_async(seq: Sequencer, ref: Any) -> Any:
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as e:
+        raise _host_died(seq, e) from e
 
 
 # ------------------------------------------------------------------------------------------------- fail on cue

@@ -79,7 +79,7 @@ def orc_cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, float]]:
 
 @pytest.fixture
 def orc_sequencer(orc_cluster: dict[str, float]) -> Iterator[Any]:
-    """A fresh ``orchestra.testing.Sequencer`` for this test (its actor ended afterwards)."""
+    """A fresh ``orchestra.testing.Sequencer`` for this test (closed afterwards: its waiting positions fail)."""
     from ._helpers import Sequencer
 
     seq = Sequencer()

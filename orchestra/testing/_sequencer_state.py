@@ -1,8 +1,10 @@
 """The state behind a ``Sequencer`` (see ``orchestra.testing._helpers``): one protocol, two ways to wait.
 
-``SequencerState`` is the Ray actor (asyncio); ``ThreadSequencerState`` the in-process backend's object (threads).
-In a module of its own that imports nothing but asyncio and threading: the actor's process imports the module its
-class is defined in, and the helpers' module imports the core and torch (about 4 s of CPU per Sequencer on 2 cores).
+``SequencerState`` is one sequence on a Ray actor (asyncio), ``SequencerHost`` that actor: every Sequencer of one
+driver is a sequence on one host, since an actor per Sequencer would cost a Ray worker process start (a second or
+more of CPU on 2 cores) for each. ``ThreadSequencerState`` is the in-process backend's object (threads). In a module
+of its own that imports nothing but asyncio and threading: the actor's process imports the module its class is
+defined in, and the helpers' module imports the core and torch (about 4 s of CPU on 2 cores).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-__all__ = ["SequencerState", "ThreadSequencerState"]
+__all__ = ["SequencerHost", "SequencerState", "ThreadSequencerState"]
 
 OK = ("ok", "")
 
@@ -55,7 +57,7 @@ class _Protocol:
 
 
 class SequencerState(_Protocol):
-    """The Ray actor behind a Sequencer."""
+    """One Sequencer's sequence on its ``SequencerHost`` (the host's event loop runs every method)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -89,6 +91,43 @@ class SequencerState(_Protocol):
 
     def position(self) -> int:
         return self.next
+
+    async def close(self) -> None:
+        """Break the sequence: every waiting and later position fails with "the sequencer was closed"."""
+        cond = self._cond()
+        async with cond:
+            if self.broken is None:
+                self.broken = "the sequencer was closed"
+            cond.notify_all()
+
+
+class SequencerHost:
+    """The Ray actor that holds every sequence of the Sequencers one driver makes, by Sequencer id (a closed one is
+    kept, broken: a few hundred bytes each)."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, SequencerState] = {}
+
+    def _seq(self, sid: str) -> SequencerState:
+        seq = self._seqs.get(sid)
+        if seq is None:
+            seq = self._seqs[sid] = SequencerState()
+        return seq
+
+    async def enter(self, sid: str, pos: int, timeout: float) -> tuple[str, str]:
+        """``SequencerState.enter`` on sequence ``sid``."""
+        return await self._seq(sid).enter(pos, timeout)
+
+    async def exit(self, sid: str, pos: int, error: str | None) -> tuple[str, str]:
+        """``SequencerState.exit`` on sequence ``sid``."""
+        return await self._seq(sid).exit(pos, error)
+
+    def position(self, sid: str) -> int:
+        return self._seq(sid).position()
+
+    async def close(self, sid: str) -> None:
+        """Break sequence ``sid``: its waiting and later positions fail."""
+        await self._seq(sid).close()
 
 
 class ThreadSequencerState(_Protocol):

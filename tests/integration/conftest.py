@@ -3,12 +3,9 @@ CPUs on loopback by default; ``--orc-num-cpus`` changes it), used by every test 
 
 Starting a rank costs a Ray worker process that imports torch (seconds each on a loaded 2-core box), so the groups
 that only serve as a fixed test bed are started once and shared by the modules that use them:
-``scorers`` (Scorer groups of 2, 3 and 4 ranks). They reserve almost no
-CPU (so the rest of the session can still place its pools) and are shut down right after the last test that uses
+``scorers`` (Scorer groups of 2, 3 and 4 ranks). They reserve almost no CPU (so the rest of the session can still place its pools) and are shut down right after the last test that uses
 them, not at the end of the session. Tests that change a shared group's state put it back (scale 1.0 unless a module
 fixture sets its own); tests that need a group of their own (deaths, init failures, leak checks) still make one.
-``sequencer`` is the plugin's ``orc_sequencer`` except that the next test's Sequencer actor starts while this test
-runs.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ def ray_cluster(orc_cluster: dict[str, float]) -> dict[str, float]:
 
 
 @pytest.fixture(scope="session")
-async def scorers(orc_cluster: dict[str, float], _spare_sequencers: list[Any]) -> AsyncIterator[dict[int, WorkerGroup]]:
-    """``{2: s2, 3: s3, 4: s4}``: ready Scorer groups (scale 1.0), named ``s2``/``s3``/``s4``. (The first spare
-    Sequencer starts alongside: the modules that use these groups use ``sequencer`` too.)"""
+async def scorers(orc_cluster: dict[str, float]) -> AsyncIterator[dict[int, WorkerGroup]]:
+    """``{2: s2, 3: s3, 4: s4}``: ready Scorer groups (scale 1.0), named ``s2``/``s3``/``s4``."""
     import asyncio
 
     from orc_test_workers import Scorer
@@ -50,32 +46,6 @@ async def scorers(orc_cluster: dict[str, float], _spare_sequencers: list[Any]) -
         yield gs
     finally:
         _shutdown("scorers")
-
-
-@pytest.fixture(scope="session")
-def _spare_sequencers(orc_cluster: dict[str, float]) -> Iterator[list[Any]]:
-    """Sequencers whose actors are already starting: one is taken per test, and its replacement starts meanwhile."""
-    from orchestra.testing import Sequencer
-
-    spares = [Sequencer()]
-    yield spares
-    for seq in spares:
-        seq.close()
-
-
-@pytest.fixture
-def sequencer(_spare_sequencers: list[Any]) -> Iterator[Any]:
-    """Like the plugin's ``orc_sequencer`` (a fresh Sequencer for this test, ended afterwards), but taken from a
-    spare whose actor started while the previous test ran: a Sequencer's actor is a Ray worker process of its own,
-    seconds to start on a loaded box. (The plugin's own fixture stays what its tests and docs examples use.)"""
-    from orchestra.testing import Sequencer
-
-    seq = _spare_sequencers.pop()
-    _spare_sequencers.append(Sequencer())
-    try:
-        yield seq
-    finally:
-        seq.close()
 
 
 def _shutdown(name: str) -> None:

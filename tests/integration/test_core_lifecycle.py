@@ -57,17 +57,17 @@ async def test_shutdown_right_after_construction_leaks_nothing():
         await g.ping()
 
 
-async def test_cancelled_stream_leaves_no_task(scorers, sequencer):
+async def test_cancelled_stream_leaves_no_task(scorers, orc_sequencer):
     g = scorers[2]
     baseline = len(asyncio.all_tasks())
     # each producer rank yields its first part, then waits for the test's position 0 before the rest: the stream is
     # still running when it is cancelled
-    fut = g.per_part(g.gen_in_turn(xs(8), sequencer, [1, 2], pieces=4))
+    fut = g.per_part(g.gen_in_turn(xs(8), orc_sequencer, [1, 2], pieces=4))
     await asyncio.sleep(0)
     fut.cancel()
     with pytest.raises(orc.CallCancelledError):
         await fut
-    async with sequencer(0):  # lets the producer end
+    async with orc_sequencer(0):  # lets the producer end
         pass
     with anyio.fail_after(10):  # a bound on a broken build only
         while len(asyncio.all_tasks()) > baseline:
@@ -78,13 +78,21 @@ async def test_cancelled_stream_leaves_no_task(scorers, sequencer):
 _AFTER_SHUTDOWN = textwrap.dedent("""
     import anyio, sys
     import orchestra as orc
+    from orchestra.testing import Sequencer
     sys.path.insert(0, {tests!r})
     from orc_test_workers import Scorer
+
+    async def use_a_sequencer():
+        seq = Sequencer(timeout=30)
+        async with seq(0):
+            pass
+        seq.close()
 
     async def main():
         orc.init(num_cpus=1)  # one CPU: one Ray worker prestarted, the rank's
         g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.1), Scorer)
         await g.ready()
+        await use_a_sequencer()  # starts this cluster's Sequencer actor
         import ray
         print("NODE_IP", ",".join(n["NodeManagerAddress"] for n in ray.nodes()))
         fut = g.hold_until_cancelled()  # ends only when cancelled: in flight at the shutdown
@@ -94,12 +102,19 @@ _AFTER_SHUTDOWN = textwrap.dedent("""
                 await fut
             except orc.OrchestraError as e:
                 print("RAISED", type(e).__name__, e)
+        # a new cluster after the shutdown: its Sequencers need an actor of their own (the first one's died with it)
+        orc.init(num_cpus=1)
+        await use_a_sequencer()
+        print("SEQUENCER AFTER A NEW INIT")
+        orc.shutdown()
 
     anyio.run(main)
 """)
 
 
 def test_await_after_orc_shutdown_fails_at_once_and_cluster_is_loopback_with_auth():
+    """After ``orc.shutdown()`` a call in flight fails at once; the cluster listened on loopback only, with Ray's
+    token authentication; and a cluster started next serves new Sequencers."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     code = _AFTER_SHUTDOWN.format(tests=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
@@ -107,6 +122,7 @@ def test_await_after_orc_shutdown_fails_at_once_and_cluster_is_loopback_with_aut
     assert "RAISED" in out.stdout and "shut down" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "NODE_IP 127.0.0.1" in out.stdout
     assert "Token authentication is disabled" not in out.stderr
+    assert "SEQUENCER AFTER A NEW INIT" in out.stdout, out.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +134,7 @@ async def watched():
         yield g
 
 
-async def test_supervision_sees_a_death_while_the_controller_awaits_another_group(watched, scorers, sequencer):
+async def test_supervision_sees_a_death_while_the_controller_awaits_another_group(watched, scorers, orc_sequencer):
     g, other = watched, scorers[2]
     died = anyio.Event()
     seen: list[orc.WorkerDiedError] = []
@@ -128,11 +144,11 @@ async def test_supervision_sees_a_death_while_the_controller_awaits_another_grou
     assert [h["alive"] for h in g.health()] == [True, True]
     # another group's call that can end only after the death was seen: the test lets it through (position 0)
     # once ``died`` is set, so the controller is awaiting that call while the death arrives
-    busy = other.hold(sequencer, [[1], [2]])
+    busy = other.hold(orc_sequencer, [[1], [2]])
 
     async def release_once_seen() -> None:
         await died.wait()
-        async with sequencer(0):
+        async with orc_sequencer(0):
             pass
 
     os.kill(pid, signal.SIGKILL)

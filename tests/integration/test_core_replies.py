@@ -60,17 +60,17 @@ async def test_a_failing_rank_fails_the_call_while_the_others_still_run(group):
     assert await group.rank_and(7) == [(r, 7) for r in range(4)]  # the group still works
 
 
-async def test_replies_later_than_the_batch_window_still_arrive(group, sequencer):
+async def test_replies_later_than_the_batch_window_still_arrive(group, orc_sequencer):
     done = asyncio.Event()
     _BATCH_DONE.append(done)
     try:
         # rank r replies only after passing position r + 1, and the test enters position 0 only once the call's
         # batch has stopped waiting (FAST_WINDOW_S) and handed the replies to the per-ref path
-        fut = group.hold(sequencer, [[r + 1] for r in range(4)])
+        fut = group.hold(orc_sequencer, [[r + 1] for r in range(4)])
         with anyio.fail_after(60):  # a bound on a broken build only
             await done.wait()
         assert not fut.done()
-        async with sequencer(0):
+        async with orc_sequencer(0):
             pass
         assert await fut == [0, 1, 2, 3]
     finally:

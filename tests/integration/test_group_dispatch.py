@@ -49,9 +49,9 @@ async def test_describe(g4):
     assert [r["bundle_index"] for r in d] == [0, 1, 2, 3]
 
 
-async def test_control_calls_answer_while_computing(g4, sequencer):
+async def test_control_calls_answer_while_computing(g4, orc_sequencer):
     # rank r passes position r, then waits for position 5 + r: its compute lane is busy until the test lets it on
-    busy = g4.hold(sequencer, [[r, 5 + r] for r in range(4)])
-    async with sequencer(4):  # every rank is inside `hold` now
+    busy = g4.hold(orc_sequencer, [[r, 5 + r] for r in range(4)])
+    async with orc_sequencer(4):  # every rank is inside `hold` now
         assert await g4.ping() == [0, 1, 2, 3]  # answered by the control lanes, with the compute lanes busy
     assert await busy == [0, 1, 2, 3]

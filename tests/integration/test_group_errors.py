@@ -15,8 +15,8 @@ from orchestra import ResourcePool, WorkerGroup
 from orc_test_workers import Scorer
 
 
-async def test_dead_actor_gives_worker_died_error(sequencer):
-    seq = sequencer
+async def test_dead_actor_gives_worker_died_error(orc_sequencer):
+    seq = orc_sequencer
     g = WorkerGroup(ResourcePool(process_on_nodes=[2]), Scorer, group_name="mortal")
     await g.ready()
     try:

@@ -88,17 +88,17 @@ async def test_streaming_endpoint_yields_parts_in_order(groups):
     assert torch.equal(out["x"], torch.arange(6) + 200)
 
 
-async def test_streamed_parts_are_consumed_while_the_producer_still_runs(groups, sequencer):
+async def test_streamed_parts_are_consumed_while_the_producer_still_runs(groups, orc_sequencer):
     prod, cons = groups[2], groups[4]
     # each producer rank yields its first part at once and its second only after the test's position 0
-    fut = prod.gen_in_turn(xs(8), sequencer, [1, 2])
+    fut = prod.gen_in_turn(xs(8), orc_sequencer, [1, 2])
     mapped = cons.per_part(fut)
     got = 0
     async for part in mapped:
         got += 1
         if got == 1:  # a mapped part exists while the producer cannot have finished: only now is it let on
             assert not fut.done()
-            async with sequencer(0):
+            async with orc_sequencer(0):
                 pass
     assert got == 4
     out = await mapped
@@ -121,13 +121,13 @@ async def test_forwarded_future_never_materializes_in_controller(groups):
     assert orc.controller_stats()["bytes_materialized"] == 0
 
 
-async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups, sequencer):
+async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups, orc_sequencer):
     prod, cons = groups[2], groups[2]
     await cons.set_scale(1.0)
-    fut = prod.gen_in_turn(xs(8), sequencer, [1, 2], pieces=4)  # parts 2-4 after the test's position 0
+    fut = prod.gen_in_turn(xs(8), orc_sequencer, [1, 2], pieces=4)  # parts 2-4 after the test's position 0
     mapped = cons.log_part(fut)
     later = cons.set_scale(7.0)  # made while parts are still being produced: sent after the last one
-    async with sequencer(0):
+    async with orc_sequencer(0):
         pass
     assert await later == [7.0, 7.0]
     seen = await cons.calls_seen()

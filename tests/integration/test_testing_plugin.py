@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from testing_workers import Recorder
@@ -57,6 +58,33 @@ async def test_a_position_never_reached_fails_instead_of_hanging(orc_cluster):
                 pass
     finally:
         seq.close()
+
+
+async def test_sequencers_share_one_actor_and_keep_their_own_positions(orc_cluster):
+    """Every Sequencer this process makes is a sequence on one actor (an actor each would cost a Ray worker start
+    per test); each keeps its own positions, and closing one fails only its own waiting and later positions."""
+    a, b = Sequencer(), Sequencer()
+    try:
+        assert a._actor._actor_id == b._actor._actor_id
+        async with a(0):
+            pass
+        async with b(0):  # b's position 0 is its own: not "entered twice"
+            pass
+
+        async def waits_on_b() -> None:
+            with pytest.raises(SequencerError, match="the sequencer was closed"):
+                async with b(2):  # never its turn: position 1 does not run
+                    pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waits_on_b)
+            await anyio.to_thread.run_sync(b.close)  # whether b(2) is waiting yet or not, it fails
+        async with a(1):  # a goes on
+            pass
+        assert a.position() == 2
+    finally:
+        a.close()
+        b.close()
 
 
 # the group's calls in flight are controller state: the same on both backends (in process: no start-up)

@@ -48,11 +48,11 @@ def test_fail_rank_asks_for_the_fail_on_cue_mixin():
 
 
 def test_the_sequencer_actors_module_imports_no_torch():
-    """A Sequencer's Ray actor process imports only the module its class is defined in: keep it free of torch (and
-    of the core), or every Sequencer costs a torch import (~4 s of CPU on 2 cores)."""
-    from orchestra.testing._helpers import _SequencerState
+    """The Sequencers' Ray actor process imports only the module its class is defined in: keep it free of torch (and
+    of the core), or its start costs a torch import (~4 s of CPU on 2 cores)."""
+    from orchestra.testing._helpers import _SequencerHost
 
-    code = (f"import sys, {_SequencerState.__module__}; "
+    code = (f"import sys, {_SequencerHost.__module__}; "
             f"print(sorted(m for m in ('torch', 'tensordict', 'orchestra._group') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
