@@ -3,6 +3,10 @@
 Each call on each rank is a span on that rank's track; each part a consumer fetched from a producer is a flow
 arrow from the producer's span to the consumer's, labelled with its bytes. Controller-side phases are spans on a
 "controller" track.
+
+Recording is on only between ``await tracer.start()`` and the end of the run (or of an ``async with Tracer(...)``
+block); ``await tracer.collect()`` pulls the spans before ``save``. A trace saved without recording ever started is
+refused rather than written empty.
 """
 
 from __future__ import annotations
@@ -13,13 +17,19 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
+
+from ._errors import OrchestraError
 
 __all__ = ["Tracer"]
 
 
 class Tracer:
-    """Collects spans from worker groups and the controller; ``save`` writes Chrome trace JSON."""
+    """Collects spans from worker groups and the controller; ``save`` writes Chrome trace JSON.
+
+    ``async with Tracer(*groups) as tracer:`` records the calls made in the block and collects them at its end;
+    or ``await tracer.start()`` before the calls and ``await tracer.collect()`` before ``save``."""
 
     def __init__(self, *groups: Any) -> None:
         self._groups: list[Any] = []
@@ -32,6 +42,7 @@ class Tracer:
         self._tracks: dict[tuple[str, int], int] = {}
         self._produced: dict[str, tuple[int, float]] = {}
         self._flow = 0
+        self._started = False
         self._meta("controller", 0)
 
     def _track(self, group: str, rank: int) -> int:
@@ -49,6 +60,21 @@ class Tracer:
         """Turn span recording on in every traced group."""
         for g in self._groups:
             await g.set_tracing(True)
+        self._started = True
+
+    async def __aenter__(self) -> Tracer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """Collect what the block's calls recorded and turn recording off; after a failure, leave the groups alone
+        (a dead rank cannot answer) and let the block's own error through."""
+        if exc_type is not None:
+            return
+        await self.collect()
+        for g in self._groups:
+            await g.set_tracing(False)
 
     async def collect(self) -> int:
         """Pull the spans recorded since the last collect from every rank; returns how many were added."""
@@ -105,7 +131,14 @@ class Tracer:
         return list(self._events)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write Chrome trace JSON (``{"traceEvents": [...]}``) to ``path``."""
+        """Write Chrome trace JSON (``{"traceEvents": [...]}``) to ``path``. Refused if groups were given but
+        recording was never started: that trace would hold none of their calls."""
+        if self._groups and not self._started:
+            names = [g._shared.name for g in self._groups]
+            raise OrchestraError(f"Tracer.save({str(path)!r}): span recording was never started in groups {names}, "
+                                 f"so the trace would hold none of their calls: await tracer.start() before the "
+                                 f"calls and await tracer.collect() before save(), or make them inside "
+                                 f"'async with Tracer(...) as tracer:'")
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps({"traceEvents": self._events, "displayTimeUnit": "ms"}))
