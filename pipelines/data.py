@@ -6,12 +6,16 @@ A record is a dict with at least a ``"prompt"`` field (a string, or a chat as a 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("orchestra")
 
 PROMPT_KEY = "prompt"
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -122,6 +126,7 @@ class PromptSampler:
         self._batch_in_epoch = 0
         self._order_epoch = -1
         self._order = np.arange(0)
+        self._digest: str | None = None
 
     @property
     def batches_per_epoch(self) -> int:
@@ -159,7 +164,18 @@ class PromptSampler:
             self._batch_in_epoch = 0
         return [dict(self._records[i]) for i in idx]
 
-    def state_dict(self) -> dict[str, int | bool]:
+    def records_digest(self) -> str:
+        """sha256 of the records (canonical JSON; a value JSON cannot hold by its repr): a resume must sample the
+        same records, not just as many (another ``task.params`` or data file of the same length would pass a count)."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for r in self._records:
+                h.update(json.dumps(r, sort_keys=True, default=repr).encode())
+                h.update(b"\n")
+            self._digest = h.hexdigest()
+        return self._digest
+
+    def state_dict(self) -> dict[str, int | bool | str]:
         """JSON-serializable position plus the settings a resume must share."""
         return {
             "epoch": self._epoch,
@@ -169,6 +185,7 @@ class PromptSampler:
             "num_records": len(self._records),
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "records_sha256": self.records_digest(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -179,6 +196,13 @@ class PromptSampler:
             for k in ("seed", "batch_size", "num_records", "shuffle", "drop_last")
             if state.get(k) != mine[k]
         ]
+        if "records_sha256" not in state:
+            log.warning("the sampler state predates record digests: cannot check that the resumed run samples the "
+                        "same records (only as many)")
+        elif state["records_sha256"] != mine["records_sha256"]:
+            mismatched.append(f"records: {len(self._records)} as before, but not the same ones (sha256 "
+                              f"{str(state['records_sha256'])[:12]}... saved, {str(mine['records_sha256'])[:12]}... "
+                              f"now: another task.params or data file?)")
         if mismatched:
             raise ValueError("sampler state does not match this sampler: " + "; ".join(mismatched))
         epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])

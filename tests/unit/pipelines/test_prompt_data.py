@@ -157,3 +157,22 @@ def test_sampler_argument_errors():
         PromptSampler([], 1)
     with pytest.raises(ValueError, match="seed must be >= 0"):
         PromptSampler(RECORDS, 1, seed=-1)
+
+
+def test_sampler_refuses_the_state_of_other_records_of_the_same_count():
+    """Other records of the same number (another task.params, another file with as many rows) would resume at the
+    same position in another data set: refused, naming the records."""
+    state = PromptSampler(RECORDS, 3, seed=7).state_dict()
+    others = [{**r, "prompt": r["prompt"] + "!"} for r in RECORDS]
+    with pytest.raises(ValueError, match="records"):
+        PromptSampler(others, 3, seed=7).load_state_dict(state)
+    PromptSampler([dict(r) for r in RECORDS], 3, seed=7).load_state_dict(state)  # equal records: accepted
+
+
+def test_sampler_state_of_an_older_checkpoint_without_a_records_digest_still_loads(caplog):
+    state = PromptSampler(RECORDS, 3, seed=7).state_dict()
+    del state["records_sha256"]
+    with caplog.at_level("WARNING", logger="orchestra"):
+        PromptSampler(RECORDS, 3, seed=7).load_state_dict(state)
+    assert "cannot check" in caplog.text
+

@@ -29,4 +29,10 @@ def test_resumes_this_config_cannot_continue_stop_before_anything_starts(tmp_pat
                      "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "sampled another way" in err and "batch_size: saved 8, now 16" in err
+
+    # as many prompts, but other ones (the digits task draws them from its own seed)
+    assert cli_main(["train", *out, "runner.total_steps=2", "task.params={format_bonus: 0.5, seed: 99}", "--resume",
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "sampled another way" in err and "not the same ones" in err
     assert (tmp_path / "config.json").read_text() == config
