@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,6 +94,10 @@ def _check_path(path: str | os.PathLike) -> str:
     return p
 
 
+# One seeded model build at a time in this process (see _build); reentrant, so a build may build another.
+_SEEDED_BUILD_LOCK = threading.RLock()
+
+
 def _build(
     auto_cls: Any,
     config: ConfigLike,
@@ -107,8 +112,11 @@ def _build(
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     # fork_rng: seed the init (and any freshly initialised head of a loaded model) without
-    # disturbing the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
+    # disturbing the caller's global RNG stream. The init draws from torch's *global* RNG (transformers'
+    # _init_weights takes no generator), so two builds on two threads (the in-process backend builds each worker
+    # on its own thread) would interleave their draws and one's fork_rng restore would clobber the other's seed:
+    # _SEEDED_BUILD_LOCK makes each seeded build whole, so (config, seed) gives the same weights on any thread.
+    with _SEEDED_BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if path is not None:
             p = _check_path(path)

@@ -218,12 +218,16 @@ class RuleRewardEngine:
     """Applies a registered rule reward to a batch of token ids.
 
     ``tokenizer`` needs ``decode(ids) -> str``; responses are decoded up to their
-    ``response_mask`` (the eos token is decoded too unless the tokenizer skips it).
+    ``response_mask`` (the eos token is decoded too unless the tokenizer skips it). Every score must be a
+    finite float: a NaN or infinite one is a ``ValueError`` naming ``task`` (the job's ``task.name``, when given),
+    the reward and the first bad response, since it would otherwise turn the step's advantages, loss and metrics
+    into NaN without stopping the run.
     """
 
-    def __init__(self, name: str, tokenizer: Any, **kw: Any) -> None:
+    def __init__(self, name: str, tokenizer: Any, *, task: str | None = None, **kw: Any) -> None:
         self.fn = get_reward(name)
         self.name = name
+        self.task = task
         self.tokenizer = tokenizer
         self.kw = kw
 
@@ -237,6 +241,15 @@ class RuleRewardEngine:
         """``scores`` [B] (float32) and ``token_level_scores`` [B, R] (score at the last response token)."""
         texts = self.decode_responses(batch)
         scores = torch.tensor(self.fn(texts, ground_truths, **self.kw), dtype=torch.float32)
+        bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
+        if bad:
+            i = bad[0]
+            who = f"task {self.task!r}: reward {self.name!r}" if self.task else f"reward {self.name!r}"
+            raise ValueError(
+                f"{who} returned {scores[i].item()} for {len(bad)} of {len(texts)} responses (first at row {i}: "
+                f"response {texts[i]!r}, answer {ground_truths[i]!r}); a reward must be a finite float for every "
+                "response, or the step's advantages, loss and metrics turn into NaN: fix the reward function "
+                "(e.g. return 0.0 for a response it cannot score)")
         mask = batch["response_mask"].cpu() if "response_mask" in batch else torch.ones_like(batch["responses"].cpu())
         return TensorDict(
             {"scores": scores, "token_level_scores": _place_at_last(scores, mask)}, batch_size=[len(texts)]
@@ -302,6 +315,11 @@ class RewardModelEngine:
             last = (am.shape[1] - 1) - am.flip(-1).long().argmax(-1)  # last index with mask 1
             parts.append(per_token[torch.arange(ids.shape[0], device=ids.device), last].float())
         scores = torch.cat(parts).cpu()
+        bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
+        if bad:  # a diverged or broken reward model: refuse rather than train on NaN advantages
+            raise ValueError(f"RewardModelEngine.score: the reward model gave {scores[bad[0]].item()} for {len(bad)} "
+                             f"of {rows} rows (first at row {bad[0]}); scores must be finite: check the reward "
+                             "model's weights and dtype")
         out: dict[str, torch.Tensor] = {"scores": scores}
         if "response_mask" in data:
             out["token_level_scores"] = _place_at_last(scores, data["response_mask"].cpu())

@@ -463,9 +463,10 @@ class RewardWorker(Worker):
     """Rule-based reward on CPU: decode the (masked) responses, compare with a ground-truth column."""
 
     def __init__(self, reward: str | Callable[..., Sequence[float]], tokenizer: Any, *,
-                 answer_key: str = "answer", num_threads: int | None = 1, **reward_kwargs: Any) -> None:
+                 answer_key: str = "answer", num_threads: int | None = 1, task: str | None = None,
+                 **reward_kwargs: Any) -> None:
         """``reward``: a name from ``engines.reward`` (``list_rewards()``) or ``fn(texts, truths, **kw)``;
-        ``reward_kwargs`` go to it."""
+        ``reward_kwargs`` go to it. ``task``: the job's task name, for the error a non-finite score raises."""
         from engines.reward import RuleRewardEngine, register_reward
 
         if num_threads:
@@ -482,7 +483,7 @@ class RewardWorker(Worker):
         if tok is None or not hasattr(tok, "decode"):
             raise TypeError("RewardWorker needs a tokenizer with decode(ids): pass 'char', a local HF tokenizer "
                             "name/path, or a tokenizer object")
-        self.engine = RuleRewardEngine(name, tok, **reward_kwargs)
+        self.engine = RuleRewardEngine(name, tok, task=task, **reward_kwargs)
         self.answer_key = answer_key
 
     @endpoint(D.shard(), requires=["responses"])

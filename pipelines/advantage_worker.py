@@ -104,8 +104,11 @@ class AdvantageWorker(Worker):
     @endpoint(D.shard() | D.metrics("sum"))
     def moments(self, batch: Batch, key: str = "advantages") -> dict[str, float]:
         """Sum, sum of squares and count of ``key`` over valid response tokens (reduced over ranks by sum).
-        A per-sequence ``key`` ([B]) counts once for each valid token of its row."""
+        A per-sequence ``key`` ([B]) counts once for each valid token of its row. Rows whose ``advantage_mask`` is 0
+        (DAPO's filler rows, held at advantage 0) are left out."""
         x, m = batch[key].double(), batch["response_mask"].bool()
+        if "advantage_mask" in batch.keys():
+            m = m & batch["advantage_mask"].bool()[:, None]
         if x.dim() == 1:
             x = x[:, None].expand(m.shape)
         v = x[m]

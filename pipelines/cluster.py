@@ -182,7 +182,8 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     reward_pool = ResourcePool(process_on_nodes=[r.reward_workers], name="reward", backend=r.backend)
     reward_views = WorkerGroup.colocate(reward_pool, {"reward": RewardWorker, "advantage": AdvantageWorker},
                                        group_name="reward",
-                                       reward=dict(reward=task.reward_fn, tokenizer=tok, **task.reward_kwargs))
+                                       reward=dict(reward=task.reward_fn, tokenizer=tok, task=task.name,
+                                                   **task.reward_kwargs))
     pools.append(reward_pool)
     return Cluster(actor=views["actor"], rollout=rollout, reward=reward_views["reward"],
                    advantage=reward_views["advantage"], critic=views.get("critic"), pools=pools)

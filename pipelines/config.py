@@ -172,7 +172,8 @@ class RolloutConfig(_Model):
     top_p: Float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the top tokens with this much mass (1: off)")
     top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0: no top-k filtering)")
     max_new_tokens: int = Field(3, ge=1, description="Response length budget, in tokens (below model.max_seq_len)")
-    seed: int = Field(0, ge=0, description="Seed of the sampling")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the sampling (32 bits: the sampling seed hash "
+                      "takes 32)")
 
 
 _SCHEDULE = "After warmup: constant, or cosine decay to min_lr_ratio x lr at the last optimizer step"
@@ -241,7 +242,8 @@ class AlgorithmConfig(_Model):
     kl_in: Literal["loss", "reward"] = Field("loss", description="KL as a loss term (GRPO) or a reward penalty (PPO)")
     kl_target: Float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef toward this k1 KL per token; "
                                     "null: fixed kl_coef")
-    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL: how fast the coefficient moves, in samples")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL: how fast the coefficient moves, in samples "
+                            "(> 0.2 x prompts_per_step x rollout.n)")
     overlong_buffer: int | None = Field(None, ge=1, description="DAPO overlong penalty on the last this-many tokens "
                                         "of rollout.max_new_tokens; null: off")
     overlong_penalty: Float = Field(1.0, ge=0, description="Score penalty at rollout.max_new_tokens (linear from 0)")
@@ -253,7 +255,8 @@ class RunnerConfig(_Model):
     """The training loop: steps, overlap, streaming, checkpoints and outputs."""
 
     _section = "runner"
-    seed: int = Field(0, ge=0, description="Seed of model init and the global torch RNG")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of model init and the global torch RNG (32 bits: "
+                      "numpy's global seed takes 32)")
     total_steps: int = Field(200, ge=1, description="Training steps of the run")
     max_bad_steps: int = Field(3, ge=1, description="Stop after this many consecutive non-finite loss/grad-norm steps")
     max_staleness: int = Field(0, ge=0, le=1, description="1: step k+1's rollout overlaps step k's update")
@@ -366,6 +369,15 @@ class Config(_Model):
             raise ConfigError(
                 f"algorithm.kl_target: bad value {alg.kl_target}; the adaptive KL controller starts from "
                 "algorithm.kl_coef, which is 0 (no KL term): set algorithm.kl_coef > 0", "algorithm.kl_target")
+        samples = self.data.prompts_per_step * self.rollout.n
+        if alg.kl_target is not None and 5 * alg.kl_horizon <= samples:
+            # pipelines.algorithms.min_kl_horizon: the controller's factor 1 + clip(err, +-0.2) x samples / horizon
+            raise ConfigError(
+                f"algorithm.kl_horizon: bad value {alg.kl_horizon}; the adaptive KL controller scales kl_coef by "
+                f"1 + clip(KL/target - 1, -0.2, 0.2) x samples/kl_horizon after each step, which can reach 0 or "
+                f"below (a negative KL coefficient) with {samples} samples a step (data.prompts_per_step "
+                f"{self.data.prompts_per_step} x rollout.n {self.rollout.n}): kl_horizon must be > 0.2 x {samples} "
+                f"= {samples / 5:g}, i.e. at least {samples // 5 + 1}", "algorithm.kl_horizon")
         if "warm_start_steps" in self.task.params:  # early, torch-free; get_task checks the built task again
             from .tasks import whole_number
 

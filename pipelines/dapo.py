@@ -27,5 +27,5 @@ __all__ = ["dapo_step"]
 async def dapo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     """One DAPO step: dynamic sampling starting from ``rollouts``, then the update on the groups kept."""
     groups = await dynamic_sampling(ctx, rollouts)
-    metrics = await critic_free_update(ctx, groups.rollouts, groups.scores, streamed=False)
+    metrics = await critic_free_update(ctx, groups.rollouts, groups.scores, streamed=False, filler=groups.filler)
     return {**metrics, **ctx.score_metrics(groups.sampled_scores), **groups.metrics}

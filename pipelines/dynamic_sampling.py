@@ -8,7 +8,8 @@ round's rollout future from the rollout workers), so no rollout row passes throu
 When ``algorithm.dynamic_sampling_max_rounds`` extra rounds are used up the step trains on the groups it kept and
 says so (``dynamic_sampling/bound_hit``, a log line); it never trains on nothing: below the rows the update needs
 (a row per mini-batch on every actor rank) it tops up with dropped groups, whose advantages are 0
-(``dynamic_sampling/filler_groups``).
+(``dynamic_sampling/filler_groups``; ``SampledGroups.filler`` marks their rows, and the update zeroes their
+advantages after any score shaping and whitening).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ log = logging.getLogger("orchestra")
 @dataclass(frozen=True)
 class SampledGroups:
     """What the stage hands to the update: the chosen groups' rollout rows (a future of the gather, on the workers)
-    and reward columns (row-aligned, prompt-major, ``rollout.n`` rows a group), every sampled row's score, and the
-    ``dynamic_sampling/*`` metrics."""
+    and reward columns (row-aligned, prompt-major, ``rollout.n`` rows a group), every sampled row's score, the
+    ``dynamic_sampling/*`` metrics, and ``filler`` (bool [rows], row-aligned with ``scores``): the rows of dropped
+    groups that only fill the update, whose advantages the update must hold at exactly 0."""
 
     rollouts: DataFuture
     scores: Batch
     sampled_scores: Tensor
     metrics: dict[str, float]
+    filler: Tensor
 
 
 def next_round_prompts(missing: int, kept: int, seen: int, *, cap: int, multiple: int = 1) -> int:
@@ -115,7 +118,10 @@ async def dynamic_sampling(ctx: StepContext, rollouts: DataFuture) -> SampledGro
         log.warning("step %d: dynamic sampling kept %d of %d groups after %d extra round(s) "
                     "(algorithm.dynamic_sampling_max_rounds=%d); training on those%s", ctx.step, kept, target,
                     extra, max_rounds, f" plus {filler} all-equal group(s) to fill the update" if filler else "")
-    picks = _picks(keeps, take * n) + _picks([~k for k in keeps], filler * n)
+    kept_picks, filler_picks = _picks(keeps, take * n), _picks([~k for k in keeps], filler * n)
+    picks = kept_picks + filler_picks
+    kept_rows = sum(len(rows) for _, rows in kept_picks)
+    is_filler = torch.arange(kept_rows + sum(len(rows) for _, rows in filler_picks)) >= kept_rows
     chosen_s = Batch.concat([round_scores[r][rows] for r, rows in picks])
     chosen_r = c.advantage.gather_groups(*rounds, picks=picks, pad_id=pad_id)
     metrics = {"dynamic_sampling/rounds": float(extra + 1), "dynamic_sampling/extra_rounds": float(extra),
@@ -124,4 +130,5 @@ async def dynamic_sampling(ctx: StepContext, rollouts: DataFuture) -> SampledGro
                "dynamic_sampling/filler_groups": float(filler), "dynamic_sampling/bound_hit": float(bound_hit),
                "dynamic_sampling/keep_rate": kept / max(seen, 1),
                "dynamic_sampling/trained_reward_mean": float(chosen_s["scores"].double().mean())}
-    return SampledGroups(rollouts=chosen_r, scores=chosen_s, sampled_scores=torch.cat(sampled), metrics=metrics)
+    return SampledGroups(rollouts=chosen_r, scores=chosen_s, sampled_scores=torch.cat(sampled), metrics=metrics,
+                         filler=is_filler)

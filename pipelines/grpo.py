@@ -44,10 +44,15 @@ async def _get(x: DataFuture | Batch) -> Batch:
 
 
 async def critic_free_update(ctx: StepContext, rollouts: DataFuture, scores: DataFuture | Batch,
-                             streamed: bool = True) -> dict[str, float]:
+                             streamed: bool = True, filler: torch.Tensor | None = None) -> dict[str, float]:
     """Advantages from ``scores`` (the reward stage's output for ``rollouts``) and one actor update. ``rollouts``
     is the runner's streamed future (GRPO; its stages map over parts as they arrive) or a finished set of rows
-    (DAPO's kept groups, gathered on a worker: ``streamed=False``, each stage reads its shard of them)."""
+    (DAPO's kept groups, gathered on a worker: ``streamed=False``, each stage reads its shard of them).
+
+    ``filler`` (bool [B], per-sequence estimators only): rows that only fill the update (DAPO's dropped groups).
+    Their advantage is exactly 0 whatever the score shaping (the overlong penalty differs with the length inside
+    an all-equal group): it is zeroed here, and the ``advantage_mask`` column the update and the advantage moments
+    read keeps it 0 after whitening and out of the whitening statistics."""
     cfg, alg, c = ctx.cfg, ctx.cfg.algorithm, ctx.cluster
     estimator = alg.adv_estimator or "grpo"
     beta = kl_coef(ctx)  # fixed, or the adaptive controller's (algorithm.kl_target)
@@ -73,6 +78,9 @@ async def critic_free_update(ctx: StepContext, rollouts: DataFuture, scores: Dat
         if alg.overlong_buffer is not None:
             greedy_lengths = c.advantage.response_lengths.options(stream=True)(ctx.greedy)
 
+    if filler is not None and estimator == "reinforce_pp":
+        raise ValueError("critic_free_update: filler rows need a per-sequence estimator; adv_estimator "
+                         "'reinforce_pp' computes token-level advantages on the workers (the DAPO config refuses it)")
     if estimator == "reinforce_pp":  # token-level: computed next to the rows, then whitened over the batch
         adv = stage("returns", c.advantage.reinforce_pp.options(**opts)(
             union(rollouts, scores, old, ref), gamma=alg.gamma, kl_coef=beta if kl_in_reward else 0.0,
@@ -101,7 +109,13 @@ async def critic_free_update(ctx: StepContext, rollouts: DataFuture, scores: Dat
         else:  # grpo, dr_grpo (no std)
             a = grpo_advantages(r, ones, group_size=n, norm_by_std=estimator == "grpo" and alg.norm_adv_by_std,
                                 eps=alg.adv_eps)[:, 0]
-        adv = Batch.from_dict({"advantages": a})
+        cols = {"advantages": a}
+        if filler is not None:
+            if filler.shape != a.shape:
+                raise ValueError(f"critic_free_update: filler has shape {tuple(filler.shape)}, the advantages "
+                                 f"{tuple(a.shape)}; it must mark each trained row")
+            cols = {"advantages": a.masked_fill(filler, 0.0), "advantage_mask": (~filler).to(a.dtype)}
+        adv = Batch.from_dict(cols)
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         mean, std = whitening(await c.advantage.moments(union(rollouts, adv)))
         extra.update({"adv/mean": mean, "adv/std": std})

@@ -4,14 +4,44 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
 
-__all__ = ["MetricsSink", "plot_metrics", "read_metrics"]
+__all__ = ["MetricsSink", "decode_record", "encode_record", "plot_metrics", "read_metrics"]
 
 log = logging.getLogger("orchestra")
+
+NONFINITE_KEY = "nonfinite"  # the record key that keeps what a null stands for ("NaN", "Infinity", "-Infinity")
+
+
+def encode_record(rec: dict[str, Any]) -> str:
+    """One strict-JSON line for ``rec``: a non-finite float (a diverged loss) becomes ``null`` and its value is kept
+    under ``"nonfinite": {key: "NaN" | "Infinity" | "-Infinity"}``. Python's default would write bare ``NaN``
+    tokens, which jq and other strict JSON readers refuse; :func:`read_metrics` puts the floats back."""
+    if NONFINITE_KEY in rec:
+        raise ValueError(f"a metrics record may not have a {NONFINITE_KEY!r} key (metrics.jsonl uses it for "
+                         f"non-finite values); rename it: {sorted(rec)}")
+    out: dict[str, Any] = {}
+    bad: dict[str, str] = {}
+    for k, v in rec.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k], bad[k] = None, json.dumps(v)  # 'NaN', 'Infinity' or '-Infinity'
+        else:
+            out[k] = v
+    if bad:
+        out[NONFINITE_KEY] = bad
+    return json.dumps(out, allow_nan=False)
+
+
+def decode_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """The record :func:`encode_record` was given: the ``nonfinite`` values put back as floats."""
+    bad = rec.pop(NONFINITE_KEY, None)
+    if isinstance(bad, dict):
+        rec.update({k: float(v) for k, v in bad.items()})
+    return rec
 
 
 def _parse_lines(path: Path, *, torn_tail_ok: bool) -> list[tuple[str, dict[str, Any]]]:
@@ -36,7 +66,8 @@ def _parse_lines(path: Path, *, torn_tail_ok: bool) -> list[tuple[str, dict[str,
 
 
 class MetricsSink:
-    """Appends one JSON object per step to ``metrics.jsonl``; mirrors numbers to TensorBoard if enabled.
+    """Appends one strict-JSON object per step to ``metrics.jsonl`` (:func:`encode_record`: a non-finite value is
+    ``null`` plus a ``nonfinite`` entry); mirrors numbers to TensorBoard if enabled.
 
     On resume, step lines after the checkpointed step (``truncate_after``) are dropped so that the file reads as one
     uninterrupted run; event lines (``"event"`` key: a restart) are kept.
@@ -63,7 +94,7 @@ class MetricsSink:
     def write(self, rec: dict[str, Any]) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(encode_record(rec) + "\n")
         if self._tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -84,7 +115,7 @@ class MetricsSink:
             raise ValueError(f"an event line needs 'event' and 'step' keys, got {sorted(rec)}")
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(encode_record(rec) + "\n")
 
     def close(self) -> None:
         if self._tb is not None:
@@ -92,8 +123,9 @@ class MetricsSink:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file (a bad line raises :class:`CheckpointError` naming it)."""
-    return [rec for _, rec in _parse_lines(Path(path), torn_tail_ok=False)]
+    """The records of a ``metrics.jsonl`` file (a bad line raises :class:`CheckpointError` naming it), with the
+    non-finite values that :func:`encode_record` wrote as ``null`` put back as floats."""
+    return [decode_record(rec) for _, rec in _parse_lines(Path(path), torn_tail_ok=False)]
 
 
 def plot_metrics(path: str | Path, png: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> Path | None:

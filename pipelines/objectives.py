@@ -49,7 +49,8 @@ class PolicyLoss:
     - entropy_coef x entropy + kl_coef x KL-to-reference.
 
     Reads ``old_log_probs``, ``advantages`` ([B] per sequence or [B, R] per token), ``response_mask`` and, when
-    ``kl_coef > 0``, ``ref_log_probs``. ``adv_mean``/``adv_std`` whiten advantages with batch-wide statistics.
+    ``kl_coef > 0``, ``ref_log_probs``. ``adv_mean``/``adv_std`` whiten advantages with batch-wide statistics; an
+    optional ``advantage_mask`` [B] (0: a filler row of DAPO) then multiplies them, so a masked row's advantage is 0.
     ``kl_estimator`` is the KL estimator *of the loss term* (k3 by default; see docs/algorithms.md). With
     ``entropy_coef > 0`` descending the loss raises the policy's entropy. With ``rollout_is_cap`` set, each token's
     surrogate is weighted by ``min(pi_old / pi_rollout, cap)`` from ``old_log_probs`` and ``rollout_log_probs``
@@ -79,6 +80,8 @@ class PolicyLoss:
         logp, mask = outputs["log_probs"], mb["response_mask"]
         old = mb["old_log_probs"].to(logp.dtype)
         adv = (_per_token(mb["advantages"].to(logp.dtype), logp) - self.adv_mean) / self.adv_std
+        if "advantage_mask" in mb:  # rows that only fill the update (DAPO): advantage exactly 0 after whitening
+            adv = adv * _per_token(mb["advantage_mask"].to(logp.dtype), logp)
         weights, tis_metrics = None, {}
         if self.rollout_is_cap is not None:
             weights, tis_metrics = truncated_is_weights(old, mb["rollout_log_probs"].to(logp.dtype), mask,

@@ -17,7 +17,7 @@ from .advantages import (
     remax_advantages,
     rloo_advantages,
 )
-from .kl import KL_KINDS, AdaptiveKLController, KLKind, apply_kl_penalty, kl_loss, kl_penalty
+from .kl import KL_KINDS, AdaptiveKLController, KLKind, apply_kl_penalty, kl_loss, kl_penalty, min_kl_horizon
 from .losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -57,6 +57,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "min_kl_horizon",
     "outcome_to_token_scores",
     "overlong_penalty",
     "policy_loss",

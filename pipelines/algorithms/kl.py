@@ -63,13 +63,26 @@ def kl_loss(
     return aggregate(kl_penalty(logp, ref_logp.detach(), kind), response_mask, agg, normalizer)
 
 
+def min_kl_horizon(samples_per_step: int) -> int:
+    """The smallest ``algorithm.kl_horizon`` that keeps :class:`AdaptiveKLController`'s update factor positive for
+    steps of ``samples_per_step`` samples: the least integer above ``0.2 x samples_per_step``."""
+    return samples_per_step // 5 + 1  # 5 = 1 / AdaptiveKLController.MAX_ERROR
+
+
 class AdaptiveKLController:
     """The proportional KL controller of Ziegler et al. 2019 (""Fine-tuning language models from human
     preferences""): after each step, ``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon``.
 
     The coefficient rises while the measured KL is above ``target`` and falls while below, by at most 20 % of
     ``n_steps / horizon`` per update. Its whole state is :meth:`state_dict` (plain JSON), so a checkpoint can carry it.
+
+    The factor is > 0 for every measured KL only while ``n_steps < horizon / MAX_ERROR`` (5 x horizon); at or past
+    that a KL below target would make the coefficient 0 or negative (the "KL term" would then push the policy away
+    from the reference), so :meth:`update` refuses such a step. The job's config refuses the horizon up front
+    (``algorithm.kl_horizon`` against ``data.prompts_per_step x rollout.n``, see :func:`min_kl_horizon`).
     """
+
+    MAX_ERROR = 0.2  # the clip of the proportional error; pipelines.config keeps its own copy (no torch there)
 
     def __init__(self, init_coef: float, target: float, horizon: int) -> None:
         if not (init_coef >= 0 and target > 0 and horizon > 0):
@@ -83,7 +96,12 @@ class AdaptiveKLController:
         the last update); returns the new coefficient. A non-finite ``kl`` is an error, not a silent NaN."""
         if not math.isfinite(kl):
             raise ValueError(f"AdaptiveKLController.update: kl must be finite, got {kl}")
-        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        if self.horizon < min_kl_horizon(n_steps):  # integers: exact at the bound
+            raise ValueError(
+                f"AdaptiveKLController.update: a step of {n_steps} samples with horizon {self.horizon} could scale the "
+                f"KL coefficient by 1 - {self.MAX_ERROR} x {n_steps}/{self.horizon} <= 0; set algorithm.kl_horizon > "
+                f"{n_steps / 5:g} (at least {min_kl_horizon(n_steps)}) or sample fewer rows a step")
+        error = min(max(kl / self.target - 1.0, -self.MAX_ERROR), self.MAX_ERROR)
         self.coef *= 1.0 + error * n_steps / self.horizon
         return self.coef
 

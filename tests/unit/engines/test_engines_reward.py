@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from engines_testutils import VOCAB, make_batch
@@ -107,3 +109,17 @@ def test_reward_model_engine_pools_last_real_token():
         last = int(batch["response_mask"][i].sum()) - 1
         assert out["token_level_scores"][i, last] == out["scores"][i]
         assert out["token_level_scores"][i].count_nonzero() <= 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_rule_reward_engine_refuses_a_non_finite_score_naming_the_task(bad):
+    # a buggy reward (0/0, a parse failure) used to flow into the advantages and the metrics as NaN, exit 0
+    register_reward("test_non_finite_reward", overwrite=True)(lambda texts, truths: [1.0, bad])
+    batch = {"responses": torch.tensor([[4, 2], [1, 8]]), "response_mask": torch.tensor([[1, 1], [1, 1]])}
+    eng = RuleRewardEngine("test_non_finite_reward", _DigitTok(), task="my_task")
+    with pytest.raises(ValueError, match=rf"task 'my_task'.*reward 'test_non_finite_reward'.*{bad}.*1 of 2 "
+                                         r"responses.*row 1: response '18', answer '7'.*finite float"):
+        eng.score(batch, ["42", "7"])
+    plain = RuleRewardEngine("test_non_finite_reward", _DigitTok())  # no task: the reward alone is named
+    with pytest.raises(ValueError, match=r"^reward 'test_non_finite_reward' returned"):
+        plain.score(batch, ["42", "7"])

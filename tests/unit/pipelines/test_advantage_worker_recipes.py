@@ -37,3 +37,12 @@ def test_kl_moments_and_response_lengths(worker_and_batch):
     w, b = worker_and_batch
     assert AdvantageWorker.kl_moments(w, b) == {"sum": 1.5, "count": 3.0}
     assert AdvantageWorker.response_lengths(w, b)["response_length"].tolist() == [2, 1]
+
+
+def test_moments_leave_out_rows_whose_advantage_is_masked(worker_and_batch):
+    # DAPO's filler rows (advantage_mask 0) are not part of the batch whose advantages are whitened: only row 0's
+    # two tokens count (value 1 each)
+    w, b = worker_and_batch
+    b = Batch.from_dict({"response_mask": b["response_mask"], "advantages": b["advantages"],
+                         "advantage_mask": torch.tensor([1.0, 0.0])})
+    assert AdvantageWorker.moments(w, b) == {"sum": 2.0, "sumsq": 2.0, "count": 2.0}

@@ -159,3 +159,15 @@ def test_adaptive_kl_refuses_a_non_finite_kl():
     with pytest.raises(ValueError, match="finite"):
         c.update(math.nan)
     assert c.coef == 0.1
+
+
+def test_adaptive_kl_never_turns_the_coefficient_negative():
+    # factor 1 + error * n/horizon with error >= -0.2: <= 0 once n >= 5 x horizon. Horizon 4, 32 samples: the factor
+    # would be 1 - 0.2 * 8 = -0.6 (coef 0.05 -> -0.03); refused, naming the bound, and the coefficient is unchanged.
+    c = AdaptiveKLController(0.05, target=10.0, horizon=4)
+    with pytest.raises(ValueError, match=r"32 samples.*horizon 4.*algorithm.kl_horizon > 6.4"):
+        c.update(0.0, n_steps=32)
+    assert c.coef == 0.05
+    # horizon 7 (> 32 / 5): 0.05 * (1 - 0.2 * 32/7) = 0.05 * 3/35, small but positive
+    c = AdaptiveKLController(0.05, target=10.0, horizon=7)
+    assert c.update(0.0, n_steps=32) == pytest.approx(0.05 * 3 / 35, rel=1e-12) and c.coef > 0

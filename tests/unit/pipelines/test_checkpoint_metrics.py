@@ -35,3 +35,24 @@ def test_fresh_run_starts_an_empty_file(tmp_path):
     sink.write({"step": 0, "x": 1.0})
     sink.close()
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "x": 1.0}]
+
+
+def _strict(line):
+    """json.loads that refuses the NaN / Infinity tokens, as jq and every strict JSON reader do."""
+    return json.loads(line, parse_constant=lambda token: pytest.fail(f"non-JSON token {token} in {line!r}"))
+
+
+def test_non_finite_metrics_are_written_as_strict_json_and_read_back(tmp_path):
+    import math
+
+    sink = MetricsSink(tmp_path)
+    sink.write({"step": 0, "actor/loss": math.nan, "actor/grad_norm": math.inf, "x": -math.inf, "y": 1.5})
+    sink.event({"event": "restart", "step": 0, "lost": math.nan})
+    sink.close()
+    step, event = [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert step == {"step": 0, "actor/loss": None, "actor/grad_norm": None, "x": None, "y": 1.5,
+                    "nonfinite": {"actor/loss": "NaN", "actor/grad_norm": "Infinity", "x": "-Infinity"}}
+    assert event == {"event": "restart", "step": 0, "lost": None, "nonfinite": {"lost": "NaN"}}
+    back = read_metrics(tmp_path / "metrics.jsonl")  # the Python reader restores the values
+    assert math.isnan(back[0]["actor/loss"]) and back[0]["actor/grad_norm"] == math.inf and back[0]["x"] == -math.inf
+    assert back[0]["y"] == 1.5 and "nonfinite" not in back[0] and math.isnan(back[1]["lost"])

@@ -32,6 +32,14 @@ class Endpoint:
         return FakeFuture(self.fn(*args, **kwargs))
 
 
+def _moments(b):
+    """The advantage workers' moments of the union handed to them (rows and controller-made advantages)."""
+    from pipelines.advantage_worker import AdvantageWorker
+
+    cols = {k: part[k] for part in _parts(b) for k in ("response_mask", "advantages", "advantage_mask") if k in part}
+    return AdvantageWorker.moments(AdvantageWorker.__new__(AdvantageWorker), Batch.from_dict(cols))
+
+
 def _cluster(calls):
     def score(rollouts):
         b = _value(rollouts)
@@ -52,7 +60,7 @@ def _cluster(calls):
     c.actor.update_actor = ep("actor.update_actor", lambda b, **kw: {"actor/loss": 0.1})
     c.advantage = C()
     c.advantage.response_lengths = ep("advantage.response_lengths", lengths)
-    c.advantage.moments = ep("advantage.moments", lambda b: {"sum": 0.0, "sumsq": 1.0, "count": 1.0})
+    c.advantage.moments = ep("advantage.moments", _moments)
     c.advantage.gather_groups = ep("advantage.gather_groups", lambda *rounds, picks, pad_id: gather_groups(
         [_value(r) for r in rounds], picks, pad_id))
     return c
@@ -185,6 +193,25 @@ async def test_all_groups_dropped_fills_the_update_with_zero_advantage_groups(ca
     assert asked == [] and len(rows) == 4 and adv == [0.0] * 4
     assert (m["dynamic_sampling/trained_groups"], m["dynamic_sampling/filler_groups"]) == (0, 2)
     assert m["dynamic_sampling/bound_hit"] == 1 and "plus 2 all-equal group(s)" in caplog.text
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+async def test_filler_groups_carry_advantage_zero_under_the_overlong_penalty(estimator):
+    # group 0 kept ([1, 0]); group 1 all equal (dropped) with responses of 1 and 3 tokens: the overlong penalty
+    # (max 3, buffer 2) gives its rows 0 and -1, which used to give the filler rows advantages of +-0.71
+    first = rollouts([[1.0, 0.0], [0.0, 0.0]], resp=3, tag=0)
+    first["response_mask"][2] = torch.tensor([1, 0, 0])
+    update, _, m = await _run(dapo_step, [*DAPO, "algorithm.dynamic_sampling_max_rounds=0", "actor.mini_batches=3",
+                                          "rollout.max_new_tokens=3", "algorithm.overlong_buffer=2",
+                                          f"algorithm.adv_estimator={estimator}"], first)
+    assert (m["dynamic_sampling/trained_groups"], m["dynamic_sampling/filler_groups"]) == (1, 1)
+    rows, adv = _trained(update)
+    parts = _parts(update["_args"][0])
+    mask = next(b for b in parts if "advantage_mask" in b)["advantage_mask"].tolist()
+    assert rows["tag"].tolist() == [0, 0, 0, 0] and mask == [1.0, 1.0, 0.0, 0.0]
+    assert adv[2:] == [0.0, 0.0] and adv[0] > 0 > adv[1]
+    if estimator == "reinforce_pp_baseline":  # whitened over the kept rows only: +-0.5 on 3 tokens each
+        assert (m["adv/mean"], m["adv/std"]) == (pytest.approx(0.0), pytest.approx(0.5))
 
 
 async def test_one_sample_groups_are_a_config_error_for_dapo():

@@ -105,3 +105,15 @@ def test_entropy_is_finite_with_filtered_logits():
     ent.sum().backward()
     assert ent[0].tolist() == pytest.approx([math.log(2), 0.5623351446])
     assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_rows_with_a_zero_advantage_mask_get_no_policy_gradient_after_whitening(agg):
+    # DAPO filler rows: advantage exactly 0 even when the batch's whitening would shift a 0 to -mean/std
+    torch.manual_seed(0)
+    logp = torch.randn(4, 3).requires_grad_()
+    mb = {"old_log_probs": logp.detach() + 0.1 * torch.randn(4, 3), "advantages": torch.tensor([1.0, -1.0, 0.0, 0.0]),
+          "response_mask": torch.ones(4, 3), "advantage_mask": torch.tensor([1.0, 1.0, 0.0, 0.0])}
+    loss, _ = PolicyLoss(agg=agg, adv_mean=0.3, adv_std=2.0)({"log_probs": logp}, mb)
+    loss.backward()
+    assert torch.equal(logp.grad[2:], torch.zeros(2, 3)) and bool((logp.grad[:2] != 0).any())

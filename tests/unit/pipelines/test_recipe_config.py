@@ -109,3 +109,25 @@ async def test_every_documented_recipe_trains(tmp_path, command):
     (rec,) = await Runner(cfg, progress=False).run()
     assert math.isfinite(rec["actor/loss"]) and math.isfinite(rec["actor/grad_norm"]) and rec["actor/grad_norm"] > 0
     assert rec["actor/weights_version"] == 1 and rec["actor/skipped"] == 0
+
+
+def test_adaptive_kl_horizon_must_keep_the_update_factor_positive():
+    # 8 prompts x 4 samples = 32 samples a step: the factor 1 - 0.2 x 32 / horizon is > 0 only for horizon > 6.4
+    job = ["data.prompts_per_step=8", "rollout.n=4", "algorithm.kl_coef=0.05", "algorithm.kl_target=10"]
+    with pytest.raises(ConfigError, match=r"algorithm.kl_horizon: bad value 6; .*32 samples a step "
+                                          r"\(data.prompts_per_step 8 x rollout.n 4\).*at least 7") as e:
+        load_config(None, [*job, "algorithm.kl_horizon=6"])
+    assert e.value.path == "algorithm.kl_horizon"
+    assert load_config(None, [*job, "algorithm.kl_horizon=7"]).algorithm.kl_horizon == 7
+    assert algorithms.min_kl_horizon(32) == 7 and algorithms.min_kl_horizon(35) == 8  # the controller's own bound
+    assert load_config(None, [*job[:2], "algorithm.kl_horizon=4"]).algorithm.kl_horizon == 4  # no controller: unused
+
+
+@pytest.mark.parametrize("key", ["runner.seed", "rollout.seed"])
+def test_seeds_are_bounded_to_32_bits_in_the_config(key):
+    # runner.seed goes to np.random.seed (< 2**32: it used to crash late, after config.json was written);
+    # rollout.seed is folded to 32 bits by the sampling seed hash (2**32 used to run as seed 0)
+    assert getattr(getattr(load_config(None, [f"{key}=4294967295"]), key.split(".")[0]), "seed") == 2**32 - 1
+    with pytest.raises(ConfigError, match=rf"{key}.*4294967296.*<= 4294967295") as e:
+        load_config(None, [f"{key}=4294967296"])
+    assert e.value.path == key
