@@ -115,4 +115,28 @@ def get_task(cfg: Config) -> TaskSpec:
     if cfg.data.train_path:
         records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",))
         spec = replace(spec, records=records)
+    if cfg.model.path is None:
+        _check_positions(cfg, spec)
     return spec
+
+
+def _check_positions(cfg: Config, spec: TaskSpec) -> None:
+    """The tiny model's ``model.max_seq_len`` positions must hold the longest prompt (bos included) plus
+    ``rollout.max_new_tokens``: a rotary model runs past its positions without an error, so a setting too small
+    would be accepted and mean nothing."""
+    tok = spec.tokenizer()
+    longest = 0
+    for i, r in enumerate(spec.records):
+        try:
+            longest = max(longest, len(tok.encode(r["prompt"], add_bos=True)))
+        except ValueError as e:  # a character the task's tokenizer does not know: the rollout would fail on it
+            where = f"data.train_path ({cfg.data.train_path})" if cfg.data.train_path else f"task {cfg.task.name!r}"
+            raise ConfigError(f"{where}: prompt {i} cannot be tokenized by the task's tokenizer ({e})",
+                              "data.train_path" if cfg.data.train_path else "task.name") from None
+    need = longest + cfg.rollout.max_new_tokens
+    if need > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"model.max_seq_len: bad value {cfg.model.max_seq_len}; the task's longest prompt is {longest} tokens "
+            f"(bos included) and rollout.max_new_tokens is {cfg.rollout.max_new_tokens}, so the model needs at "
+            f"least {need} positions: raise model.max_seq_len to {need} or more (or shorten the prompts)",
+            "model.max_seq_len")

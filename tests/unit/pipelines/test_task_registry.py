@@ -186,3 +186,16 @@ def test_a_task_builder_that_warm_starts_by_itself_is_checked_too():
             get_task(load_config(None, ["task.name=warm_by_itself_for_test", "algorithm.kl_coef=0.05"]))
     finally:
         tasks.registry._REGISTRY.pop("warm_by_itself_for_test", None)
+
+
+def test_prompts_longer_than_the_models_positions_are_a_config_error():
+    """``model.max_seq_len`` is the tiny model's positions (prompt + response): a setting that cannot hold the task's
+    longest prompt (bos included) plus ``rollout.max_new_tokens`` used to be accepted and silently ignored."""
+    cfg = load_config(None, ["model.max_seq_len=4", "rollout.max_new_tokens=3"])
+    with pytest.raises(ConfigError, match=r"model.max_seq_len.*longest prompt is \d+ tokens.*at least \d+"):
+        get_task(cfg)
+    spec = get_task(load_config(None, []))  # the defaults fit
+    longest = max(len(spec.tokenizer().encode(r["prompt"], add_bos=True)) for r in spec.records)
+    get_task(load_config(None, [f"model.max_seq_len={longest + 3}", "rollout.max_new_tokens=3"]))  # exactly fits
+    with pytest.raises(ConfigError, match="model.max_seq_len"):
+        get_task(load_config(None, [f"model.max_seq_len={longest + 2}", "rollout.max_new_tokens=3"]))
