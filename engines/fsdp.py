@@ -16,7 +16,10 @@ micro-batch loop the engine all-reduces the unit count ``N`` of the whole *globa
 by ``dp_size`` to undo FSDP's gradient averaging over ranks. ``sum_m (n_m / N) mean_m`` is the
 mean over the global mini-batch, so the gradient is that of the whole mini-batch's loss,
 independent of ``micro_batch_size`` and of the DP size, for token- and sequence-level means alike.
-The reported ``loss`` and every loss_fn metric are the same weighted means.
+The reported ``loss`` and every loss_fn metric are the same weighted means, except that a metric named in the
+loss object's ``metric_scales`` (``{name: "tokens" | "sequences" | "rows"}``) is weighted by those units: a
+token-mean metric such as a clip fraction or the entropy stays the mean over the mini-batch's tokens under a
+sequence-mean loss, so it does not change with ``micro_batch_size`` either.
 
 Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches so that every
 rank issues the same FSDP collectives (a batch need not split evenly over ranks).
@@ -184,7 +187,12 @@ def _micro_units(
     loss_fn: LossFn, default: str, response_mask: torch.Tensor, ranges: list[tuple[int, int]], tokens: list[float]
 ) -> list[float]:
     """Per micro-batch, the units ``loss_fn`` averages over (its ``loss_scale``, else ``default``)."""
-    scale = getattr(loss_fn, "loss_scale", None) or default
+    return _units_of(getattr(loss_fn, "loss_scale", None) or default, response_mask, ranges, tokens)
+
+
+def _units_of(scale: str, response_mask: torch.Tensor, ranges: list[tuple[int, int]], tokens: list[float],
+              what: str = "loss_fn.loss_scale") -> list[float]:
+    """Per micro-batch, how many units of ``scale`` (one of ``LOSS_SCALES``) it holds."""
     if scale == "tokens":
         return tokens
     if scale == "sequences":
@@ -192,7 +200,7 @@ def _micro_units(
         return [float(has_token[s:e].sum().item()) for s, e in ranges]
     if scale == "rows":
         return [float(e - s) for s, e in ranges]
-    raise ValueError(f"train_step: loss_fn.loss_scale must be one of {', '.join(LOSS_SCALES)}, got {scale!r}")
+    raise ValueError(f"train_step: {what} must be one of {', '.join(LOSS_SCALES)}, got {scale!r}")
 
 
 class FSDPEngine:
@@ -420,13 +428,22 @@ class FSDPEngine:
             raise KeyError(f"train_step: batch needs 'response_mask' [B, R] (got keys {sorted(data)})")
         ranges = self._micro_ranges(rows, cfg.micro_batch_size)
         tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]
+        loss_scale = getattr(loss_fn, "loss_scale", None) or cfg.loss_scale
         units = _micro_units(loss_fn, cfg.loss_scale, data["response_mask"], ranges, tok)
-        counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges))], dtype=torch.float64, device=self.device)
+        # a metric is weighted by the units it is a mean over: the loss's, or those loss_fn.metric_scales names
+        metric_scales: dict[str, str] = dict(getattr(loss_fn, "metric_scales", None) or {})
+        scales = sorted({*metric_scales.values()} - {loss_scale})
+        scale_units = {sc: _units_of(sc, data["response_mask"], ranges, tok, "a value of loss_fn.metric_scales")
+                       for sc in scales}
+        counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges)),
+                               *[sum(scale_units[sc]) for sc in scales]], dtype=torch.float64, device=self.device)
         n_local = torch.tensor([len(ranges)], dtype=torch.int64, device=self.device)
         if self._world > 1:
             dist.all_reduce(counts)
             dist.all_reduce(n_local, op=dist.ReduceOp.MAX)
-        total_units, total_tokens, total_rows, total_micro = counts.tolist()
+        total_units, total_tokens, total_rows, total_micro, *scale_totals = counts.tolist()
+        weights_by_scale = {loss_scale: (units, total_units),
+                            **{sc: (scale_units[sc], t) for sc, t in zip(scales, scale_totals)}}
         n_global = int(n_local.item())
 
         self.model.train()
@@ -457,7 +474,8 @@ class FSDPEngine:
             metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
             for k, v in (metrics or {}).items():
                 fv = float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
-                metric_sums[k] = metric_sums.get(k, 0.0) + w * fv
+                mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]
+                metric_sums[k] = metric_sums.get(k, 0.0) + (mu[i] / mtotal if mtotal > 0 else 0.0) * fv
         if cfg.accumulate_without_sync and self._world > 1:
             self.model.set_requires_gradient_sync(True)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -106,6 +106,12 @@ class PolicyLoss:
         """The units the loss is a mean over, for the engine's micro-batch weighting."""
         return agg_units(self.agg)
 
+    # the metrics that are means over other units than the loss (engines.fsdp weights each by its own units)
+    metric_scales: ClassVar[dict[str, str]] = {
+        "entropy": "tokens", "clipfrac": "tokens", "clipfrac_dual": "tokens", "approx_kl": "tokens",
+        "ratio_mean": "tokens", "tis/weight_mean": "tokens", "tis/capped_frac": "tokens",
+        "seq_ratio_mean": "sequences"}
+
 
 @dataclass(frozen=True)
 class ValueLoss:
@@ -124,6 +130,8 @@ class ValueLoss:
     def loss_scale(self) -> str:
         """The units the loss is a mean over, for the engine's micro-batch weighting."""
         return agg_units(self.agg)
+
+    metric_scales: ClassVar[dict[str, str]] = {"vf_clipfrac": "tokens"}  # a mean over tokens in every mode
 
 
 @dataclass(frozen=True)

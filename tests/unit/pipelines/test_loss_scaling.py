@@ -42,6 +42,21 @@ def test_loss_and_grad_norm_do_not_depend_on_micro_batch_size(batch, full_batch_
         assert m["loss"] == pytest.approx(ref["loss"], rel=REL), (agg, mbs)
         assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL), (agg, mbs)
         assert m["pg_loss"] == pytest.approx(ref["pg_loss"], rel=REL), (agg, mbs)
+        # the token-mean metrics are means over the mini-batch's tokens in every mode (they were weighted by the
+        # loss's units, so a seq-mean mode's clipfrac, approx_kl, ratio_mean and entropy moved with the size)
+        for k in ("entropy", "clipfrac", "approx_kl", "ratio_mean", "kl_loss"):
+            assert m[k] == pytest.approx(ref[k], rel=REL, abs=1e-9), (agg, mbs, k)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_sequence_mean_metrics_do_not_depend_on_micro_batch_size(batch, agg):
+    """GSPO's ``seq_ratio_mean`` is a mean over sequences whatever the mode, its token metrics over tokens."""
+    loss = PolicyLoss(agg=agg, entropy_coef=0.01, loss_type="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    ref = _one_step(batch, 64, loss)
+    for mbs in (8, 5):
+        m = _one_step(batch, mbs, loss)
+        for k in ("loss", "seq_ratio_mean", "clipfrac", "entropy"):
+            assert m[k] == pytest.approx(ref[k], rel=REL, abs=1e-9), (agg, mbs, k)
 
 
 @pytest.mark.slow  # spawns a 2-process gloo group
