@@ -62,8 +62,11 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 
 def generation_seed(base: int, dp_rank: int, call: int) -> int:
-    """The sampling seed of call number ``call`` on DP rank ``dp_rank`` (a hash of the three, < 2**63)."""
-    words = np.random.SeedSequence([int(base) & 0xFFFFFFFF, int(dp_rank), int(call)]).generate_state(2)
+    """The sampling seed of call number ``call`` on DP rank ``dp_rank`` (a hash of the three, < 2**63). Every bit
+    of ``base`` counts (a seed of 2**32 is not 0's)."""
+    if int(base) < 0:
+        raise ValueError(f"generation_seed: the base seed must be >= 0, got {base}")
+    words = np.random.SeedSequence([int(base), int(dp_rank), int(call)]).generate_state(2)
     return int((int(words[0]) << 31) ^ int(words[1])) & ((1 << 63) - 1)
 
 

@@ -172,8 +172,7 @@ class RolloutConfig(_Model):
     top_p: Float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the top tokens with this much mass (1: off)")
     top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0: no top-k filtering)")
     max_new_tokens: int = Field(3, ge=1, description="Response length budget, in tokens (below model.max_seq_len)")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the sampling (32 bits: the sampling seed hash "
-                      "takes 32)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the sampling (32 bits, as runner.seed)")
 
 
 _SCHEDULE = "After warmup: constant, or cosine decay to min_lr_ratio x lr at the last optimizer step"

@@ -135,3 +135,15 @@ def test_bad_inputs(engine):
         SamplingParams(top_p=0.0)
     with pytest.raises(KeyError, match="no weights given"):
         engine.load_weights({})
+
+
+def test_generation_seeds_keep_every_bit_of_the_base_seed():
+    """A base seed of 2**32 or more used to be cut to its low 32 bits (2**32 sampled as 0 did); seeds of valid
+    32-bit bases are unchanged (golden values), and a negative base is refused."""
+    from engines.workers import generation_seed
+
+    assert generation_seed(5, 1, 2) == 8757564332041839212
+    assert generation_seed(0, 0, 0) == 6375474604893067239
+    assert generation_seed(2**32, 0, 0) != generation_seed(0, 0, 0)
+    with pytest.raises(ValueError, match="base seed"):
+        generation_seed(-1, 0, 0)
