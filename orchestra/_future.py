@@ -169,11 +169,10 @@ def _sources(x: Any) -> list[Any]:
 class UnionFuture(DataFuture):
     """Row-aligned union of several futures' (or batches') columns; later sources win on a name clash."""
 
-    __slots__ = ("_parts_of", "_value")
+    __slots__ = ("_parts_of",)
 
     def __init__(self, sources: list[Any]) -> None:
         self._parts_of = sources
-        self._value: Any = None
         first = next(s for s in sources if isinstance(s, DataFuture))
         super().__init__(first._inv)
 
@@ -203,18 +202,19 @@ class UnionFuture(DataFuture):
         raise TypeError("a union of futures has no outputs of its own; await it, or look at its sources")
 
     async def result(self) -> Batch:
-        if self._value is None:
-            vals = await asyncio.gather(*[s.result() if isinstance(s, DataFuture) else _const(s)
-                                          for s in self._parts_of])
-            for v, s in zip(vals, self._parts_of):
-                if not isinstance(v, Batch):
-                    raise TypeError(f"{getattr(s, 'group', '?')}.{getattr(s, 'endpoint', '?')} returned "
-                                    f"{type(v).__name__}; only Batch results can be joined with |")
-            out = vals[0]
-            for v in vals[1:]:
-                out = out.union(v)
-            self._value = out
-        return self._value
+        """The joined value, a private copy for each await (as a plain future's): every future's part is its own
+        await's copy, and a Batch of the caller's is copied, so writing into the result changes nothing the caller,
+        another reader or a later await sees."""
+        vals = await asyncio.gather(*[s.result() if isinstance(s, DataFuture) else _const(s.clone())
+                                      for s in self._parts_of])
+        for v, s in zip(vals, self._parts_of):
+            if not isinstance(v, Batch):
+                raise TypeError(f"{getattr(s, 'group', '?')}.{getattr(s, 'endpoint', '?')} returned "
+                                f"{type(v).__name__}; only Batch results can be joined with |")
+        out = vals[0]
+        for v in vals[1:]:
+            out = out.union(v)
+        return out
 
     async def parts(self) -> AsyncIterator[Part]:
         raise TypeError("a union of futures has no parts of its own; iterate its sources, or await it")

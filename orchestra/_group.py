@@ -16,10 +16,10 @@ from ._batch import Batch
 from ._errors import DispatchError, WorkerDiedError
 from ._future import DataFuture
 from ._host import CONCURRENCY_GROUPS, host_class, method_name
-from ._invocation import Invocation, closed_error, convert_error
+from ._invocation import Invocation, check_forwarded, closed_error, convert_error
 from ._pool import ResourcePool
 from ._worker import EndpointSpec, MeshInfo, Worker, endpoints_of
-from .dispatch import Plan
+from .dispatch import Plan, check_final
 from .dispatch import stream as stream_transform
 
 __all__ = ["WorkerGroup"]
@@ -623,6 +623,8 @@ class _Endpoint:
         plan = spec.dispatch.check(plan)
         if self.stream and not plan.stream:
             plan = stream_transform().check(plan)
+        check_final(plan, spec.dispatch)
+        check_forwarded(plan)
         _check_columns(plan, spec)
         if shared._start is None:
             shared.start()

@@ -571,7 +571,11 @@ class Host:
         the padding rows, and where this rank's rows sit in the rows of the call (None when not known).
 
         A source whose outputs are plain values (not Batches) arrives as its value: one rank's value as is,
-        several ranks' as a list (what awaiting that future in the controller would give, less its collect)."""
+        several ranks' as a list (what awaiting that future in the controller would give, less its collect).
+        A "per_rank" layout (a future of one value per rank) arrives as that list: one entry per source (rank),
+        its Batch outputs joined into one Batch, as ``await`` gives it."""
+        if arg.layout.kind == "per_rank":
+            return [self._rank_value(src, resolved, counters, trace) for src in arg.sources], 0, None
         if arg.values_ok and len(arg.sources) == 1:
             outs = [resolved[o] if isinstance(o, int) else o for o in arg.sources[0].outputs]
             if outs and all(_is_value(o) for o in outs):
@@ -601,6 +605,23 @@ class Host:
             where = _span_of(part_lists[0])
             where = where if all(_span_of(p) == where for p in part_lists[1:]) else None
         return out, pad, where
+
+    def _rank_value(self, src: Source, resolved: tuple, counters: dict, trace: list | None) -> Any:
+        """One upstream rank's value, as the controller's ``await`` makes it (``Invocation._join``): its Batch
+        outputs joined into one private Batch, one plain value as is, several outputs as a list."""
+        outs = [resolved[o] if isinstance(o, int) else o for o in src.outputs]
+        outs = [o if isinstance(o, Output) else Output(-1, value=o) for o in outs]
+
+        def rows(o_parts: list[PartInfo]) -> Batch:
+            b = self._read(o_parts, [(0, sum(p.rows for p in o_parts))], counters, trace)
+            counters["rows_used"] += len(b)
+            return b
+
+        if outs and all(o.is_batch for o in outs):
+            return rows([p for o in outs for p in o.parts])
+        if len(outs) == 1:
+            return outs[0].value
+        return [rows(list(o.parts)) if o.is_batch else o.value for o in outs]
 
     @staticmethod
     def _parts(src: Source, resolved: tuple) -> list[PartInfo]:

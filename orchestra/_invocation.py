@@ -39,9 +39,9 @@ from ._errors import (
 )
 from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Layout, Output, PartInfo, Source,
                     Span)
-from .dispatch import Plan
+from .dispatch import Plan, check_final, forwarded_as
 
-__all__ = ["Invocation", "Slot", "convert_error", "components"]
+__all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
 
 log = logging.getLogger("orchestra")
 
@@ -109,6 +109,30 @@ def components(x: Any) -> list[Any]:
     return list(x._orc_sources)
 
 
+def check_forwarded(plan: Plan) -> None:
+    """Refuse, at call time, a future argument whose ``await`` is not something this call can read as it is (see
+    ``dispatch.forwarded_as``): a value the controller collects from several ranks (``metrics()``), anywhere; one
+    value per rank (``broadcast()``) in a shard call or a union, where it would be read as rows (every rank's copy
+    of the same rows one after the other)."""
+    for a in plan.data_args():
+        comps = components(a)
+        for c in comps:
+            if not isinstance(c, Invocation):
+                continue
+            kind = forwarded_as(c.spec.dispatch, c.plan)
+            what = f"the future of group {c.group!r}, endpoint {c.endpoint!r} ({c.spec.dispatch!r})"
+            if kind == "collected":
+                raise DispatchError(
+                    f"{plan.where()}: {what} is collected into one value by the controller, from every rank's "
+                    f"result; a call cannot read it as it is. Await it and pass the value")
+            if kind == "per_rank" and (plan.shard is not None or len(comps) > 1):
+                raise DispatchError(
+                    f"{plan.where()}: {what} gives one value per rank (await gives a list), not one set of rows; "
+                    f"{'a union joins rows' if len(comps) > 1 else 'shard() splits rows'}, so it cannot read it. "
+                    f"Keep one rank's rows (from_rank(r)), make that endpoint shard() its rows, or await it and "
+                    f"pass a Batch")
+
+
 class Invocation:
     """One group call: plan, gate ticket, per-rank slots, background tasks, deadline and terminal state."""
 
@@ -164,6 +188,7 @@ class Invocation:
                 await shared.ready()
                 await gate.turn(ticket)
                 plan = await spec.dispatch.split(self.plan)
+                check_final(plan, spec.dispatch)
                 self._bind_collect(plan)
                 calls = None if plan.stream else self._prepare(plan, await self._describe_all(plan))
                 try:
@@ -206,6 +231,7 @@ class Invocation:
             self.submitted.exception()
 
     def _set_slots(self, slots: list[Slot]) -> None:
+        """Record the call's slots: the order is the order of its rows (see ``_row_order``)."""
         self.slots = slots
         if not self.submitted.done():
             self.submitted.set_result(None)
@@ -254,7 +280,7 @@ class Invocation:
                 slot.add(reply, reply.out)
                 slot.finish()
                 slots.append(slot)
-            self._set_slots(slots)
+            self._set_slots(_row_order(plan, slots))
             return
         if frames is None:  # a Ray call: check it (frames were the check otherwise), hand the compute lanes back
             if not checked:
@@ -277,7 +303,7 @@ class Invocation:
             for slot, out in zip(slots, outs):
                 slot.add(slot.call_refs[0], out)
                 slot.finish()
-        self._set_slots(slots)
+        self._set_slots(_row_order(plan, slots))
 
     def _frames(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[str, bytes]] | None:
         """Every rank's fast-path frame, pickled before any is sent (this is the call's serialization check; ranks
@@ -317,12 +343,17 @@ class Invocation:
                 out[id(a)] = await self._describe_data(a, plan)
         return out
 
-    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
-        """Per DP index: the sources (output refs / part infos) and the layout of the rows it reads."""
+    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
+        """Per DP index: the sources (output refs / part infos), the layout of the rows it reads, and the guards:
+        the outputs of the upstream ranks whose results are not kept (see ``guard_refs``)."""
         spec = plan.shard
         comps = components(a)
-        if spec is None:  # broadcast: every rank reads everything
-            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"))}
+        guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs()]
+        if spec is None:  # broadcast: every rank reads everything (one value per rank: each rank's outputs apart)
+            if len(comps) == 1 and not isinstance(comps[0], Batch) and forwarded_as(
+                    comps[0].spec.dispatch, comps[0].plan) == "per_rank":
+                return {0: (await comps[0].slot_refs(), Layout("per_rank"), guards)}
+            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"), guards)}
         D = spec.dp_size
         slot_lists = []
         for c in comps:
@@ -335,9 +366,10 @@ class Invocation:
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
-            return {d: ([slot_lists[0][d]], Layout("whole")) for d in range(D)}
+            return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
-        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty)) for d in range(D)}
+        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty), guards)
+                for d in range(D)}
 
     async def _all_outputs(self, c: Any, plan: Plan) -> list[Any]:
         if isinstance(c, Batch):
@@ -347,24 +379,37 @@ class Invocation:
     async def slot_refs(self) -> list[list[ray.ObjectRef]]:
         """The output refs of each collected slot, once every call is sent and every stream finished (values are
         not awaited: only the refs are needed)."""
+        return await self._forwardables(collected=True)
+
+    async def guard_refs(self) -> list[Any]:
+        """The output refs of every slot whose results are not kept (a ``from_rank`` call's other ranks, a mesh's
+        non-collector TP/PP ranks). A reader never reads them, but fetches them with its inputs so that a failure
+        of any rank of this call fails the reader with that rank's own error, exactly as a collector's failure
+        does: a call that failed somewhere has no result. (Their values are fetched too, so non-collectors
+        should return little, e.g. None, as a ``from_rank`` endpoint's other ranks do.)"""
+        return [o for outs in await self._forwardables(collected=False) for o in outs]
+
+    async def _forwardables(self, collected: bool) -> list[list[Any]]:
+        """What a reader carries for each output of the slots that are (or are not) ``collected`` (see
+        ``_forwardable``), once every call is sent and every stream of them finished; a slot that already failed
+        raises its (upstream's own) error."""
         await self.wait_submitted()
-        for s in self.slots:
-            if s.collected:
-                try:
-                    await asyncio.shield(s.done)
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as e:  # noqa: BLE001
-                    raise await self.converted(e, s) from None
+        slots = [s for s in self.slots if s.collected == collected]
+        for s in slots:
+            try:
+                await asyncio.shield(s.done)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                raise await self.converted(e, s) from None
         out = []
-        for s in self.slots:
-            if s.collected:
-                try:
-                    out.append([await _forwardable(r) for r in s.refs])
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as e:  # noqa: BLE001 - a fast-path reply failed: the upstream's own error
-                    raise await self.converted(e, s) from None
+        for s in slots:
+            try:
+                out.append([await _forwardable(r) for r in s.refs])
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - a fast-path reply failed: the upstream's own error
+                raise await self.converted(e, s) from None
         return out
 
     async def _submit_stream(self, plan: Plan, tg: Any, release: Callable[[], None]) -> None:
@@ -451,6 +496,8 @@ class Invocation:
                         if any(len(cs[i].refs) != len(comp_slots[0][i].refs) for cs in comp_slots):
                             raise DispatchError(f"{plan.where()}: the joined futures yielded different numbers of "
                                                 f"parts on slot {i}; stream() pairs their parts one to one")
+                        for c in comps:  # a failed rank whose results are not kept (a mesh's TP peer) fails it too
+                            await c.wait()
                         out_slots[i].finish()
                         return
                     waits = [cs[i].watch() for cs in comp_slots]
@@ -689,6 +736,17 @@ class Invocation:
         self.shared.live.discard(self)
 
 
+def _row_order(plan: Plan, slots: list[Slot]) -> list[Slot]:
+    """A shard call's slots in the order of its rows: the collectors by the DP replica they serve (a mesh need not
+    number its replicas in rank order), then the other ranks. Everything that reads a call's rows — ``await``, a
+    forwarded future's layout, ``parts()``, ``stream()`` — follows the slot order, so this is the one place that
+    decides it. Other calls keep rank order (the order of ``await``'s list)."""
+    spec = plan.shard
+    if spec is None:
+        return slots
+    return sorted(slots, key=lambda s: (0, spec.dp_of_rank[s.rank]) if s.collected else (1, s.rank))
+
+
 def _sole(eg: BaseExceptionGroup) -> BaseException | None:
     """The one exception inside ``eg`` (nested groups flattened), or None when there are several."""
     leaves: list[BaseException] = []
@@ -761,7 +819,9 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
             if per_dp is None:
                 return a
             d = spec.dp_of_rank[r] if spec is not None else 0
-            sources, layout = per_dp[d]
+            sources, layout, guards = per_dp[d]
+            for g in guards:  # fetched with the inputs (a failed upstream rank fails this call), never read
+                b.add(g)
             if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
                     and layout.kind == "whole" and not layout.pad_rows):
                 # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
@@ -820,7 +880,7 @@ def _describe_batches(plan: Plan) -> dict[int, Any]:
     return {id(a): _describe_batch(a, plan.shard, plan) for a in plan.data_args()}
 
 
-def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
+def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
     """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
     D = spec.dp_size
     batch = a.pad_to_multiple(D) if spec.pad and len(a) % D else a
@@ -831,7 +891,7 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
         span = Span(start, len(s) - pad_rows, len(a))
         start += len(s)
         rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
-        out[d] = ([[_put(s, plan, "argument", rank)]], Layout("whole", pad_rows=pad_rows, span=span))
+        out[d] = ([[_put(s, plan, "argument", rank)]], Layout("whole", pad_rows=pad_rows, span=span), [])
     return out
 
 

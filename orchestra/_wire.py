@@ -75,7 +75,9 @@ class Layout:
     """Which rows of the (unioned) input a rank reads.
 
     kind "whole": all rows; "balanced": piece ``index`` of ``count`` near-equal pieces (``pad`` makes the pieces
-    equal by wrapping around to the first rows, and those rows are stripped from the result again).
+    equal by wrapping around to the first rows, and those rows are stripped from the result again); "per_rank":
+    no rows at all — each source is one upstream rank's outputs, read as the list of their values that ``await``
+    gives (a ``broadcast()`` future forwarded into a broadcast call).
     ``pad_rows``: for "whole", how many trailing rows are padding the controller added.
     """
 

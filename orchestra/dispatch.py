@@ -159,6 +159,34 @@ def _error(plan: Plan, msg: str) -> Exception:
     return DispatchError(f"{plan.where()}: {msg}")
 
 
+def check_final(plan: Plan, dispatch: Dispatch) -> None:
+    """Refuse a plan that no single transform's ``check`` catches because it comes from their composition (a
+    user's transform after ``shard()`` included). Run by the group on the plan that ``check`` made, and again on
+    the one ``split`` made, before anything is sent: every rank runs at most once; a shard runs every rank (the
+    rows of the others would be lost); the ranks whose results are kept all run."""
+    dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1})
+    if dup:
+        raise _error(plan, f"{dispatch!r} runs rank(s) {dup} more than once; list each rank once")
+    bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
+    if bad:
+        raise _error(plan, f"{dispatch!r} runs rank(s) {bad}, which do not exist in a group of {plan.world_size}")
+    running = set(plan.ranks)
+    if plan.shard is not None:
+        left = [r for r in range(plan.world_size) if r not in running]
+        if left:
+            raise _error(plan, f"{dispatch!r}: shard() splits the rows over all {plan.world_size} ranks, but rank(s) "
+                               f"{left} would not run, so the rows given to them would be lost. Shard over a group "
+                               f"(a pool) of just the ranks that should run, or run every rank after shard() (a "
+                               f"transform after shard() may change arguments or collect, not drop ranks)")
+    kept = plan.shard.collectors if plan.shard is not None else plan.collectors
+    if kept is not None:
+        missing = sorted(r for r in kept if r not in running)
+        if missing:
+            raise _error(plan, f"{dispatch!r} keeps the result of rank(s) {missing}, but only rank(s) "
+                               f"{sorted(running)} run; keep the result of a rank that runs, or run the rank whose "
+                               f"result you keep")
+
+
 class _Broadcast(Dispatch):
     """Every rank gets the same arguments; the result is a list with one value per rank."""
 
@@ -330,7 +358,7 @@ class _OnlyRanks(Dispatch):
         return plan.with_(ranks=self.ranks)
 
     def __repr__(self) -> str:
-        return f"only_ranks{self.ranks}"
+        return f"only_ranks({', '.join(map(str, self.ranks))})"
 
 
 def only_ranks(*ranks: int) -> Dispatch:
@@ -421,6 +449,27 @@ class _Stream(Dispatch):
 
     def __repr__(self) -> str:
         return "stream()"
+
+
+def forwarded_as(dispatch: Dispatch, plan: Plan) -> str:
+    """What a later call that takes this call's future reads, from the call's transforms and plan — always what
+    ``await`` gives, less nothing:
+
+    - ``"rows"``: a ``shard()`` call: one row space (the collectors' rows, in input order);
+    - ``"one"``: ``rank_zero()`` / ``from_rank(r)``: the one kept rank's value (a Batch is rows);
+    - ``"per_rank"``: one value per rank (``broadcast()``, ``scatter()``, ``only_ranks()``): the list, never rows;
+    - ``"collected"``: a transform whose ``collect`` makes one value out of several ranks' (``metrics()``, a user's
+      own): only the controller makes it, so no call can read the future (await it and pass the value).
+    """
+    steps = _flatten(dispatch)
+    plain = (Dispatch.collect, _Shard.collect, _RankZero.collect, _FromRank.collect)
+    if any(type(s).collect not in plain for s in steps):
+        return "collected"
+    if plan.shard is not None:
+        return "rows"
+    if any(isinstance(s, (_RankZero, _FromRank)) for s in steps):
+        return "one"
+    return "per_rank"
 
 
 def stream() -> Dispatch:

@@ -11,6 +11,13 @@ from orchestra import dispatch as D
 from orchestra.testing import FailOnCue, Sequencer
 
 
+class EvenRanks(D.Dispatch):
+    """A user's transform: run on the even ranks only."""
+
+    def check(self, plan: D.Plan) -> D.Plan:
+        return plan.with_(ranks=tuple(r for r in plan.ranks if r % 2 == 0))
+
+
 class Echo(FailOnCue, Worker):
     """Row transforms, values, a generator, a cancellable hold and a writer of its own inputs."""
 
@@ -71,6 +78,34 @@ class Echo(FailOnCue, Worker):
 
     @endpoint
     def take_value(self, v: object) -> object:
+        return v
+
+    @endpoint(D.broadcast())
+    def rows_each(self, n: int) -> Batch:
+        """Every rank returns the same ``n`` rows: ``await`` gives one Batch per rank, not one row space."""
+        return Batch.from_dict({"x": torch.arange(n)})
+
+    @endpoint(D.broadcast() | D.only_ranks(1))
+    def on_rank_one(self, v: object) -> object:
+        return v
+
+    @endpoint(D.broadcast() | D.metrics("mean"))
+    def rank_metrics(self) -> dict:
+        return {"a": float(self.rank + 1)}
+
+    @endpoint(D.shard() | EvenRanks())
+    def shard_even(self, batch: Batch) -> Batch:
+        """Wrong on purpose: the odd ranks' rows would be lost."""
+        return batch
+
+    @endpoint(D.broadcast() | D.only_ranks(0) | D.from_rank(1))
+    def only0_from1(self) -> int:
+        """Wrong on purpose: keeps the value of a rank that does not run."""
+        return self.rank
+
+    @endpoint(D.broadcast() | D.from_rank(0))
+    def from_zero(self, v: object) -> object:
+        """Every rank runs; only rank 0's value is kept (the others' count only for failing)."""
         return v
 
     @endpoint(D.shard())
@@ -179,7 +214,7 @@ class Echo(FailOnCue, Worker):
         return out
 
 
-class Meshed(Worker):
+class Meshed(FailOnCue, Worker):
     """DP=1 x TP=2: both ranks read the same rows; rank 0 alone reports."""
 
     def __init__(self) -> None:
@@ -187,6 +222,21 @@ class Meshed(Worker):
 
     @endpoint(D.shard(mesh="tp"))
     def compute(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
+
+
+class ReversedMesh(Worker):
+    """Each rank its own DP replica, numbered against rank order: rank r serves replica world_size - 1 - r."""
+
+    def __init__(self) -> None:
+        self.register_mesh("dp", dp_rank=self.world_size - 1 - self.rank, dp_size=self.world_size)
+
+    @endpoint(D.shard(mesh="dp"))
+    def compute(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(D.shard(mesh="dp", pad=True))
+    def compute_pad(self, batch: Batch) -> Batch:
         return Batch.from_dict({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
 
 

@@ -8,7 +8,7 @@ import threading
 import anyio
 import pytest
 import torch
-from contract_workers import BadInit, Critic, Echo
+from contract_workers import BadInit, Critic, Echo, ReversedMesh
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
@@ -45,6 +45,20 @@ async def test_mesh_ranks_of_one_replica_read_the_same_rows_and_one_reports(bed)
     assert out["x"].tolist() == [0, 1, 2, 3, 4] and out["rank"].tolist() == [0] * 5
 
 
+async def test_a_mesh_whose_replicas_are_not_in_rank_order_keeps_rows_in_input_order(make_group, bed):
+    """Replica d is served by rank 2 - d: await and every reader of the future get the rows in input order (replica
+    order), not in the order of the ranks that computed them."""
+    g = await make_group(ReversedMesh, ranks=3)
+    out = await g.compute(xs(7))
+    assert out["x"].tolist() == list(range(7)) and out["rank"].tolist() == [2, 2, 2, 1, 1, 0, 0]
+    assert (await g.compute_pad(xs(7)))["x"].tolist() == list(range(7))
+    up = g.compute(xs(7))
+    assert (await bed["e2"].echo(up))["x"].tolist() == list(range(7))  # read by rows (2 readers of 3 producers)
+    again = await g.compute(up)  # read replica by replica (3 readers of 3 producers)
+    assert again["x"].tolist() == list(range(7)) and again["rank"].tolist() == [2, 2, 2, 1, 1, 0, 0]
+    assert sorted([(p.slot, p.rank) async for p in up]) == [(0, 2), (1, 1), (2, 0)]  # slot i: replica i's rows
+
+
 async def test_colocated_roles_share_each_rank(backend):
     pool = ResourcePool(process_on_nodes=[2], cpus_per_worker=0.1, backend=backend)
     views = WorkerGroup.colocate(pool, {"actor": Echo, "critic": Critic}, actor={"scale": 2.0})
@@ -72,6 +86,35 @@ async def test_forwarded_future_is_read_worker_to_worker_by_overlapping_parts(be
     assert [s["rows_in"] for s in st] == [7, 6]
     assert [s["rows_used"] for s in st] == [5, 5]
     assert orc.controller_stats()["bytes_materialized"] == out.nbytes  # never the upstream payload
+
+
+async def test_a_future_of_one_batch_per_rank_is_not_rows_to_shard_and_forwards_as_its_await(bed):
+    """broadcast() results are one value per rank (await gives a list), not one row space: a shard call refuses
+    such a future before sending (rather than reading every rank's copy as more rows), and a broadcast call gets
+    exactly the list ``await`` gives."""
+    g = bed["e2"]
+    up = g.rows_each(4)
+    with pytest.raises(orc.DispatchError, match=r"one value per rank") as info:
+        g.echo(up)
+    assert "rows_each" in str(info.value) and "from_rank" in str(info.value)
+    with pytest.raises(orc.DispatchError, match=r"one value per rank"):
+        g.echo(g.echo(xs(4)) | up)  # in a union too
+    awaited = await up
+    assert [b["x"].tolist() for b in awaited] == [[0, 1, 2, 3]] * 2
+    got = await g.take_value(up)  # each rank gets the list of the two ranks' Batches
+    assert [[b["x"].tolist() for b in per_rank] for per_rank in got] == [[[0, 1, 2, 3]] * 2] * 2
+
+
+async def test_a_forwarded_value_is_what_await_gives_or_the_forward_is_refused(bed):
+    g = bed["e2"]
+    one = g.on_rank_one(3)  # one rank runs, yet await gives a list: so does forwarding
+    assert await one == [3]
+    assert await g.take_value(one) == [[3], [3]]
+    assert await g.take_value(g.from_zero(7)) == [7, 7]  # from_rank: the kept rank's value itself
+    mets = g.rank_metrics()
+    with pytest.raises(orc.DispatchError, match=r"collected into one value by the controller.*Await it"):
+        g.take_value(mets)  # the mean exists only in the controller: refused rather than the per-rank dicts
+    assert await mets == {"a": 1.5}
 
 
 async def test_union_of_futures_joins_columns_row_by_row(bed):
@@ -149,6 +192,24 @@ async def test_an_awaited_value_changed_by_the_caller_is_not_what_a_later_reader
     assert (await fut)[0] == {"k": "orig", "lst": [1]}
 
 
+async def test_each_await_of_a_union_is_private_and_never_the_callers_batch(bed):
+    """A union's await is a private copy, as a plain future's is: writing into one await changes neither a later
+    await (of the same union object or a new one) nor a Batch of the caller's that the union joins."""
+    g = bed["e2"]
+    f1, f2 = g.echo(xs(4)), g.plus_one(xs(4))
+    u = f1 | f2
+    first = await u
+    first["x"].add_(50)
+    first["z"].add_(50)
+    for again in (await u, await (f1 | f2)):
+        assert again["x"].tolist() == [0, 1, 2, 3] and again["z"].tolist() == [1, 2, 3, 4]
+    mine = Batch.from_dict({"w": torch.zeros(4)}, meta={"tags": ["orig"]})
+    joined = await (mine | f2)
+    joined["w"].add_(3)
+    joined.meta["tags"].append("caller")
+    assert mine["w"].tolist() == [0.0] * 4 and mine.meta["tags"] == ["orig"]
+
+
 async def test_a_padded_endpoint_must_return_a_row_per_input_row(bed):
     with pytest.raises(orc.WorkerError, match="one row per input row") as info:
         await bed["e3"].padded_short(xs(7))
@@ -165,6 +226,17 @@ async def test_a_future_of_an_in_process_group_is_refused_by_a_ray_group(bed, ba
         assert "e2" in str(info.value) and "plus_one" in str(info.value)
         await fut
     assert bed["e2"].calls_in_flight() == []
+
+
+async def test_a_dispatch_whose_final_plan_loses_rows_or_values_is_refused_before_sending(bed):
+    g = bed["e3"]
+    before = await g.seen_calls()
+    with pytest.raises(orc.DispatchError, match=r"rank\(s\) \[1\] would not run") as info:
+        g.shard_even(xs(6))
+    assert "'e3'" in str(info.value) and "shard_even" in str(info.value)
+    with pytest.raises(orc.DispatchError, match=r"from_rank\(1\)"):
+        g.only0_from1()
+    assert await g.seen_calls() == before and g.calls_in_flight() == []
 
 
 async def test_a_call_that_cannot_be_sent_to_one_rank_runs_on_none(bed):
@@ -196,6 +268,44 @@ async def test_an_upstream_failure_is_reported_as_the_upstreams_own(bed):
         await b.plus_one(a.fail_shard(xs(4)))
     assert info.value.group == "e3" and info.value.endpoint == "fail_shard"
     assert info.value.exc_type == "KeyError"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_failure_on_a_rank_whose_value_is_not_kept_fails_the_readers_of_the_call(bed, fast):
+    """from_rank(0) keeps rank 0's value, but rank 1 failing fails the call: a reader of its future fails with
+    rank 1's own error instead of computing on rank 0's value (on Ray, the failing call rides the fast path)."""
+    g = bed["e2"]
+    was, g.fast_path = g.fast_path, fast
+    try:
+        for _ in range(5):  # repeated small calls: the group's fast path opens (Ray only)
+            assert await g.from_zero(1) == 1
+        await fail_rank(g, 1, "from_zero", "rank 1 refused")
+        up = g.from_zero(5)
+        with pytest.raises(orc.WorkerError) as info:
+            await g.take_value(up)
+        assert (info.value.group, info.value.rank, info.value.endpoint) == ("e2", 1, "from_zero")
+        assert "rank 1 refused" in str(info.value)
+        with pytest.raises(orc.WorkerError, match="rank 1 refused"):
+            await up
+    finally:
+        g.fast_path = was
+
+
+async def test_a_failure_on_a_mesh_rank_that_does_not_report_fails_the_readers_of_the_call(bed):
+    """A TP peer that is not its replica's collector fails: the rows its collector reported are not a result, so
+    a call reading the future fails with the peer's own error."""
+    mesh, e2 = bed["mesh"], bed["e2"]
+    await fail_rank(mesh, 1, "compute", "TP peer refused")
+    up = mesh.compute(xs(4))
+    with pytest.raises(orc.WorkerError) as info:
+        await e2.echo(up)
+    assert (info.value.group, info.value.rank, info.value.endpoint) == ("mesh", 1, "compute")
+    with pytest.raises(orc.WorkerError, match="TP peer refused"):
+        await up
+    await fail_rank(mesh, 1, "compute", "TP peer refused")
+    with pytest.raises(orc.WorkerError, match="TP peer refused") as info:  # mapped part by part, too
+        await e2.echo.options(stream=True)(mesh.compute(xs(4)))
+    assert (info.value.group, info.value.rank) == ("mesh", 1)
 
 
 async def test_fail_rank_makes_one_ranks_next_call_fail(bed):

@@ -170,6 +170,25 @@ def test_shard_after_only_ranks_is_rejected_instead_of_dropping_the_other_ranks_
     assert (D.only_ranks(0, 1) | D.shard()).check(plan(rows(6), world=2)).shard.dp_size == 2  # every rank: fine
 
 
+def test_a_transform_after_shard_that_drops_ranks_is_refused_on_the_final_plan():
+    """Whatever transform removes ranks after shard() (a user's, not only only_ranks), the final plan is refused:
+    the rows of the ranks that do not run would be lost."""
+    d = D.shard() | only_even_ranks()
+    p = d.check(plan(rows(6), world=3))
+    with pytest.raises(DispatchError, match=r"shard\(\) \| only_even_ranks\(\).*rank\(s\) \[1\] would not run") as e:
+        D.check_final(p, d)
+    assert "group 'actor', endpoint 'step'" in str(e.value) and "the rows" in str(e.value)
+    D.check_final(D.shard().check(plan(rows(6), world=3)), D.shard())  # every rank runs: fine
+
+
+def test_from_rank_of_a_rank_that_does_not_run_is_refused_up_front():
+    d = D.broadcast() | D.only_ranks(0) | D.from_rank(1)
+    with pytest.raises(DispatchError, match=r"from_rank\(1\).*rank\(s\) \[1\].*only rank\(s\) \[0\] run"):
+        D.check_final(d.check(plan(world=2)), d)
+    with pytest.raises(DispatchError, match=r"rank\(s\) \[1\] more than once"):
+        D.check_final(D.only_ranks(1, 1).check(plan(world=2)), D.only_ranks(1, 1))
+
+
 def test_reducing_transforms_must_come_last():
     with pytest.raises(TypeError, match="must come last"):
         D.broadcast() | D.metrics() | D.rank_zero()

@@ -210,9 +210,9 @@ async def test_upstream_error_surfaces_downstream(bed):
     with pytest.raises(orc.WorkerError, match="missing column") as info:
         await g3.plus_one(g3.score(g3.echo(Batch.from_dict({"y": torch.arange(6)}))))
     assert info.value.endpoint == "score"
-    # a plain-value future cannot be split by rows: the error says so
-    with pytest.raises(orc.WorkerError, match="not a Batch"):
-        await g3.score(g3.get_scale())
+    # a future of one value per rank (broadcast) is not rows: refused when the call is made, before sending
+    with pytest.raises(orc.DispatchError, match="one value per rank"):
+        g3.score(g3.get_scale())
 
 
 async def test_deadline_names_running_ranks_and_cancels_work(bed):
