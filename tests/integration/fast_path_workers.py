@@ -41,9 +41,11 @@ class Recorder(Worker):
         return Batch.from_dict({"x": torch.arange(n)})
 
     @endpoint(D.broadcast())
-    def rows(self, b: Batch) -> int:
+    def rows(self, b: Batch | list[Batch]) -> int:
+        """The sum of column x: of a Batch, or of every Batch of a list (a forwarded broadcast future arrives as
+        the list its await gives)."""
         self.log.append("rows")
-        return int(b["x"].sum())
+        return sum(int(x["x"].sum()) for x in (b if isinstance(b, list) else [b]))
 
     @endpoint(D.rank_zero())
     def big(self, n: int) -> Batch:

@@ -75,7 +75,7 @@ async def test_each_rank_sees_the_calls_in_the_order_they_were_made_across_both_
 async def test_a_fast_result_forwards_into_the_next_call_small_and_large(g):
     await _open(g)
     small = g.make(4)
-    assert await g.rows(small) == [12, 12]  # both ranks made 0..3: a broadcast reader gets every row
+    assert await g.rows(small) == [12, 12]  # both ranks made 0..3: a broadcast reader gets await's list of both
     await _open(g)
     n = INLINE_BYTES // 8 + 10  # a Batch over INLINE_BYTES: the rank keeps it; it is stored through Ray
     big = g.big(n)
