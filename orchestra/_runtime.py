@@ -72,7 +72,7 @@ class _Session:
 def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus: int | None = None,
          backend: str = "ray", **ray_kwargs: Any) -> _Session:
     """Connect to Ray: a private local cluster on loopback, with token authentication, unless ``address`` names
-    one. Idempotent. Use as ``with orc.init(): ...`` to shut down at exit.
+    one (``"local"``, Ray's name for a new local cluster, is the private one too). Idempotent. Use as ``with orc.init(): ...`` to shut down at exit.
 
     ``backend="local"`` starts no cluster: every rank of every group made afterwards runs in this process
     (threads; see ``orchestra._local``) with the same call semantics — for tests that run in seconds and for
@@ -101,6 +101,8 @@ def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus:
         _backend.set_current(None)
     if ray.is_initialized():
         return _Session(ray.cluster_resources())
+    if address == "local":  # Ray's own name for "start a new local cluster" (RAY_ADDRESS=local): ours, on loopback
+        address = None
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
     env_vars = dict(_ENV)

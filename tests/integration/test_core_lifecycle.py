@@ -89,7 +89,9 @@ _AFTER_SHUTDOWN = textwrap.dedent("""
         seq.close()
 
     async def main():
-        orc.init(num_cpus=1)  # one CPU: one Ray worker prestarted, the rank's
+        # address="local" (what RAY_ADDRESS=local hands the runner) starts a private cluster like no address does.
+        # One CPU: one Ray worker prestarted, the rank's
+        orc.init(address="local", num_cpus=1)
         g = orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[1], cpus_per_worker=0.1), Scorer)
         await g.ready()
         await use_a_sequencer()  # starts this cluster's Sequencer actor
@@ -114,7 +116,8 @@ _AFTER_SHUTDOWN = textwrap.dedent("""
 
 def test_await_after_orc_shutdown_fails_at_once_and_cluster_is_loopback_with_auth():
     """After ``orc.shutdown()`` a call in flight fails at once; the cluster listened on loopback only, with Ray's
-    token authentication; and a cluster started next serves new Sequencers."""
+    token authentication, also when asked for with ``address="local"``; and a cluster started next serves new
+    Sequencers."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     code = _AFTER_SHUTDOWN.format(tests=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
