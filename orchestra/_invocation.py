@@ -156,6 +156,7 @@ class Invocation:
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
         self._scan = 0  # slots before this index are finished (see _check_done)
+        self._deadline_timer: asyncio.TimerHandle | None = None  # ends the call at its deadline (see start)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,6 +165,8 @@ class Invocation:
         gate = shared.gate
         self._ticket = gate.ticket()
         shared.live.add(self)
+        if self.deadline is not None:  # the deadline covers the whole call, awaited or not
+            self._deadline_timer = self.loop.call_at(self.deadline, self._deadline_passed)
         if (shared.is_ready() and gate.is_turn(self._ticket) and not spec.streaming and not plan.stream
                 and not spec.dispatch.needs_split(plan) and not self.upstreams
                 and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
@@ -174,6 +177,7 @@ class Invocation:
             except BaseException as e:
                 self._fail_submit(e)
                 shared.live.discard(self)  # nothing was sent: no call of this group is left running
+                self._stop_deadline()
                 raise
             finally:
                 gate.release(self._ticket)
@@ -220,6 +224,14 @@ class Invocation:
     def where(self) -> str:
         return f"group {self.group!r}, endpoint {self.endpoint!r}"
 
+    def _deadline_passed(self) -> None:
+        """At the deadline, a call still running fails with CallTimeoutError and its ranks are cancelled, as when
+        an awaiter sees the deadline pass: no one need be awaiting it (a late await gets the error, and so does a
+        call that reads its result)."""
+        self._deadline_timer = None
+        if not self.finished():
+            self.fail(self._timeout_error(self._running_ranks()))
+
     def _bind_collect(self, plan: Plan) -> None:
         self.plan = plan
         self.collect = lambda values: self.spec.dispatch.collect(plan, values)
@@ -251,6 +263,7 @@ class Invocation:
         self._scan = i
         if i == len(slots):
             self.shared.live.discard(self)
+            self._stop_deadline()
 
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
@@ -713,7 +726,13 @@ class Invocation:
         self.error = error or CallCancelledError(f"{self.where()}: the call was cancelled (fut.cancel())")
         self._end()
 
+    def _stop_deadline(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+
     def _end(self) -> None:
+        self._stop_deadline()
         if self._ended is not None and not self._ended.done():
             self._ended.set_exception(self.error or CallCancelledError(f"{self.where()}: the call was ended"))
             self._ended.exception()  # retrieved: the error surfaces through wait()

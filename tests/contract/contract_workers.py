@@ -167,6 +167,20 @@ class Echo(FailOnCue, Worker):
         self.outcomes.append("cancelled")
         return self.rank
 
+    @endpoint
+    def hold_rows_until_cancelled(self, batch: Batch, seq: Sequencer, bound: float = 120.0) -> int:
+        """:meth:`hold_until_cancelled` with a Batch argument (a large one: the call takes the general path)."""
+        with seq(self.rank):
+            pass
+        end = time.monotonic() + bound
+        while not self.cancelled():
+            if time.monotonic() > end:
+                self.outcomes.append("bound")
+                return -1
+            time.sleep(0.002)
+        self.outcomes.append(f"cancelled with {len(batch)} rows")
+        return self.rank
+
     @endpoint(D.shard())
     def hold_part_until_cancelled(self, batch: Batch, seq: Sequencer, bound: float = 120.0) -> Batch:
         """For ``stream()``: part x (the part whose first row is x) records that it started, passes sequencer
