@@ -157,6 +157,7 @@ class Invocation:
         self._ticket: int | None = None
         self._scan = 0  # slots before this index are finished (see _check_done)
         self._deadline_timer: asyncio.TimerHandle | None = None  # ends the call at its deadline (see start)
+        self._written: _WriteCheck | None = None  # the caller's Batches as the call was made (see start)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,6 +183,7 @@ class Invocation:
             finally:
                 gate.release(self._ticket)
             return
+        self._written = _WriteCheck(plan)  # sent later: the caller's Batches must still be as they were now
         self._root = self.loop.create_task(self._run(), name=f"orchestra:{self.group}.{self.endpoint}")
         self._root.add_done_callback(_retrieve_task)
 
@@ -200,6 +202,7 @@ class Invocation:
                         if calls is None:
                             await self._submit_stream(plan, tg, lambda: gate.release(ticket))
                         else:
+                            self._written.check(self.where())  # nothing awaited since: nothing can write now
                             self._send(plan, calls, tg)
                             gate.release(ticket)
                 except BaseExceptionGroup as eg:  # one failure (the usual case) is raised as itself
@@ -489,6 +492,8 @@ class Invocation:
                             kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
                             calls[r] = (args, kwargs, refs)
                         _preflight(plan, calls)
+                        if self._written is not None:
+                            self._written.check(self.where())
                         self.shared.before_ray_compute()
                         for r, (args, kwargs, refs_) in calls.items():
                             a, kw = _with_refs(args, kwargs, refs_)
@@ -753,6 +758,71 @@ class Invocation:
         if self._ticket is not None:  # a root task cancelled before its first step never reaches its finally
             self.shared.gate.release(self._ticket)
         self.shared.live.discard(self)
+
+
+class _WriteCheck:
+    """The caller's Batches of a call as it was made, to refuse sending them changed. A call sent later than it was
+    made (its Batch large and stored first, a union with a future, its group starting, calls queued before it)
+    reads its Batches when it is sent; a write in between would send rows as they are then, or a mix of old and
+    new (a write during the store). Copying every Batch at call time would cost a copy of every large argument, so
+    the call remembers what it can compare cheaply — the columns, each tensor column's object and in-place write
+    counter (``Tensor._version``, shared by its views), a copy of each non-tensor column, the meta entries — and a
+    change is a DispatchError naming the column, raised before any rank is sent anything."""
+
+    __slots__ = ("_marks",)
+
+    def __init__(self, plan: Plan) -> None:
+        batches: dict[int, Batch] = {}
+        for args, kwargs in [(plan.args, plan.kwargs), *plan.per_rank.values()]:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, Batch) or hasattr(type(a), "_orc_sources"):
+                    for c in components(a):
+                        if isinstance(c, Batch):
+                            batches[id(c)] = c
+        self._marks = [(b, _mark(b)) for b in batches.values()]
+
+    def check(self, where: str) -> None:
+        for i, (b, mark) in enumerate(self._marks):
+            what = _changed(b, mark)
+            if what is not None:
+                raise DispatchError(
+                    f"{where}: a Batch argument (#{i}) was written after the call was made ({what}), before the "
+                    f"call was sent; nothing was sent (or, for a stream, no further part), since the rows would be "
+                    f"those at send time or a mix. A call reads its Batches when it is sent, which can be later than "
+                    f"the call (a large Batch, a union with a future, a group still starting, calls queued before "
+                    f"it): pass a copy (batch.clone()), or write only after awaiting the call")
+
+
+def _mark(b: Batch) -> tuple:
+    tensors = {k: (t, t._version) for k, t in b.tensors.items(include_nested=True, leaves_only=True)}
+    return tuple(b.keys()), tensors, {k: (a, a.copy()) for k, a in b.non_tensors.items()}, dict(b.meta)
+
+
+def _changed(b: Batch, mark: tuple) -> str | None:
+    """What changed in ``b`` since ``mark`` (None: nothing)."""
+    keys, tensors, non_tensors, meta = mark
+    if tuple(b.keys()) != keys:
+        added, gone = sorted(set(b.keys()) - set(keys), key=str), sorted(set(keys) - set(b.keys()), key=str)
+        return f"column(s) {', '.join(map(repr, added + gone))} {'added' if added else 'removed'}"
+    now = dict(b.tensors.items(include_nested=True, leaves_only=True))
+    for k, (t, version) in tensors.items():
+        if now.get(k) is not t:
+            return f"column {k!r} replaced"
+        if t._version != version:
+            return f"column {k!r} written in place"
+    for k, (arr, a) in non_tensors.items():
+        cur = b.non_tensors[k]
+        if cur is not arr:
+            return f"column {k!r} replaced"
+        if cur.shape != a.shape:
+            return f"column {k!r} changed"
+        same = (all(x is y for x, y in zip(cur.ravel(), a.ravel())) if a.dtype == object  # objects: by identity
+                else np.array_equal(cur, a, equal_nan=a.dtype.kind in "fc"))
+        if not same:
+            return f"column {k!r} changed"
+    if b.meta.keys() != meta.keys() or any(b.meta[k] is not v for k, v in meta.items()):
+        return "its meta changed"
+    return None
 
 
 def _row_order(plan: Plan, slots: list[Slot]) -> list[Slot]:
