@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -91,6 +92,10 @@ class _Shared:
         self._fast_ok: bool | None = None  # backend and placement allow it (decided once the ranks are up)
         self._streak = 0  # fast-path-eligible calls in a row
         self.fast_calls = 0  # calls sent over a channel, all channels together
+        # this group's one reference on the pool, given back exactly once (finish_close, from any thread): another
+        # group on the same pool keeps it whatever sequence of close/aclose/shutdown/failed start happens here
+        self._pool_ref_lock = threading.Lock()
+        self._holds_pool_ref = True
         pool.acquire()
         _runtime.register(self)
 
@@ -284,14 +289,22 @@ class _Shared:
         hosts, self.hosts = self.hosts, []
         return hosts
 
+    def holds_pool_ref(self) -> bool:
+        """Whether this group has yet to give its reference on the pool back (``finish_close``)."""
+        return self._holds_pool_ref
+
     def finish_close(self, hosts: list[Any]) -> None:
-        """Kill the actors and give the pool back (blocking Ray calls: run off the event loop when on one)."""
+        """Kill the actors and give this group's pool reference back, the first time only (blocking Ray calls: run
+        off the event loop when on one)."""
         for h in hosts:
             try:
                 self.pool.backend.kill(h)
             except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
                 log.debug("group %r: kill: %r", self.name, e)
-        self.pool.release_ref()
+        with self._pool_ref_lock:
+            mine, self._holds_pool_ref = self._holds_pool_ref, False
+        if mine:
+            self.pool.release_ref()
 
 
 def _on_this_node(node_ids: list[Any]) -> bool:
@@ -499,14 +512,14 @@ class WorkerGroup:
         """End the group now (blocking): cancel start-up and every call in flight, kill the actors (of every
         colocated role) and release the pool once no other group uses it. ``await aclose()`` on an event loop."""
         hosts = self._shared.close()
-        if hosts or self._shared.pool.holds_refs():
+        if hosts or self._shared.holds_pool_ref():
             self._shared.finish_close(hosts)
 
     async def aclose(self) -> None:
         """``shutdown()`` for async code: the blocking Ray calls run in a worker thread."""
         self._shared.follow_loop()
         hosts = self._shared.close()
-        if hosts or self._shared.pool.holds_refs():
+        if hosts or self._shared.holds_pool_ref():
             await anyio.to_thread.run_sync(self._shared.finish_close, hosts)
 
     async def __aenter__(self) -> WorkerGroup:

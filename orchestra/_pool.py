@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ class ResourcePool:
         self._pgs: list[Any] = []
         self._lock: asyncio.Lock | None = None
         self._refs = 0  # groups using this pool: the placement groups are released when the last one closes
+        self._refs_lock = threading.Lock()  # groups give their reference back from worker threads
 
     @property
     def world_size(self) -> int:
@@ -99,16 +101,24 @@ class ResourcePool:
             raise
 
     def acquire(self) -> None:
-        """A group starts using this pool (``release_ref`` when it closes)."""
-        self._refs += 1
+        """A group starts using this pool (``release_ref`` once when it closes)."""
+        with self._refs_lock:
+            self._refs += 1
 
     def holds_refs(self) -> bool:
+        """Whether a group still uses this pool."""
         return self._refs > 0
 
     def release_ref(self) -> None:
-        """A group using this pool closed: release the placement groups when it was the last one."""
-        self._refs = max(0, self._refs - 1)
-        if self._refs == 0:
+        """A group using this pool closed: release the placement groups when it was the last one. Each group gives
+        its reference back exactly once (``WorkerGroup`` keeps track); one more release is a bug, refused."""
+        with self._refs_lock:
+            if self._refs == 0:
+                raise RuntimeError(f"resource pool {self.name!r}: a reference was given back that no group held (a "
+                                   f"group released its share twice); the pool's other groups keep it")
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
             self.release()
 
     def release(self) -> None:

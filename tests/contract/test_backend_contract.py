@@ -327,6 +327,30 @@ async def test_an_init_error_names_the_rank(backend):
         await g.aclose()
 
 
+async def test_closing_a_group_twice_or_a_failed_start_leaves_a_shared_pools_other_group_running(backend):
+    """Two groups share one slot (max_colocate_count=2). Closing one twice, and a third group whose start failed
+    (closed by ``async with`` and again), give back only their own share of the pool: the other group's ranks
+    keep running (on Ray its placement group stays) and the pool is released when that group closes."""
+    pool = ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01, max_colocate_count=2, backend=backend)
+    keep = WorkerGroup(pool, Echo, group_name="keep")
+    try:
+        other = WorkerGroup(pool, Echo, group_name="other")
+        await other.ready()
+        await other.aclose()
+        other.shutdown()
+        bad = WorkerGroup(pool, BadInit, 0, group_name="bad")
+        with pytest.raises(orc.WorkerError, match="cannot start"):
+            async with bad:
+                pass
+        await bad.aclose()
+        assert pool.holds_refs()
+        assert (await keep.whoami())[0]["rank"] == 0
+        assert [h["alive"] for h in keep.health()] == [True]
+    finally:
+        await keep.aclose()
+    assert not pool.holds_refs()
+
+
 async def test_a_pool_that_cannot_fit_is_refused_with_what_it_needs(backend):
     g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=10_000, backend=backend), Echo)
     try:

@@ -1,0 +1,80 @@
+"""A group's life on the in-process backend: its share of a pool is given back exactly once whatever sequence of
+close calls (or a failed start) happens, ``on_death`` hears of deaths that happened before it was registered,
+cancelling an ``async for`` over a call not yet sent cancels the call, ``shutdown()`` from a thread other than the
+group's event loop, and a group whose start-up was cut short by the end of its event loop.
+
+The worker classes are the Ray tests' (``tests/integration/orc_test_workers.py``): the same code runs on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+import orchestra as orc
+from orchestra import ResourcePool, WorkerGroup
+
+_INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
+if str(_INTEGRATION) not in sys.path:
+    sys.path.insert(0, str(_INTEGRATION))
+from orc_test_workers import Hazard  # noqa: E402
+
+
+class Broken(orc.Worker):
+    """A worker whose construction fails on every rank."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("bad config")
+
+
+def shared_pool() -> ResourcePool:
+    """One slot that two groups may share (max_colocate_count=2)."""
+    return ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01, max_colocate_count=2, backend="local")
+
+
+async def _aclose(g: WorkerGroup) -> None:
+    await g.aclose()
+
+
+async def _shutdown(g: WorkerGroup) -> None:
+    g.shutdown()
+
+
+CLOSES: dict[str, Callable[[WorkerGroup], Awaitable[None]]] = {"aclose": _aclose, "shutdown": _shutdown}
+
+
+# -- the pool reference: released once per group ----------------------------------------------------------------------
+@pytest.mark.parametrize("first", sorted(CLOSES))
+@pytest.mark.parametrize("second", sorted(CLOSES))
+async def test_closing_a_group_twice_keeps_the_pool_another_group_holds(first, second):
+    pool = shared_pool()
+    a = WorkerGroup(pool, Hazard, group_name="A")
+    b = WorkerGroup(pool, Hazard, group_name="B")
+    try:
+        await a.ready()
+        await b.ready()
+        await CLOSES[first](a)
+        await CLOSES[second](a)
+        assert pool.holds_refs(), "closing A twice gave back the pool reference B holds"
+        assert await b.ping() == [0]
+    finally:
+        await b.aclose()
+    assert not pool.holds_refs()
+
+
+async def test_a_group_whose_start_failed_keeps_the_pool_another_group_holds():
+    pool = shared_pool()
+    async with WorkerGroup(pool, Hazard, group_name="A") as a:
+        bad = WorkerGroup(pool, Broken, group_name="B")
+        with pytest.raises(orc.WorkerError, match="__init__"):
+            async with bad:
+                pass
+        bad.shutdown()  # and once more: still nothing of A's is given back
+        await bad.aclose()
+        assert pool.holds_refs(), "the failed group gave back the pool reference A holds"
+        assert await a.ping() == [0]
+    assert not pool.holds_refs()
