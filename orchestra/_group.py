@@ -84,6 +84,8 @@ class _Shared:
         self.live: weakref.WeakSet = weakref.WeakSet()  # invocations not yet finished
         self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
         self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
+        # deaths known when a callback was registered with no event loop running there: told on the group's loop
+        self._owed: list[tuple[Callable[[WorkerDiedError], None], list[WorkerDiedError]]] = []
         self._watch_refs: list[Any] = []  # one never-returning supervision call per rank
         self._watches: list[asyncio.Future] = []  # those refs wrapped for the loop the group is used from
         self._watch_loop: asyncio.AbstractEventLoop | None = None
@@ -162,11 +164,13 @@ class _Shared:
         """Move supervision to the running loop when the group is used from another one than before (a script's
         second ``asyncio.run``): the same supervision calls, their completion delivered here; the old loop's
         wrappers are cancelled on it (or die with it, when it is closed)."""
-        if not self._watch_refs or self.closed is not None:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # sync code: nothing to deliver to
+            return
+        if self._owed:
+            self._tell_owed()
+        if not self._watch_refs or self.closed is not None:
             return
         if loop is self._watch_loop:
             return
@@ -255,10 +259,40 @@ class _Shared:
             inv.fail(WorkerDiedError(err.message, group=inv.group, rank=rank, endpoint=inv.endpoint,
                                      exc_type="WorkerDied"))
         for cb in list(self.death_callbacks):
-            try:
-                cb(err)
-            except Exception:  # noqa: BLE001 - a bad callback must not stop the others; it is logged
-                log.exception("group %r: on_death callback %r raised", self.name, cb)
+            self._tell(cb, err)
+
+    def _tell(self, cb: Callable[[WorkerDiedError], None], err: WorkerDiedError) -> None:
+        try:
+            cb(err)
+        except Exception:  # noqa: BLE001 - a bad callback must not stop the others; it is logged
+            log.exception("group %r: on_death callback %r raised", self.name, cb)
+
+    def add_death_callback(self, cb: Callable[[WorkerDiedError], None]) -> None:
+        """Register ``cb`` for deaths; the ranks already known dead are told to it too, once each: at once when
+        registered on an event loop (the group then follows it), else on the group's loop (or the next one the
+        group is used from)."""
+        self.follow_loop()  # a death found now is told to the callbacks registered before
+        known = [err for _, err in sorted(self.dead.items())]
+        self.death_callbacks.append(cb)
+        if not known:
+            return
+        self._owed.append((cb, known))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # sync code or another thread: the group's loop tells it, if one runs now
+            loop = self._watch_loop
+            if loop is not None and not loop.is_closed() and loop.is_running():
+                loop.call_soon_threadsafe(self._tell_owed)
+            return
+        self._tell_owed()
+
+    def _tell_owed(self) -> None:
+        """Tell the callbacks registered after some deaths of those deaths (on an event loop)."""
+        owed, self._owed = self._owed, []
+        for cb, errs in owed:
+            for err in errs:
+                if cb in self.death_callbacks:  # not if unregistered meanwhile
+                    self._tell(cb, err)
 
     async def ready(self) -> None:
         t = self._start
@@ -495,9 +529,10 @@ class WorkerGroup:
 
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's
-        calls in flight have already failed with WorkerDiedError then. Returns a function that unregisters it."""
-        self._shared.death_callbacks.append(callback)
-        self._shared.follow_loop()  # deaths are delivered to the loop registering it (one found now included)
+        calls in flight have already failed with WorkerDiedError then. A rank that died before the registration is
+        told too: at once when registered on an event loop, which the group then follows. Returns a function that
+        unregisters it."""
+        self._shared.add_death_callback(callback)
 
         def remove() -> None:
             if callback in self._shared.death_callbacks:

@@ -17,6 +17,7 @@ import pytest
 
 import orchestra as orc
 from orchestra import ResourcePool, WorkerGroup
+from orchestra.testing import kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
 if str(_INTEGRATION) not in sys.path:
@@ -78,3 +79,19 @@ async def test_a_group_whose_start_failed_keeps_the_pool_another_group_holds():
         assert pool.holds_refs(), "the failed group gave back the pool reference A holds"
         assert await a.ping() == [0]
     assert not pool.holds_refs()
+
+
+# -- on_death: deaths before the registration ----------------------------------------------------------------------
+async def test_on_death_registered_after_a_rank_died_is_told_of_it_once():
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Hazard,
+                           group_name="late") as g:
+        early: list[int] = []
+        g.on_death(lambda err: early.append(err.rank))
+        await kill_rank(g, 1)
+        late: list[int] = []
+        g.on_death(lambda err: late.append(err.rank))  # on the group's loop: told at once
+        assert late == [1]
+        assert [h["alive"] for h in g.health()] == [True, False]  # health() follows the loop, tells nobody again
+        with pytest.raises(orc.WorkerDiedError):
+            g.echo(None)
+        assert (early, late) == ([1], [1])
