@@ -100,12 +100,12 @@ class DataFuture:
         """Yield parts as they finish: each rank's in the order it produced them, ranks interleaved as they arrive
         (not in row order overall: each Part says its slot and sequence number)."""
         inv = self._inv
-        await inv.wait_submitted()
-        slots = inv.slots
-        pending: dict[asyncio.Future, tuple[Any, int, int]] = {}  # at most one per slot: its next output
-        waiting: set[int] = set()  # slots with an output in pending
-        seen = {i: 0 for i in range(len(slots))}
         try:
+            await inv.wait_submitted()  # cancelled here, before the call is sent: the call is cancelled too
+            slots = inv.slots
+            pending: dict[asyncio.Future, tuple[Any, int, int]] = {}  # at most one per slot: its next output
+            waiting: set[int] = set()  # slots with an output in pending
+            seen = {i: 0 for i in range(len(slots))}
             while True:
                 watchers = [s.watch() for s in slots if s.collected and not s.done.done()]
                 for i, s in enumerate(slots):

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import orchestra as orc
 from orchestra import ResourcePool, WorkerGroup
-from orchestra.testing import kill_rank
+from orchestra.testing import Sequencer, kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
 if str(_INTEGRATION) not in sys.path:
@@ -30,6 +31,19 @@ class Broken(orc.Worker):
 
     def __init__(self) -> None:
         raise RuntimeError("bad config")
+
+
+def rows(n: int) -> orc.Batch:
+    return orc.Batch.from_dict({"x": torch.arange(n)})
+
+
+@pytest.fixture
+def seq() -> Iterator[Sequencer]:
+    s = Sequencer(backend="local")
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 def shared_pool() -> ResourcePool:
@@ -95,3 +109,33 @@ async def test_on_death_registered_after_a_rank_died_is_told_of_it_once():
         with pytest.raises(orc.WorkerDiedError):
             g.echo(None)
         assert (early, late) == ([1], [1])
+
+
+# -- async for over a call not yet sent ------------------------------------------------------------------------------
+async def test_cancelling_an_async_for_over_a_call_not_yet_sent_cancels_the_call(seq):
+    """The task iterating ``async for part in fut`` is cancelled while the call still waits in its group's send
+    order: the call is cancelled for everyone and never runs (as for ``await fut``)."""
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Hazard,
+                           group_name="parts") as g:
+        # holds the group's send order until its last part: each producer rank yields its first part, then waits
+        # for the test's position 0 (rank 0 passes 1, rank 1 passes 2) before the rest
+        slow = g.per_part(g.gen_in_turn(rows(8), seq, [1, 2], pieces=4))
+        queued = g.mark("late")
+
+        async def consume() -> None:
+            async for _ in queued:
+                pass
+
+        t = asyncio.create_task(consume())
+        await asyncio.sleep(0)  # one turn: the task runs up to its wait for the call to be sent
+        assert not queued.done() and not t.done()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert queued.done()
+        with pytest.raises(orc.CallCancelledError, match="iterating its parts was cancelled"):
+            await queued
+        async with seq(0):  # the stream ends only now
+            pass
+        await slow
+        assert await g.seen_calls() == [0, 0]  # "late" was never sent
