@@ -101,6 +101,12 @@ class _Shared:
         pool.acquire()
         _runtime.register(self)
 
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the group lives on now: the one supervision follows, or the one starting it."""
+        if self._watch_loop is not None:
+            return self._watch_loop
+        return self._start.get_loop() if self._start is not None else None
+
     def is_ready(self) -> bool:
         return self._ready and self.closed is None
 
@@ -366,6 +372,16 @@ def _cancel_on_its_loop(f: asyncio.Future) -> None:
         loop.call_soon_threadsafe(f.cancel)
 
 
+def _runs_elsewhere(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is running, and not in this thread (so its objects must be touched from its own thread)."""
+    if loop.is_closed() or not loop.is_running():
+        return False
+    try:
+        return asyncio.get_running_loop() is not loop
+    except RuntimeError:  # no loop runs in this thread
+        return True
+
+
 def _current_task() -> asyncio.Task | None:
     try:
         return asyncio.current_task()
@@ -545,7 +561,18 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """End the group now (blocking): cancel start-up and every call in flight, kill the actors (of every
-        colocated role) and release the pool once no other group uses it. ``await aclose()`` on an event loop."""
+        colocated role) and release the pool once no other group uses it. ``await aclose()`` on an event loop.
+
+        The group's calls and supervision live on the event loop it is used from: while that loop runs in another
+        thread, this refuses (RuntimeError, nothing changed); hand the close to it instead with
+        ``asyncio.run_coroutine_threadsafe(group.aclose(), loop).result()``."""
+        loop = self._shared.home_loop()
+        if loop is not None and _runs_elsewhere(loop):
+            raise RuntimeError(
+                f"group {self.name!r}: shutdown() was called in thread {threading.current_thread().name!r}, but the "
+                f"group's event loop runs in another thread, where its calls and supervision live; nothing was "
+                f"changed. Close it on that loop: asyncio.run_coroutine_threadsafe(group.aclose(), loop).result() "
+                f"from this thread, or await group.aclose() there")
         hosts = self._shared.close()
         if hosts or self._shared.holds_pool_ref():
             self._shared.finish_close(hosts)

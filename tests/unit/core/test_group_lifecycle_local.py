@@ -23,7 +23,7 @@ from orchestra.testing import Sequencer, kill_rank
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
 if str(_INTEGRATION) not in sys.path:
     sys.path.insert(0, str(_INTEGRATION))
-from orc_test_workers import Hazard  # noqa: E402
+from orc_test_workers import Hazard, Scorer  # noqa: E402
 
 
 class Broken(orc.Worker):
@@ -139,3 +139,34 @@ async def test_cancelling_an_async_for_over_a_call_not_yet_sent_cancels_the_call
             pass
         await slow
         assert await g.seen_calls() == [0, 0]  # "late" was never sent
+
+
+# -- shutdown() from another thread ------------------------------------------------------------------------------------
+async def test_shutdown_from_another_thread_is_refused_before_changing_anything(seq):
+    """``shutdown()`` called from a thread other than the one running the group's event loop (a watchdog, a signal
+    thread) is refused at once, with nothing changed: the call in flight runs on, the pool stays held. Handing
+    ``aclose()`` to the loop, as the error says, closes the group: the call fails with GroupClosedError, the ranks
+    are killed and the pool is released."""
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Scorer,
+                    group_name="threaded")
+    try:
+        await g.ready()
+        hosts = g.actors
+        fut = g.hold_until_cancelled(seq)
+        async with seq(2):  # both ranks are running it
+            pass
+        with pytest.raises(RuntimeError, match=r"'threaded': shutdown\(\) was called in thread .*run_coroutine_threadsafe"):
+            await asyncio.to_thread(g.shutdown)
+        assert not g.closed and not fut.done() and g.pool.holds_refs()
+        assert await g.ping() == [0, 1]  # the ranks still answer
+
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(lambda: asyncio.run_coroutine_threadsafe(g.aclose(), loop).result())
+        assert g.closed and fut.done() and not g.pool.holds_refs()
+        with pytest.raises(orc.GroupClosedError, match="'threaded' was shut down"):
+            await fut
+        for h in hosts:  # killed: a dead rank answers nothing
+            with pytest.raises(Exception, match="(?i)died|dead|killed"):
+                await asyncio.wrap_future(h.ping.remote().future())
+    finally:
+        await g.aclose()
