@@ -155,7 +155,8 @@ async def test_shutdown_from_another_thread_is_refused_before_changing_anything(
         fut = g.hold_until_cancelled(seq)
         async with seq(2):  # both ranks are running it
             pass
-        with pytest.raises(RuntimeError, match=r"'threaded': shutdown\(\) was called in thread .*run_coroutine_threadsafe"):
+        refused = r"'threaded': shutdown\(\) was called in thread .*run_coroutine_threadsafe"
+        with pytest.raises(RuntimeError, match=refused):
             await asyncio.to_thread(g.shutdown)
         assert not g.closed and not fut.done() and g.pool.holds_refs()
         assert await g.ping() == [0, 1]  # the ranks still answer
