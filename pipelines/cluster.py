@@ -89,11 +89,6 @@ class Cluster:
         for g in self.groups():
             await g.aclose()
 
-    def dead_ranks(self) -> list[tuple[str, int]]:
-        """``(group, rank)`` of every rank that supervision has seen die (no round trip)."""
-        return [(g.name, h["rank"]) for g in self.groups() for h in g.health()
-                if not h["alive"] and h["error"] is not None and not g.closed]
-
 
 def capacity_problems(pools: list[ResourcePool]) -> list[str]:
     """Why ``pools`` (all of them at once) cannot fit the live nodes of the Ray cluster now; empty when they fit.

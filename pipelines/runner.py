@@ -247,12 +247,9 @@ class Runner:
                 seen.append(err)
                 scope.cancel()
 
+            # a rank that died before this watch began is reported at registration (on_death tells a new callback
+            # of the deaths already seen): the work then never starts
             removers = [g.on_death(on_death) for g in self.cluster.groups()] if watch else []
-            dead = self.cluster.dead_ranks() if watch else []
-            if dead:  # died before this watch began: on_death reports a death once, to those registered then
-                group, rank = dead[0]
-                on_death(orc.WorkerDiedError(f"the worker process of rank {rank} died while the job was starting "
-                                             f"(seen by supervision)", group=group, rank=rank, exc_type="WorkerDied"))
             try:
                 if seen:
                     work.close()  # never started: the job it would work on is already failing

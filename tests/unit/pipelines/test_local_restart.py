@@ -83,7 +83,7 @@ async def test_a_rank_of_the_new_job_dead_before_its_restore_is_the_next_restart
     assert [r.get("restart") for r in runner.restarts] == [None, 2]  # the first never finished: its job was failing
     assert "group 'actor' rank 0" in runner.restarts[0]["reason"]
     assert "group 'reward' rank 0" in runner.restarts[1]["reason"]
-    assert "while the job was starting" in runner.restarts[1]["reason"]
+    assert "the worker process of rank 0 died" in runner.restarts[1]["reason"]  # told at the watch's registration
     assert [(e["event"], e["restart"]) for e in _events(tmp_path)] == [("restart", 2)]
 
 
