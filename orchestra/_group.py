@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import weakref
@@ -24,6 +25,13 @@ from .dispatch import Plan, check_final
 from .dispatch import stream as stream_transform
 
 __all__ = ["WorkerGroup"]
+
+UNSEEN_KEPT = 64  # failed calls nothing awaited, kept per group for failed_calls_not_awaited()
+
+
+def _log_unseen(inv: Any) -> None:
+    log.error("group %r, endpoint %r: a call failed and nothing awaited it (nor read its result): %r",
+              inv.group, inv.endpoint, inv.outcome())
 
 log = logging.getLogger("orchestra")
 
@@ -82,6 +90,8 @@ class _Shared:
         self.closed: str | None = None  # why the group was shut down
         self.gate = _Gate()
         self.live: weakref.WeakSet = weakref.WeakSet()  # invocations not yet finished
+        # invocations that failed and that nothing has awaited (nor read) yet, oldest first, at most UNSEEN_KEPT
+        self.unseen: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
         self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
         # deaths known when a callback was registered with no event loop running there: told on the group's loop
@@ -309,11 +319,21 @@ class _Shared:
         self.follow_loop()
         await asyncio.shield(self.start())
 
+    def note_unseen(self, inv: Any) -> None:
+        """``inv`` failed and nothing awaited it: kept for ``failed_calls_not_awaited`` (the oldest is dropped past
+        ``UNSEEN_KEPT``, with its error logged, as it is at close: a failure nobody looked at is never silent)."""
+        self.unseen[id(inv)] = inv
+        while len(self.unseen) > UNSEEN_KEPT:
+            _, old = self.unseen.popitem(last=False)
+            _log_unseen(old)
+
     def close(self, why: str = "shutdown() was called") -> list[Any]:
         """Mark closed, cancel start-up and every call in flight; returns the actor handles still to kill."""
         if self.closed is not None:
             return []
         self.closed = why
+        while self.unseen:
+            _log_unseen(self.unseen.popitem(last=False)[1])
         if self._start is not None and not self._start.done() and self._start is not _current_task():
             self._start.cancel()
         err = closed_error(self.name, why)
@@ -537,6 +557,12 @@ class WorkerGroup:
         return [{"rank": r, "alive": shared.closed is None and r not in shared.dead and shared.is_ready(),
                  "error": str(shared.dead[r]) if r in shared.dead else shared.closed}
                 for r in range(self.world_size)]
+
+    def failed_calls_not_awaited(self) -> list[str]:
+        """``"group.endpoint: error"`` of every call of this group (every colocated role's) that failed and that
+        nothing awaited, nor read as an input of another call; oldest first. For tests that check no failure went
+        unnoticed (the ``make_group`` fixture fails a test that leaves one); a group logs these when it closes."""
+        return [f"{inv.group}.{inv.endpoint}: {inv.outcome()!r}" for inv in list(self._shared.unseen.values())]
 
     def calls_in_flight(self) -> list[str]:
         """``"group.endpoint"`` of every call not yet finished or ended on this group's actors (every colocated

@@ -158,6 +158,7 @@ class Invocation:
         self._scan = 0  # slots before this index are finished (see _check_done)
         self._deadline_timer: asyncio.TimerHandle | None = None  # ends the call at its deadline (see start)
         self._written: _WriteCheck | None = None  # the caller's Batches as the call was made (see start)
+        self._looked = False  # something awaited this call or read it as an input (see failed_calls_not_awaited)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -267,6 +268,8 @@ class Invocation:
         if i == len(slots):
             self.shared.live.discard(self)
             self._stop_deadline()
+            if not self._looked and self.outcome() is not None:
+                self.shared.note_unseen(self)
 
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
@@ -587,7 +590,24 @@ class Invocation:
         return err
 
     # -- waiting --------------------------------------------------------------------------------------------------
+    def looked_at(self) -> None:
+        """Something awaits this call or reads it: its failure, if any, is seen there."""
+        if not self._looked:
+            self._looked = True
+            self.shared.unseen.pop(id(self), None)
+
+    def outcome(self) -> BaseException | None:
+        """The call's failure once it has one: how it was ended early, else the first failure of a rank."""
+        if self.error is not None:
+            return self.error
+        for s in self.slots:
+            for f in (s.done, *s.outputs):
+                if f.done() and not f.cancelled() and f.exception() is not None:
+                    return convert_error(f.exception(), self.group, self.endpoint, s.rank)
+        return None
+
     async def wait_submitted(self) -> None:
+        self.looked_at()
         if self.error is not None:
             raise self.error
         if not self.submitted.done():
@@ -601,6 +621,7 @@ class Invocation:
 
     async def wait(self) -> None:
         """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
+        self.looked_at()
         try:
             await self.wait_submitted()
             while True:
@@ -728,6 +749,8 @@ class Invocation:
         that already finished is left as it is."""
         if self.error is not None or (self.submitted.done() and all(s.finished() for s in self.slots)):
             return
+        if error is None:  # fut.cancel(): the caller knows how it ended
+            self.looked_at()
         self.error = error or CallCancelledError(f"{self.where()}: the call was cancelled (fut.cancel())")
         self._end()
 
@@ -738,6 +761,8 @@ class Invocation:
 
     def _end(self) -> None:
         self._stop_deadline()
+        if not self._looked and not isinstance(self.error, (CallCancelledError, GroupClosedError)):
+            self.shared.note_unseen(self)  # a deadline, a death, a failed send: nobody has seen it yet
         if self._ended is not None and not self._ended.done():
             self._ended.set_exception(self.error or CallCancelledError(f"{self.where()}: the call was ended"))
             self._ended.exception()  # retrieved: the error surfaces through wait()

@@ -140,7 +140,8 @@ def in_flight(factory: GroupFactory) -> list[str]:
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
     """After a test body that passed: fail the test when calls of groups made by ``make_group`` are still in flight
-    (a call never awaited, or a stream never drained). A body that raised is reported as is."""
+    (a call never awaited, or a stream never drained), or failed with nothing awaiting them (an error no one saw).
+    A body that raised is reported as is."""
     result = yield
     factory = getattr(pyfuncitem, "funcargs", {}).get("make_group")
     if isinstance(factory, GroupFactory):
@@ -148,6 +149,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
         if left:
             pytest.fail(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
                         f"before the test returns", pytrace=False)
+        failed = [c for g in factory.groups if not g.closed for c in g.failed_calls_not_awaited()]
+        if failed:
+            pytest.fail(f"calls failed and nothing awaited them: {failed}; await every call (one expected to "
+                        f"fail: with pytest.raises(...): await fut)", pytrace=False)
     return result
 
 

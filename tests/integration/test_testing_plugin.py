@@ -138,6 +138,8 @@ def test_orc_cluster_reuses_a_running_cluster_and_leaves_it_running(orc_cluster,
 
 
 LEAKY = '''
+import asyncio
+
 import pytest
 from orchestra import Worker, endpoint
 from orchestra.testing import Sequencer
@@ -149,11 +151,23 @@ class Waiter(Worker):
         with seq(1):  # position 0 never runs: this call cannot finish
             pass
 
+    @endpoint
+    def boom(self):
+        raise ValueError("boom")
+
 
 @pytest.mark.asyncio
 async def test_leaves_a_call_running(make_group):
     group = await make_group(Waiter, ranks=1)
     group.wait(Sequencer())
+
+
+@pytest.mark.asyncio
+async def test_leaves_a_failed_call_unawaited(make_group):
+    group = await make_group(Waiter, ranks=1)
+    fut = group.boom()
+    while not fut.done():  # finished (failed), and nothing awaits it
+        await asyncio.sleep(0.01)
 '''
 
 
@@ -161,8 +175,9 @@ async def test_leaves_a_call_running(make_group):
 @pytest.mark.parametrize("backend", ["ray", "local"])
 def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running(tmp_path, backend):
     """A fresh pytest (its own cluster, strict asyncio mode: no project config) over a copy of tests/plugin_user
-    with one assertion made wrong, plus a test that leaves a call running: the untouched test passes, both others
-    fail, with the assertion's own message and the call's name — on the Ray backend and on the in-process one."""
+    with one assertion made wrong, plus a test that leaves a call running and one that leaves a failed call
+    unawaited: the untouched test passes, the three others fail, with the assertion's own message and the calls'
+    names — on the Ray backend and on the in-process one."""
     src = ROOT / "tests" / "plugin_user"
     shutil.copy(src / "user_workers.py", tmp_path / "user_workers.py")
     text = (src / "test_user_worker.py").read_text()
@@ -176,9 +191,10 @@ def test_a_users_test_file_fails_on_a_wrong_assertion_and_on_a_call_left_running
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "2 failed, 1 passed" in out, out
+    assert "3 failed, 1 passed" in out, out
     assert "assert [0, 2, 4, 6, 8] == [0, 2, 4, 6, 9]" in out, out
     assert "calls still in flight when the test ended: ['Waiter.wait']" in out, out
+    assert "calls failed and nothing awaited them: ['Waiter.boom: WorkerError" in out, out
 
 
 def test_a_users_test_file_passes_in_process_without_ray(tmp_path):
