@@ -314,6 +314,13 @@ class _Shared:
         t = self._start
         if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # the start-up error (e.g. a rank's __init__ failed), for every awaiter
+        if t is not None and t.cancelled() and self.closed is None:
+            # only the end of the loop it ran on cancels a start-up task of an open group (close() marks the
+            # group closed first): what it placed or spawned may be half done, so close the group, not retry
+            hosts = self.close("its start-up was cancelled when the event loop it began on ended (an asyncio.run() "
+                               "that returned before ready()); make the group, and await ready(), in the loop "
+                               "that uses it")
+            await anyio.to_thread.run_sync(self.finish_close, hosts)
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
         self.follow_loop()

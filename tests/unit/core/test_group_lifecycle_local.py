@@ -171,3 +171,24 @@ async def test_shutdown_from_another_thread_is_refused_before_changing_anything(
                 await asyncio.wrap_future(h.ping.remote().future())
     finally:
         await g.aclose()
+
+
+def test_a_group_whose_start_was_cut_short_by_the_end_of_its_loop_is_closed_saying_why():
+    """Made in one ``asyncio.run`` that returned before ``ready()`` (its start-up task was cancelled with the loop),
+    used in the next: ``ready()`` and calls fail with a GroupClosedError that says what happened, and the group's
+    pool is given back (it raised a bare CancelledError, calls said "cancelled before it finished sending", and the
+    group kept its pool)."""
+
+    async def make() -> WorkerGroup:
+        return WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Scorer)
+
+    g = asyncio.run(make())
+
+    async def use() -> None:
+        with pytest.raises(orc.GroupClosedError, match="event loop it began on ended"):
+            await g.ready()
+        with pytest.raises(orc.GroupClosedError, match="event loop it began on ended"):
+            await g.count_rows(rows(4))
+
+    asyncio.run(use())
+    assert g.closed and not g.pool.holds_refs()
