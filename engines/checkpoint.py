@@ -253,10 +253,7 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
             raise CheckpointError(f"{key}: the checkpoint has shape {e.get('shape')} {e.get('dtype')}, the model "
                                   f"being loaded has {list(t.shape)} {_dtype_name(t.dtype)} ({ipath}); load it into "
                                   f"the model it was saved from")
-        for s in e["shards"]:
-            _expect(isinstance(s, dict) and s.get("file") in index["files"]
-                    and len(s.get("offset", [])) == t.dim() == len(s.get("shape", [])), ipath,
-                    f"{key} has a malformed shard entry {s!r}")
+        _check_tiling(ipath, key, list(t.shape), e["shards"], index["files"])
     opt = state.get("optimizer")
     _expect(isinstance(opt, dict) and isinstance(opt.get("scalars"), dict)
             and isinstance(opt.get("param_groups"), list), spath, "no optimizer state")
@@ -276,6 +273,90 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
     if saved_params != [list(g["params"]) for g in groups]:
         raise CheckpointError(f"{spath}: the optimizer param groups hold other parameters than the running "
                               f"optimizer's; was it saved with another model or optimizer?")
+
+
+def _natural(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _box(lo: list[int], hi: list[int]) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(lo, hi)) + "]"
+
+
+def _split_along_one_dim(shape: list[int], shards: list[Mapping[str, Any]]) -> bool:
+    """True when the (in-bounds) ``shards`` tile ``shape`` exactly as a split along one dimension, the layout
+    :func:`save_sharded` writes: one sort, where the general check below needs a grid. False: not shown."""
+    live = [s for s in shards if all(n > 0 for n in s["shape"])]  # an empty shard (more ranks than rows) holds nothing
+    if math.prod(shape) == 0:
+        return True
+    split = {d for s in live for d, size in enumerate(shape) if (s["offset"][d], s["shape"][d]) != (0, size)}
+    if not split:
+        return len(live) == 1
+    if len(split) > 1:
+        return False
+    d = split.pop()
+    end = 0
+    for s in sorted(live, key=lambda s: s["offset"][d]):
+        if s["offset"][d] != end:
+            return False
+        end += s["shape"][d]
+    return end == shape[d]
+
+
+_MAX_CELLS = 1 << 22  # a layout our writer makes has one cell per shard; an index with more is refused, not checked
+
+
+def _check_tiling(ipath: str, key: str, shape: list[int], shards: list[Any], files: Mapping[str, Any]) -> None:
+    """The shards of ``key`` (a tensor of ``shape``) lie inside it and cover each of its elements exactly once,
+    each from a file of the index, and no file twice (a file holds one piece of each tensor). A shard that overlaps
+    another or a hole would load another shard's values or keep the template's, silently."""
+    ndim = len(shape)
+    seen: dict[str, list[int]] = {}
+    for s in shards:
+        ok = (isinstance(s, dict) and isinstance(s.get("file"), str) and s["file"] in files
+              and isinstance(s.get("offset"), list) and isinstance(s.get("shape"), list)
+              and len(s["offset"]) == ndim == len(s["shape"]) and all(map(_natural, s["offset"] + s["shape"])))
+        _expect(ok, ipath, f"{key} has a malformed shard entry {s!r} (want 'file' one of the index's files, "
+                           f"'offset' and 'shape' lists of {ndim} natural numbers)")
+        if any(o + n > size for o, n, size in zip(s["offset"], s["shape"], shape)):
+            raise CheckpointError(f"{ipath}: {key}: the shard in {s['file']} at offset {s['offset']} shape "
+                                  f"{s['shape']} reaches outside the tensor, whose shape is {shape}; the index is "
+                                  f"corrupt: restore it or use another checkpoint")
+        if s["file"] in seen:
+            raise CheckpointError(f"{ipath}: {key}: {s['file']} is listed twice, at offsets {seen[s['file']]} and "
+                                  f"{s['offset']}, but a file holds one piece of each tensor; the index is corrupt: "
+                                  f"restore it or use another checkpoint")
+        seen[s["file"]] = s["offset"]
+    if _split_along_one_dim(shape, shards):
+        return
+    # count, on the grid cut at every shard boundary, how many shards hold each cell: every cell must be held once
+    cuts = [sorted({0, size} | {o for s in shards for o in (s["offset"][d], s["offset"][d] + s["shape"][d])})
+            for d, size in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+        raise CheckpointError(f"{ipath}: {key} is split into {len(shards)} shards that cut it into more than "
+                              f"{_MAX_CELLS} pieces; orchestra never writes such a layout: the index is corrupt")
+    held = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    at = [{v: i for i, v in enumerate(c)} for c in cuts]
+    for s in shards:
+        held[tuple(slice(a[o], a[o + n]) for a, o, n in zip(at, s["offset"], s["shape"]))] += 1
+    if bool((held == 1).all()):
+        return
+
+    def cell(where: torch.Tensor) -> tuple[list[int], list[int]]:
+        idx = where.nonzero()[0].tolist()
+        return [c[i] for c, i in zip(cuts, idx)], [c[i + 1] for c, i in zip(cuts, idx)]
+
+    problems = []
+    if bool((held > 1).any()):
+        lo, hi = cell(held > 1)
+        owners = [f"{s['file']} at offset {s['offset']} shape {s['shape']}" for s in shards
+                  if all(o <= a and b <= o + n for a, b, o, n in zip(lo, hi, s["offset"], s["shape"]))]
+        problems.append(f"elements {_box(lo, hi)} are in {len(owners)} shards ({'; '.join(owners)})")
+    if bool((held == 0).any()):
+        lo, hi = cell(held == 0)
+        problems.append(f"elements {_box(lo, hi)} are in no shard")
+    raise CheckpointError(f"{ipath}: the shards of {key} (shape {shape}) do not cover each element exactly once: "
+                          f"{'; '.join(problems)}. The index is corrupt: restore it or use another checkpoint")
 
 
 class _Shards:
@@ -375,14 +456,10 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
             if placement["kind"] == "shard":
                 d = placement["dim"]
                 offset[d] = sum(shapes[r][key][d] for r in range(rank))
-            covered = 0
+            # _check_index made sure the shards tile the tensor: those overlapping this rank's box tile the box
             for s, src, where, full in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
                 shards.check(s["file"], key, s["shape"], dst.dtype)
                 plan.append((dst, where, s["file"], key, src, full))
-                covered += math.prod(w.stop - w.start for w in where)
-            if covered != dst.numel():
-                raise CheckpointError(f"{os.path.join(directory, INDEX)}: the shards of {key} cover {covered} of "
-                                      f"the {dst.numel()} elements this rank needs; the index is corrupt")
     except CheckpointError as e:
         _agree(e, directory, device)
         raise
