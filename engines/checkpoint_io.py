@@ -11,29 +11,57 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 from typing import Any
 
-__all__ = ["CheckpointError", "read_json", "sha256_file", "write_json_atomic"]
+__all__ = ["CheckpointError", "read_json", "read_regular_file", "sha256_file", "verify_file", "write_json_atomic"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, incomplete, corrupt, not ours, or not matching the model."""
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Parse a JSON file; a missing, unreadable or truncated file raises :class:`CheckpointError` naming it."""
+def read_regular_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a checkpoint's regular file. Missing, not a regular file (a directory; a FIFO is refused without
+    waiting for a writer), or unreadable: :class:`CheckpointError` naming it."""
     p = os.fspath(path)
     try:
-        with open(p, "rb") as f:
-            data = f.read()
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO for reading would block until a writer came
     except FileNotFoundError:
         raise CheckpointError(f"{p} is missing; the checkpoint is incomplete or this is not a checkpoint "
                               f"directory") from None
+    except (OSError, ValueError) as e:  # no permission, a symlink loop, a name too long; ValueError: a NUL
+        raise CheckpointError(f"{p} cannot be opened ({type(e).__name__}: {e}); restore the file or use another "
+                              f"checkpoint") from e
     try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p} is not valid JSON ({e}); the file is truncated or corrupt: use another "
-                              f"checkpoint or restore the file") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{p} is not a regular file; a checkpoint holds only the regular files its writers "
+                                  f"made: restore the file or use another checkpoint")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise CheckpointError(f"{p} cannot be read ({type(e).__name__}: {e}); restore the file or use another "
+                              f"checkpoint") from e
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a checkpoint's JSON file, which holds an object. Every way it can fail is a :class:`CheckpointError`
+    naming the file: missing, not a regular file, unreadable, not UTF-8, not JSON (truncated), a number of more
+    digits than ``int()`` converts, nested deeper than the parser recurses, or not an object. NaN and Infinity are
+    read: ``json.dump`` (:func:`write_json_atomic`) writes them."""
+    p = os.fspath(path)
+    data = read_regular_file(p)
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, int() digit limit
+        raise CheckpointError(f"{p} is not valid JSON ({type(e).__name__}: {e}); the file is truncated or corrupt: "
+                              f"use another checkpoint or restore the file") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{p} holds a JSON {type(obj).__name__}, not a JSON object; the file is corrupt or not "
+                              f"one of a checkpoint's: use another checkpoint or restore the file")
+    return obj
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = None) -> None:
@@ -64,7 +92,11 @@ def sha256_file(path: str | os.PathLike[str], *, sync: bool = False) -> tuple[in
 def verify_file(path: str | os.PathLike[str], entry: dict[str, Any], listed_in: str) -> None:
     """Raise CheckpointError naming ``path`` unless its size and sha256 are the ones ``entry`` records
     (``{"bytes": ..., "sha256": ...}`` from ``listed_in``, an index or a manifest)."""
-    size, digest = sha256_file(path)
+    try:
+        size, digest = sha256_file(path)
+    except OSError as e:  # no permission, an I/O error: this checkpoint cannot be used, another may
+        raise CheckpointError(f"{path} (listed in {listed_in}) cannot be read ({type(e).__name__}: {e}); restore "
+                              f"the file or use another checkpoint") from e
     if size != entry.get("bytes"):
         raise CheckpointError(f"{path} has {size} bytes, {listed_in} says {entry.get('bytes')} (size mismatch): the "
                               f"file was truncated or replaced after the checkpoint was written")

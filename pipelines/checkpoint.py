@@ -25,7 +25,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engines.checkpoint_io import CheckpointError, read_json, sha256_file, verify_file, write_json_atomic
+from engines.checkpoint_io import (CheckpointError, read_json, read_regular_file, sha256_file, verify_file,
+                                   write_json_atomic)
 
 __all__ = ["LATEST", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
            "prepare_output_dir", "prune", "read_json", "stage", "verify", "write_json_atomic", "write_manifest"]
@@ -70,6 +71,12 @@ def write_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def _short(v: Any, n: int = 120) -> str:
+    """``repr(v)``, cut to about ``n`` characters (a manifest can list a path of any length)."""
+    r = repr(v)
+    return r if len(r) <= n else f"{r[:n]}... ({len(r)} characters)"
+
+
 def verify(directory: Path) -> dict[str, Any]:
     """Check ``directory`` against its manifest: every listed file present, same size, same sha256.
 
@@ -86,11 +93,16 @@ def verify(directory: Path) -> dict[str, Any]:
     for entry in manifest["files"]:
         rel = entry.get("path") if isinstance(entry, dict) else None
         if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in Path(rel).parts:
-            raise CheckpointError(f"{mpath} lists {rel!r}, which is not a path inside the checkpoint")
+            raise CheckpointError(f"{mpath} lists {_short(rel)}, which is not a path inside the checkpoint")
         p = directory / rel
-        if not p.resolve().is_relative_to(root):
-            raise CheckpointError(f"{mpath} lists {rel!r}, which leads outside the checkpoint")
-        if not p.is_file():
+        try:
+            inside, regular = p.resolve().is_relative_to(root), p.is_file()
+        except (OSError, ValueError, RuntimeError) as e:  # too long, a NUL, not encodable, a symlink loop
+            raise CheckpointError(f"{mpath} lists {_short(rel)}, which cannot be looked up ({type(e).__name__}: "
+                                  f"{_short(str(e))}); the manifest is corrupt: use another checkpoint") from e
+        if not inside:
+            raise CheckpointError(f"{mpath} lists {_short(rel)}, which leads outside the checkpoint")
+        if not regular:
             raise CheckpointError(f"{p} is missing (listed in {mpath}); the checkpoint is incomplete")
         verify_file(p, entry, "the manifest")
     return manifest
@@ -183,8 +195,8 @@ def _latest_pointer(root: Path) -> Path | None:
     if not pointer.exists():
         return None
     try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
+        name = read_regular_file(pointer).decode("utf-8").strip()
+    except (CheckpointError, UnicodeDecodeError) as e:
         log.warning("%s cannot be read (%s); looking for the newest good checkpoint instead", pointer, e)
         return None
     if _STEP.match(name) is None or not (root / name).is_dir():

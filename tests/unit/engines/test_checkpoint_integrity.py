@@ -115,3 +115,12 @@ def test_missing_elements_are_named(w_ckpt):
     _reshard(w_ckpt, "w", [([0], w[:1]), ([2], w[2:])])
     with pytest.raises(CheckpointError, match=r"model/w.*\[1:2\].*no shard"):
         _load(w_ckpt, w=torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", ["index.json", "engine_state.json"])
+@pytest.mark.parametrize("text", ['{"x": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000, "[]"],
+                         ids=["5000 digits", "100000 deep", "a list"])
+def test_json_that_fails_to_parse_to_an_object_is_named(w_ckpt, name, text):
+    (w_ckpt / name).write_text(text)
+    with pytest.raises(CheckpointError, match=rf"{name}.*(not valid JSON|not a JSON object)"):
+        _load(w_ckpt, w=torch.zeros(4))

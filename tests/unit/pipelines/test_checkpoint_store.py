@@ -198,3 +198,104 @@ def test_a_fresh_run_refuses_to_wipe_an_earlier_runs_metrics_unless_overwrite(tm
     assert not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "metrics.jsonl").write_text("")  # an empty one (a run that wrote nothing) is no earlier run
     assert ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=False) is None
+
+
+# every way a checkpoint's JSON can fail is a CheckpointError naming the file, so --resume falls back
+_MANIFEST_HEAD = '{"format": "orchestra.checkpoint-manifest/1", "files": [], '
+_BAD_JSON = {
+    "a 5000-digit number": _MANIFEST_HEAD + '"x": ' + "9" * 5000 + "}",  # int() refuses it: a ValueError
+    "nesting 100000 deep": _MANIFEST_HEAD + '"x": ' + "[" * 100_000 + "]" * 100_000 + "}",  # a RecursionError
+    "a list, not an object": "[]",
+    "not UTF-8": '{"format": "\xff"}',
+    "truncated": _MANIFEST_HEAD[:20],
+}
+
+
+@pytest.mark.parametrize("what", list(_BAD_JSON))
+def test_a_manifest_that_fails_to_parse_is_named_and_the_previous_checkpoint_is_used(tmp_path, caplog, what):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    newest = _save(root, 2)
+    (newest / "manifest.json").write_bytes(_BAD_JSON[what].encode("latin-1"))
+    with pytest.raises(CheckpointError, match=r"step_000002/manifest\.json"):
+        ckpt.verify(newest)
+    with caplog.at_level(logging.WARNING, logger="orchestra"):
+        assert ckpt.latest_good(root) == root / "step_000001"
+    assert any("step_000002" in r.getMessage() and "manifest.json" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("what", ["a 5000-digit number", "nesting 100000 deep", "a list, not an object"])
+def test_read_json_refuses_what_does_not_parse_to_an_object(tmp_path, what):
+    """runner.json and the workers' JSON are read with read_json too: the caller gets a CheckpointError naming
+    the file, never a ValueError, RecursionError or a list it does not expect."""
+    p = tmp_path / "runner.json"
+    p.write_text(_BAD_JSON[what])
+    with pytest.raises(CheckpointError, match=r"runner\.json.*(not valid JSON|not a JSON object)"):
+        ckpt.read_json(p)
+
+
+def test_read_json_accepts_the_non_finite_numbers_write_json_atomic_writes(tmp_path):
+    """The format is Python's JSON: write_json_atomic writes inf and NaN (an engine config's grad_clip=inf, say) as
+    Infinity and NaN, so read_json reads them back rather than refusing a checkpoint this code wrote."""
+    ckpt.write_json_atomic(tmp_path / "s.json", {"a": float("inf"), "b": float("-inf")})
+    assert ckpt.read_json(tmp_path / "s.json") == {"a": float("inf"), "b": float("-inf")}
+
+
+def test_a_manifest_that_is_a_directory_is_named_and_the_previous_checkpoint_is_used(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    newest = _save(root, 2)
+    (newest / "manifest.json").unlink()
+    (newest / "manifest.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"step_000002/manifest\.json.*not a regular file"):
+        ckpt.verify(newest)
+    assert ckpt.latest_good(root) == root / "step_000001"
+
+
+@pytest.mark.parametrize("name", ["step_000002/manifest.json", "latest"])
+def test_a_fifo_for_manifest_or_latest_is_refused_without_waiting_for_a_writer(tmp_path, name):
+    import os
+    import threading
+
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    _save(root, 2)
+    fifo = root / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(ckpt.latest_good(root))
+        except BaseException as e:  # reported below
+            result.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    if t.is_alive():  # blocked opening the FIFO: release it, then fail
+        os.close(os.open(fifo, os.O_WRONLY))
+        t.join()
+        pytest.fail(f"latest_good() blocked opening a FIFO named {name}")
+    assert result == [root / ("step_000001" if name != "latest" else "step_000002")]
+
+
+@pytest.mark.parametrize("path", ["a\u0000b", "\ud800", "a" * 5000, "loop"])
+def test_a_manifest_path_the_os_refuses_is_named_and_the_previous_checkpoint_is_used(tmp_path, path):
+    """A NUL, a lone surrogate, a name too long, a symlink loop: errors of the OS or of the path code, which
+    escaped as ValueError, UnicodeEncodeError, OSError or RuntimeError and stopped the fallback."""
+    import os
+
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    newest = _save(root, 2)
+    if path == "loop":
+        os.symlink("loop2", newest / "loop")
+        os.symlink("loop", newest / "loop2")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"].append({"path": path, "bytes": 1, "sha256": "0" * 64})
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"step_000002/manifest\.json"):
+        ckpt.verify(newest)
+    assert ckpt.latest_good(root) == root / "step_000001"
