@@ -11,11 +11,15 @@ A checkpoint directory holds, for a run of ``W`` ranks:
 - ``engine_state.json``: everything that is not a tensor: the step (the LR schedule is a function of it),
   optimizer param groups and scalar state (Adam ``step`` counts), per-rank torch RNG state, the engine config.
 
-Loading validates the index against the running model (names, global shapes, dtypes), checks each file's size
-and sha256 before reading it, and copies into each rank's local shard the parts of the saved shards that overlap
-it, so a checkpoint written by W ranks loads into any number of ranks. Tensors are read with ``safetensors``
-(a JSON header plus raw bytes) and everything else with ``json``: a tampered file fails to parse, it cannot run
-code. Checkpoints should still come from a place you trust: a well-formed checkpoint can hold any weights.
+Loading validates the index against the running model (names, global shapes, dtypes) and checks that the shards
+of each tensor cover every element exactly once. It reads each shard file it needs once, whole, into memory,
+checks its size and sha256 on those bytes and takes the tensors from them: what loads is what was verified, even
+if the file is replaced or rewritten meanwhile (peak memory: the files this rank reads). It copies into each
+rank's local shard the parts of the saved shards that overlap it, so a checkpoint written by W ranks loads into
+any number of ranks. Tensors are parsed as ``safetensors`` (a JSON header plus raw bytes; the header checked at
+least as strictly as the safetensors library does) and everything else with ``json``: a tampered file fails to
+parse, it cannot run code. Checkpoints should still come from a place you trust: a well-formed checkpoint can hold
+any weights.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.checkpoint_io import CheckpointError, read_json, sha256_file, verify_file, write_json_atomic
+from engines.checkpoint_io import CheckpointError, read_checked, read_json, sha256_file, write_json_atomic
 
 __all__ = ["FORMAT", "CheckpointError", "load_sharded", "read_json", "save_sharded", "sha256_file",
            "write_json_atomic"]
@@ -47,9 +51,78 @@ def _shard_file(kind: str, rank: int, world: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------ layout
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+# safetensors dtype names -> torch dtypes (those this torch has)
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in [
+        ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+        ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U64", "uint64"), ("U32", "uint32"),
+        ("U16", "uint16"), ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2", "float8_e5m2"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")]
+    if hasattr(torch, attr)}
+_MAX_HEADER = 100_000_000  # bytes; safetensors' own bound
+
+
+def _parse_safetensors(path: str, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``data``, as read-only views of it (no copy). The header is checked
+    as strictly as the safetensors library does, or more (a JSON object of entries of exactly ``{dtype, shape,
+    data_offsets}``, where the library ignores more fields, and an optional ``__metadata__`` of strings; the data
+    areas tile the byte buffer, in order, with no hole, overlap or trailing byte; each holds exactly its shape
+    times its dtype's size); anything else raises :class:`CheckpointError` naming ``path`` and the entry."""
+    import sys
+    import warnings
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path} is not a valid safetensors file: {what}; the file is corrupt or was not "
+                               f"written by safetensors: restore it or use another checkpoint")
+
+    if sys.byteorder != "little":
+        raise CheckpointError(f"{path}: safetensors data is little-endian and this host is not; load the checkpoint "
+                              f"on a little-endian host")
+    if len(data) < 8:
+        raise bad(f"{len(data)} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, _MAX_HEADER):
+        raise bad(f"a header of {n} bytes in a file of {len(data)}")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, int() digit limit
+        raise bad(f"the header is not JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(header, dict):
+        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad("__metadata__ is not an object of strings")
+    body = memoryview(data)[8 + n:]
+    entries = []
+    for key, e in header.items():
+        ok = (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"} and isinstance(e["dtype"], str)
+              and e["dtype"] in _SAFETENSORS_DTYPES and isinstance(e["shape"], list) and all(map(_natural, e["shape"]))
+              and isinstance(e["data_offsets"], list) and len(e["data_offsets"]) == 2
+              and all(map(_natural, e["data_offsets"])))
+        if not ok:
+            raise bad(f"the entry of {key!r} is not {{dtype (one of {', '.join(_SAFETENSORS_DTYPES)}), shape, "
+                      f"data_offsets}}: {e!r:.200}")
+        begin, end = e["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES[e["dtype"]]
+        if end - begin != math.prod(e["shape"]) * dtype.itemsize:
+            raise bad(f"{key} is {e['shape']} {e['dtype']} ({math.prod(e['shape']) * dtype.itemsize} bytes) but "
+                      f"its data_offsets {e['data_offsets']} hold {end - begin}")
+        entries.append((begin, end, key, e["shape"], dtype))
+    at = 0
+    for begin, end, key, _, _ in sorted(entries, key=lambda x: (x[0], x[1])):
+        if begin != at:
+            raise bad(f"{key}'s data starts at byte {begin} of the data, the tensor before it ends at {at} "
+                      f"({'overlap' if begin < at else 'hole'})")
+        at = end
+    if at != len(body):
+        raise bad(f"the tensors' data ends at byte {at}, the file's data area has {len(body)} bytes")
+    tensors = {}
+    with warnings.catch_warnings():  # views of read-only bytes: they are only copied from
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for begin, end, key, shape, dtype in entries:
+            tensors[key] = (torch.frombuffer(body[begin:end], dtype=dtype).reshape(shape) if end > begin
+                            else torch.empty(shape, dtype=dtype))
+    return tensors
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -360,66 +433,57 @@ def _check_tiling(ipath: str, key: str, shape: list[int], shards: list[Any], fil
 
 
 class _Shards:
-    """Opens shard files on first use, after checking their size and sha256 against the index."""
+    """The index's shard files, each read once, whole, on first use: its size and (``verify``) sha256 are checked on
+    the very bytes its tensors are parsed from, so a file renamed over or rewritten after the check cannot slip
+    other bytes in, and one truncated later cannot fault a memory map."""
 
     def __init__(self, directory: str, files: Mapping[str, Mapping[str, Any]], verify: bool) -> None:
         self.directory, self.files, self.verify = directory, files, verify
-        self._open: dict[str, Any] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
 
-    def get(self, name: str) -> Any:
-        from safetensors import safe_open
-
-        if name in self._open:
-            return self._open[name]
-        path = os.path.join(self.directory, name)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-        if self.verify:
-            verify_file(path, self.files[name], "the index")
-        try:
-            handle = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise CheckpointError(f"{path} is not a valid safetensors file ({type(e).__name__}: {e})") from e
-        self._open[name] = handle
-        return handle
+    def get(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors of file ``name`` (read, checked against the index and parsed on first use)."""
+        if name not in self._tensors:
+            path = os.path.join(self.directory, name)
+            data = read_checked(path, dict(self.files[name]), "the index", verify=self.verify)
+            self._tensors[name] = _parse_safetensors(path, data)
+        return self._tensors[name]
 
     def check(self, name: str, key: str, shape: list[int], dtype: torch.dtype) -> None:
         """File ``name`` (verified, parsed) holds ``key`` with the index's shape and the model's dtype."""
-        f = self.get(name)
+        tensors = self.get(name)
         path = os.path.join(self.directory, name)
-        if key not in f.keys():
+        if key not in tensors:
             raise CheckpointError(f"{path} has no tensor {key}, the index says it does; the file was replaced")
-        sl = f.get_slice(key)
-        saved = (list(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-        if saved != (list(shape), dtype):
-            raise CheckpointError(f"{path}: {key} is {saved[0]} {saved[1]}, expected {list(shape)} {dtype} from the "
-                                  f"index and the model; the file was replaced")
+        t = tensors[key]
+        if (list(t.shape), t.dtype) != (list(shape), dtype):
+            raise CheckpointError(f"{path}: {key} is {list(t.shape)} {t.dtype}, expected {list(shape)} {dtype} from "
+                                  f"the index and the model; the file was replaced")
 
-    def read(self, name: str, key: str, box: tuple[slice, ...], full: bool) -> torch.Tensor:
+    def retain(self, needed: set[tuple[str, str]]) -> None:
+        """Drop the parsed tensors no ``(file, key)`` of ``needed`` names (a file holds other ranks' pieces too)."""
+        for name, tensors in self._tensors.items():
+            for key in [k for k in tensors if (name, k) not in needed]:
+                del tensors[key]
+
+    def read(self, name: str, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         """``box`` of tensor ``key`` from file ``name`` (already checked)."""
-        f = self.get(name)
-        try:
-            return f.get_tensor(key) if full else f.get_slice(key)[box]
-        except Exception as e:  # an I/O error or a file changed since check()
-            raise CheckpointError(f"{os.path.join(self.directory, name)}: cannot read {key} "
-                                  f"({type(e).__name__}: {e})") from e
+        return self._tensors[name][key][box]
 
 
 def _boxes(local_offset: list[int], local_shape: list[int], shards: list[Mapping[str, Any]]
-           ) -> Iterator[tuple[Mapping[str, Any], tuple[slice, ...], tuple[slice, ...], bool]]:
-    """For each saved shard overlapping the local box: (shard, slice into the shard, slice into the local tensor,
-    whether the whole shard is needed)."""
+           ) -> Iterator[tuple[Mapping[str, Any], tuple[slice, ...], tuple[slice, ...]]]:
+    """For each saved shard overlapping the local box: (shard, slice into the shard, slice into the local tensor)."""
     for s in shards:
-        src, dst, full = [], [], True
+        src, dst = [], []
         for lo, n, so, sn in zip(local_offset, local_shape, s["offset"], s["shape"]):
             a, b = max(lo, so), min(lo + n, so + sn)
             if a >= b:
                 break
             src.append(slice(a - so, b - so))
             dst.append(slice(a - lo, b - lo))
-            full = full and a == so and b == so + sn
         else:
-            yield s, tuple(src), tuple(dst), full
+            yield s, tuple(src), tuple(dst)
 
 
 def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any],
@@ -448,8 +512,8 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
     _agree(None, directory, device)
     shapes = _all_gather_json({k: list(v.shape) for k, v in locals_.items()}, device)
     shards = _Shards(directory, index["files"], verify)
-    plan: list[tuple[torch.Tensor, tuple[slice, ...], str, str, tuple[slice, ...], bool]] = []
-    try:  # pass 1: open (and verify) every file this rank needs, check headers and coverage
+    plan: list[tuple[torch.Tensor, tuple[slice, ...], str, str, tuple[slice, ...]]] = []
+    try:  # pass 1: read (and verify) every file this rank needs, check headers
         for key, dst in locals_.items():
             placement = placements[key]
             offset = [0] * dst.dim()
@@ -457,16 +521,17 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
                 d = placement["dim"]
                 offset[d] = sum(shapes[r][key][d] for r in range(rank))
             # _check_index made sure the shards tile the tensor: those overlapping this rank's box tile the box
-            for s, src, where, full in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
+            for s, src, where in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
                 shards.check(s["file"], key, s["shape"], dst.dtype)
-                plan.append((dst, where, s["file"], key, src, full))
+                plan.append((dst, where, s["file"], key, src))
     except CheckpointError as e:
         _agree(e, directory, device)
         raise
     _agree(None, directory, device)
+    shards.retain({(name, key) for _, _, name, key, _ in plan})
     with torch.no_grad():  # pass 2: every check passed, copy the overlapping parts into the templates
-        for dst, where, name, key, src, full in plan:
-            dst[where].copy_(shards.read(name, key, src, full))
+        for dst, where, name, key, src in plan:
+            dst[where].copy_(shards.read(name, key, src))
     saved_scalars = state["optimizer"]["scalars"]
     for fqn, st in optim_sd.get("state", {}).items():
         for name, v in list(st.items()):

@@ -14,17 +14,17 @@ import secrets
 import stat
 from typing import Any
 
-__all__ = ["CheckpointError", "read_json", "read_regular_file", "sha256_file", "verify_file", "write_json_atomic"]
+__all__ = ["CheckpointError", "read_checked", "read_json", "read_regular_file", "sha256_file", "verify_file",
+           "write_json_atomic"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, incomplete, corrupt, not ours, or not matching the model."""
 
 
-def read_regular_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a checkpoint's regular file. Missing, not a regular file (a directory; a FIFO is refused without
-    waiting for a writer), or unreadable: :class:`CheckpointError` naming it."""
-    p = os.fspath(path)
+def _open_regular(p: str) -> tuple[int, int]:
+    """``(descriptor, size)`` of the regular file ``p``, opened for reading; :class:`CheckpointError` naming it
+    when it is missing, not a regular file (a FIFO is refused without waiting for a writer) or cannot be opened."""
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO for reading would block until a writer came
     except FileNotFoundError:
@@ -34,16 +34,70 @@ def read_regular_file(path: str | os.PathLike[str]) -> bytes:
         raise CheckpointError(f"{p} cannot be opened ({type(e).__name__}: {e}); restore the file or use another "
                               f"checkpoint") from e
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{p} is not a regular file; a checkpoint holds only the regular files its writers "
-                                  f"made: restore the file or use another checkpoint")
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise CheckpointError(f"{p} cannot be read ({type(e).__name__}: {e}); restore the file or use another "
+                              f"checkpoint") from e
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{p} is not a regular file; a checkpoint holds only the regular files its writers "
+                              f"made: restore the file or use another checkpoint")
+    return fd, st.st_size
+
+
+def _read_fd(fd: int, p: str, limit: int = -1) -> bytes:
+    """Up to ``limit`` bytes (-1: all) from ``fd``; an I/O error is a :class:`CheckpointError` naming ``p``."""
+    try:
         with open(fd, "rb", closefd=False) as f:
-            return f.read()
+            return f.read(limit)
     except OSError as e:
         raise CheckpointError(f"{p} cannot be read ({type(e).__name__}: {e}); restore the file or use another "
                               f"checkpoint") from e
+
+
+def read_regular_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a checkpoint's regular file. Missing, not a regular file (a directory; a FIFO is refused without
+    waiting for a writer), or unreadable: :class:`CheckpointError` naming it."""
+    p = os.fspath(path)
+    fd, _ = _open_regular(p)
+    try:
+        return _read_fd(fd, p)
     finally:
         os.close(fd)
+
+
+def read_checked(path: str | os.PathLike[str], entry: dict[str, Any], listed_in: str, *, verify: bool) -> bytes:
+    """The bytes of ``path``, read once through one descriptor, refused (:class:`CheckpointError` naming it) unless
+    it is a regular file of the size ``entry`` records (checked before reading) and, with ``verify``, of its
+    sha256. The caller parses exactly the bytes checked, whatever happens to the file afterwards."""
+    p = os.fspath(path)
+    fd, size = _open_regular(p)
+    try:
+        _expect_entry(p, size, None, entry, listed_in)
+        data = _read_fd(fd, p, size + 1)  # one byte more shows a file that grew since fstat
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise CheckpointError(f"{p} changed size while it was read ({size} bytes, then {len(data)}): something is "
+                              f"writing into the checkpoint; load it when nothing does")
+    if verify:
+        h = hashlib.sha256()
+        h.update(data)
+        _expect_entry(p, size, h.hexdigest(), entry, listed_in)
+    return data
+
+
+def _expect_entry(path: str | os.PathLike[str], size: int, digest: str | None, entry: dict[str, Any],
+                  listed_in: str) -> None:
+    """Raise CheckpointError naming ``path`` unless ``size`` and ``digest`` (None: not checked) are the ones
+    ``entry`` records (``{"bytes": ..., "sha256": ...}`` from ``listed_in``, an index or a manifest)."""
+    if size != entry.get("bytes"):
+        raise CheckpointError(f"{path} has {size} bytes, {listed_in} says {entry.get('bytes')} (size mismatch): the "
+                              f"file was truncated or replaced after the checkpoint was written")
+    if digest is not None and digest != entry.get("sha256"):
+        raise CheckpointError(f"{path} does not match its sha256 in {listed_in}: the file changed after the "
+                              f"checkpoint was written")
 
 
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -97,9 +151,4 @@ def verify_file(path: str | os.PathLike[str], entry: dict[str, Any], listed_in: 
     except OSError as e:  # no permission, an I/O error: this checkpoint cannot be used, another may
         raise CheckpointError(f"{path} (listed in {listed_in}) cannot be read ({type(e).__name__}: {e}); restore "
                               f"the file or use another checkpoint") from e
-    if size != entry.get("bytes"):
-        raise CheckpointError(f"{path} has {size} bytes, {listed_in} says {entry.get('bytes')} (size mismatch): the "
-                              f"file was truncated or replaced after the checkpoint was written")
-    if digest != entry.get("sha256"):
-        raise CheckpointError(f"{path} does not match its sha256 in {listed_in}: the file changed after the "
-                              f"checkpoint was written")
+    _expect_entry(path, size, digest, entry, listed_in)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engines.checkpoint import CheckpointError, load_sharded, save_sharded, sha256_file
+from engines.checkpoint import FORMAT, CheckpointError, load_sharded, save_sharded, sha256_file
 
 CPU = torch.device("cpu")
 NO_OPTIM: dict = {"state": {}, "param_groups": []}
@@ -124,3 +124,126 @@ def test_json_that_fails_to_parse_to_an_object_is_named(w_ckpt, name, text):
     (w_ckpt / name).write_text(text)
     with pytest.raises(CheckpointError, match=rf"{name}.*(not valid JSON|not a JSON object)"):
         _load(w_ckpt, w=torch.zeros(4))
+
+
+@pytest.mark.parametrize("how", ["renamed over it", "rewritten in place"])
+def test_a_shard_changed_right_after_its_sha256_was_checked_is_not_what_loads(w_ckpt, monkeypatch, how):
+    """The bytes loaded are the bytes hashed: the shard is swapped for another valid safetensors file (other
+    values, same header) the moment its digest is computed. The old loader hashed the file, then opened it again
+    by name and loaded the other file's values."""
+    import hashlib
+    import os
+
+    from engines import checkpoint_io
+
+    shard = w_ckpt / "model-rank00000-of-00001.safetensors"
+    other = w_ckpt.parent / "other.safetensors"
+    save_file({"model/w": torch.full((4,), -7.0)}, str(other), metadata={"format": FORMAT, "rank": "0",
+                                                                         "world_size": "1"})
+    assert other.stat().st_size == shard.stat().st_size
+
+    real_sha256 = hashlib.sha256
+
+    class SwapWhenDigested:
+        def __init__(self) -> None:
+            self._h = real_sha256()
+
+        def update(self, data: bytes) -> None:
+            self._h.update(data)
+
+        def hexdigest(self) -> str:
+            if other.exists():
+                if how == "renamed over it":
+                    os.replace(other, shard)
+                else:
+                    with open(shard, "r+b") as f:
+                        f.write(other.read_bytes())
+                    other.unlink()
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(checkpoint_io.hashlib, "sha256", SwapWhenDigested)
+    out = torch.zeros(4)
+    _load(w_ckpt, w=out)
+    assert not other.exists()  # the swap happened
+    assert out.tolist() == [1, 2, 3, 4]
+
+
+# The loader parses safetensors itself, from the bytes it hashed (above); these pin that its header check is as
+# strict as the safetensors library's (which refused each of them too).
+def _raw_safetensors(header: dict | list, data: bytes, header_len: int | None = None) -> bytes:
+    import struct
+
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h) if header_len is None else header_len) + h + data
+
+
+_F32x4 = torch.tensor([10.0, 20.0, 30.0, 40.0]).numpy().tobytes()
+_W = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+_LYING_HEADERS = {
+    "data_offsets past the end": ({"model/w": {**_W, "data_offsets": [8, 24]}}, _F32x4, None, "hole"),
+    "data_offsets reversed": ({"model/w": {**_W, "data_offsets": [16, 0]}}, _F32x4, None, "hold -16"),
+    "negative offset": ({"model/w": {**_W, "data_offsets": [-16, 0]}}, _F32x4, None, "data_offsets"),
+    "dtype size mismatch": ({"model/w": {**_W, "dtype": "F64"}}, _F32x4, None, r"32 bytes.*hold 16"),
+    "shape lies": ({"model/w": {**_W, "shape": [2]}}, _F32x4, None, r"8 bytes.*hold 16"),
+    "huge shape": ({"model/w": {**_W, "shape": [2**62, 4]}}, _F32x4, None, "hold 16"),
+    "overlapping tensors": ({"model/w": _W, "model/x": {**_W, "shape": [2], "data_offsets": [8, 16]}}, _F32x4,
+                            None, "overlap"),
+    "a hole": ({"model/w": {**_W, "data_offsets": [4, 20]}}, b"\0" * 4 + _F32x4, None, "hole"),
+    "trailing bytes": ({"model/w": _W}, _F32x4 + bytes(8), None, "data area has 24 bytes"),
+    "unknown dtype": ({"model/w": {**_W, "dtype": "XX"}}, _F32x4, None, "dtype"),
+    "dtype a list": ({"model/w": {**_W, "dtype": ["F32"]}}, _F32x4, None, "dtype"),
+    "shape a number": ({"model/w": {**_W, "shape": 4}}, _F32x4, None, "shape"),
+    "an extra field": ({"model/w": {**_W, "x": 1}}, _F32x4, None, "data_offsets"),
+    "metadata not strings": ({"__metadata__": {"a": 1}, "model/w": _W}, _F32x4, None, "__metadata__"),
+    "header a list": ([1], _F32x4, None, "not an object"),
+    "header length past the end": ({"model/w": _W}, _F32x4, 10**6, "header of 1000000 bytes"),
+    "header length 2**63": ({"model/w": _W}, _F32x4, 2**63, "header of"),
+    "header cut": ({"model/w": _W}, _F32x4, 3, "not JSON"),
+}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("what", list(_LYING_HEADERS))
+def test_a_safetensors_header_that_lies_is_refused_naming_the_file(w_ckpt, what, verify):
+    header, data, header_len, why = _LYING_HEADERS[what]
+    shard = w_ckpt / "model-rank00000-of-00001.safetensors"
+    shard.write_bytes(_raw_safetensors(header, data, header_len))
+    index = json.loads((w_ckpt / "index.json").read_text())
+    size, digest = sha256_file(shard)
+    index["files"][shard.name] = {"bytes": size, "sha256": digest}  # the index vouches for the lying file
+    (w_ckpt / "index.json").write_text(json.dumps(index))
+    out = torch.full((4,), -1.0)
+    with pytest.raises(CheckpointError, match=rf"model-rank00000-of-00001\.safetensors is not a valid safetensors "
+                                              rf"file: .*{why}"):
+        load_sharded(w_ckpt, {"w": out}, NO_OPTIM, device=CPU, verify=verify)
+    assert out.tolist() == [-1.0] * 4
+
+
+def test_the_parser_reads_what_safetensors_writes(tmp_path):
+    """Every dtype a model or optimizer state may have, odd sizes, an empty tensor, a scalar: the same tensors as
+    the safetensors library reads back."""
+    from safetensors.torch import load_file
+
+    from engines.checkpoint import _parse_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
+               "f16": torch.randn(2, 3, generator=g).half(), "f64": torch.randn(1, generator=g).double(),
+               "i64": torch.arange(5), "i8": torch.arange(-3, 3, dtype=torch.int8), "u8": torch.arange(3).byte(),
+               "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"k": "v"})
+    parsed = _parse_safetensors("t.safetensors", (tmp_path / "t.safetensors").read_bytes())
+    reference = load_file(str(tmp_path / "t.safetensors"))
+    assert parsed.keys() == reference.keys() == tensors.keys()
+    for k, t in reference.items():
+        assert parsed[k].dtype == t.dtype and parsed[k].shape == t.shape and torch.equal(parsed[k], t), k
+
+
+def test_a_shard_of_another_size_than_the_index_says_is_refused_before_it_is_read(w_ckpt):
+    """Also without ``verify`` (the runner's load, after the manifest check): a file grown or cut since is not read."""
+    shard = w_ckpt / "model-rank00000-of-00001.safetensors"
+    with open(shard, "ab") as f:
+        f.write(bytes(8))
+    with pytest.raises(CheckpointError, match=r"model-rank00000-of-00001\.safetensors has \d+ bytes, the index says"):
+        load_sharded(w_ckpt, {"w": torch.zeros(4)}, NO_OPTIM, device=CPU, verify=False)
