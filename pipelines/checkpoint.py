@@ -128,6 +128,17 @@ def abort(staged: Path) -> None:
         log.warning("could not remove the unfinished checkpoint %s (%s); the next checkpoint removes it", staged, e)
 
 
+def _remove(p: Path) -> None:
+    """Remove a checkpoint directory of ours. One that is a symlink (a checkpoint moved elsewhere and linked back)
+    loses the link only: what it points to is not in the run's directory, and is left as it is."""
+    if p.is_symlink():
+        target = os.readlink(p)
+        p.unlink()
+        log.warning("removed %s, a link to %s; what it points to is left in place", p, target)
+    else:
+        shutil.rmtree(p)
+
+
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f"{LATEST}.tmp-{secrets.token_hex(4)}"
     with open(tmp, "w") as f:
@@ -156,12 +167,12 @@ def commit(staged: Path, *, keep: int) -> Path:
     _fsync_dir(root)
     _write_latest(root, final.name)
     if aside is not None:
-        shutil.rmtree(aside)
+        _remove(aside)
     for p in sorted(root.iterdir()):
         if p.is_dir() and _STAGED.match(p.name) or p.is_file() and _LATEST_TMP.match(p.name):
             log.warning("removing %s: an unfinished checkpoint left by an interrupted run", p)
             if p.is_dir():
-                shutil.rmtree(p)
+                _remove(p)
             else:
                 p.unlink()
     prune(root, keep, protect=final)
@@ -179,13 +190,14 @@ def committed(root: Path) -> list[tuple[int, Path]]:
 
 def prune(root: Path, keep: int, *, protect: Path | None = None) -> list[Path]:
     """Remove all but the newest ``keep`` committed checkpoints (0 keeps all); ``protect`` is never removed.
-    Touches nothing that is not named ``step_<digits>``. Returns what was removed."""
+    Touches nothing that is not named ``step_<digits>``; of one that is a symlink, only the link. Returns what was
+    removed."""
     if keep <= 0:
         return []
     dirs = [p for _, p in committed(root)]
     doomed = [p for p in dirs[:-keep] if protect is None or p.resolve() != Path(protect).resolve()]
     for p in doomed:
-        shutil.rmtree(p)
+        _remove(p)
     return doomed
 
 
@@ -262,7 +274,7 @@ def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | No
                               f"continue it, --overwrite to replace it, or choose another runner.output_dir")
     for p in sorted(root.iterdir()):
         if p.is_dir() and (_STEP.match(p.name) or _STAGED.match(p.name)):
-            shutil.rmtree(p)
+            _remove(p)
         elif p.is_file() and (p.name == LATEST or _LATEST_TMP.match(p.name)):
             p.unlink()
     if not any(root.iterdir()):

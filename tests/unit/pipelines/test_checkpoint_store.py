@@ -299,3 +299,62 @@ def test_a_manifest_path_the_os_refuses_is_named_and_the_previous_checkpoint_is_
     with pytest.raises(CheckpointError, match=r"step_000002/manifest\.json"):
         ckpt.verify(newest)
     assert ckpt.latest_good(root) == root / "step_000001"
+
+
+# a checkpoint directory that is a symlink (moved to another disk and linked back): used like any other; what
+# removes it removes the link, never what it points to, and never stops a commit
+def _link_elsewhere(root: Path, name: str, store: Path) -> Path:
+    """Move ``root/name`` to ``store/name`` and link it back; returns where it now lies."""
+    import os
+    import shutil
+
+    store.mkdir(exist_ok=True)
+    target = Path(shutil.move(root / name, store / name))
+    os.symlink(target, root / name)
+    return target
+
+
+def test_a_linked_checkpoint_is_verified_and_resumed_from(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    _link_elsewhere(root, "step_000001", tmp_path / "archive")
+    (root / "latest").write_text("step_000001")
+    assert ckpt.latest_good(root) == root / "step_000001"
+
+
+def test_pruning_a_linked_checkpoint_removes_the_link_and_leaves_its_target(tmp_path, caplog):
+    """The commit used to die on shutil.rmtree of the link (OSError), and so did every later one."""
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    _save(root, 2)
+    target = _link_elsewhere(root, "step_000001", tmp_path / "archive")
+    with caplog.at_level(logging.WARNING, logger="orchestra"):
+        assert _save(root, 3, keep=2) == root / "step_000003"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert (target / "runner.json").is_file() and (target / "manifest.json").is_file()  # not ours to delete
+    assert any("step_000001" in r.getMessage() and str(target) in r.getMessage() for r in caplog.records)
+    _save(root, 4, keep=2)
+    assert [p.name for _, p in ckpt.committed(root)] == ["step_000003", "step_000004"]
+
+
+def test_resaving_a_step_whose_directory_is_a_link_replaces_the_link(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    _save(root, 2)
+    target = _link_elsewhere(root, "step_000002", tmp_path / "archive")
+    (root / "latest").write_text("step_000001")  # as after resuming from step 1
+    again = _save(root, 2)
+    assert again.is_dir() and not again.is_symlink() and ckpt.latest_good(root) == again
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]  # no .old- left
+    assert (target / "runner.json").is_file()
+    _save(root, 3)
+
+
+def test_overwrite_removes_the_link_of_a_linked_checkpoint_and_leaves_its_target(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1)
+    _save(root, 2)
+    target = _link_elsewhere(root, "step_000001", tmp_path / "archive")
+    assert ckpt.prepare_output_dir(tmp_path, resume=False, overwrite=True) is None
+    assert not root.exists()
+    assert (target / "runner.json").is_file()
