@@ -204,10 +204,46 @@ def _rng_state(device: torch.device) -> dict[str, list[int]]:
     return state
 
 
-def _set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+def _rng_to_restore(spath: str, state: Mapping[str, Any], rank: int, world: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """This rank's saved ``(cpu, cuda or None)`` RNG states as the tensors torch takes, checked (a list of bytes
+    as long as this torch's state); None when the checkpoint was written by another number of ranks."""
+    rngs = state.get("rng")
+    _expect(isinstance(rngs, list), spath, "'rng' is not a list of per-rank RNG states")
+    if state.get("world_size") != world or rank >= len(rngs):
+        return None
+
+    def as_state(v: Any, like: torch.Tensor, what: str) -> torch.Tensor:
+        ok = (isinstance(v, list) and len(v) == like.numel()
+              and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in v))
+        _expect(ok, spath, f"'rng' of rank {rank}: {what} is not a list of {like.numel()} bytes")
+        return torch.tensor(v, dtype=torch.uint8)
+
+    entry = rngs[rank]
+    _expect(isinstance(entry, dict) and "torch_cpu" in entry, spath, f"'rng' of rank {rank} has no 'torch_cpu'")
+    cpu = as_state(entry["torch_cpu"], torch.get_rng_state(), "torch_cpu")
+    cuda = None
+    if device.type == "cuda" and "cuda" in entry:
+        cuda = as_state(entry["cuda"], torch.cuda.get_rng_state(device), "cuda")
+    return cpu, cuda
+
+
+def _same_kind(cur: Any, saved: Any) -> bool:
+    """Whether ``saved`` (a param-group value read from JSON) can stand for ``cur`` (the running optimizer's)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if isinstance(cur, torch.Tensor):
+        return cur.numel() == 1 and number(saved)
+    if isinstance(cur, bool) or cur is None:  # a flag; None: not set (foreach, fused), a saved flag may set it
+        return saved is None or isinstance(saved, bool)
+    if isinstance(cur, (int, float)):
+        return number(saved)
+    if isinstance(cur, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(cur) and all(map(_same_kind, cur, saved))
+    if isinstance(cur, str):
+        return isinstance(saved, str)
+    return True  # a kind this check does not know: as before, taken as saved
 
 
 # ------------------------------------------------------------------------------------------------------------ save
@@ -278,7 +314,7 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
 
 
 # ------------------------------------------------------------------------------------------------------------ load
-def _agree(error: CheckpointError | None, directory: str, device: torch.device) -> None:
+def _agree(error: BaseException | None, directory: str, device: torch.device) -> None:
     """Every rank learns whether any rank found the checkpoint unusable, so that all ranks load or none does
     (and none waits forever in a later collective). Ranks without an error of their own raise one that says so."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -309,10 +345,13 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
     _expect(isinstance(index.get("tensors"), dict) and isinstance(index.get("files"), dict), ipath,
             "no 'tensors'/'files' tables")
     _expect(isinstance(state, dict) and state.get("format") == FORMAT, spath, f"not an {FORMAT} engine state")
-    _expect(isinstance(state.get("global_step"), int), spath, "no integer 'global_step'")
-    for name in index["files"]:
+    _expect(_natural(state.get("global_step")), spath,
+            f"'global_step' is {state.get('global_step')!r:.100}, not a natural number")
+    for name, f in index["files"].items():
         _expect(isinstance(name, str) and os.path.basename(name) == name and not name.startswith("."), ipath,
                 f"file name {name!r} is not a plain file name")
+        _expect(isinstance(f, dict) and _natural(f.get("bytes")) and isinstance(f.get("sha256"), str), ipath,
+                f"the entry of file {name} is {f!r:.200}, not {{'bytes': <natural number>, 'sha256': <hex>}}")
     saved, current = set(index["tensors"]), set(entries)
     if saved != current:
         raise CheckpointError(
@@ -346,6 +385,12 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
     if saved_params != [list(g["params"]) for g in groups]:
         raise CheckpointError(f"{spath}: the optimizer param groups hold other parameters than the running "
                               f"optimizer's; was it saved with another model or optimizer?")
+    for i, (group, saved) in enumerate(zip(groups, opt["param_groups"])):
+        for k, v in saved.items():
+            if k != "params" and k in group and not _same_kind(group[k], v):
+                raise CheckpointError(f"{spath}: optimizer param group {i}'s {k!r} is {v!r:.100}, which cannot "
+                                      f"stand for the running optimizer's {group[k]!r:.100}; the file is corrupt or "
+                                      f"was written by another optimizer")
 
 
 def _natural(v: Any) -> bool:
@@ -491,11 +536,14 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
     """Fill ``model_sd``/``optim_sd`` (templates from ``get_state_dict``, this rank's sharding) in place from
     a :func:`save_sharded` directory written by any number of ranks; returns the saved engine state. Collective.
 
-    Every check (JSON, index vs model, sizes and sha256 when ``verify``, safetensors headers) runs before any
-    tensor of the templates is written, and on every rank; a failure raises :class:`CheckpointError`.
+    Every check (JSON, index vs model, the shards' tiling, sizes and sha256 when ``verify``, safetensors headers,
+    the kinds of the saved param-group values, this rank's RNG state) runs before any tensor of the templates is
+    written, and on every rank; a failure raises :class:`CheckpointError`, and any failure there on one rank fails
+    every rank.
     """
     directory = os.fspath(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     entries, scalars = _flatten(model_sd, optim_sd)
     locals_: dict[str, torch.Tensor] = {}
     placements: dict[str, dict[str, Any]] = {}
@@ -506,7 +554,8 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
         index = read_json(os.path.join(directory, INDEX))
         state = read_json(os.path.join(directory, STATE))
         _check_index(directory, index, state, entries, scalars, optim_sd)
-    except CheckpointError as e:
+        rng = _rng_to_restore(os.path.join(directory, STATE), state, rank, world, device)
+    except Exception as e:  # any rank's failure, of any type, fails every rank here (none waits in a collective)
         _agree(e, directory, device)
         raise
     _agree(None, directory, device)
@@ -524,7 +573,7 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
             for s, src, where in _boxes(offset, list(dst.shape), index["tensors"][key]["shards"]):
                 shards.check(s["file"], key, s["shape"], dst.dtype)
                 plan.append((dst, where, s["file"], key, src))
-    except CheckpointError as e:
+    except Exception as e:  # as above
         _agree(e, directory, device)
         raise
     _agree(None, directory, device)
@@ -552,11 +601,11 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
                 cur.fill_(v)
                 continue
             group[k] = v
-    rngs = state.get("rng") or []
-    if state.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1) and rank < len(rngs):
-        _set_rng_state(rngs[rank], device)
+    if rng is not None:
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
     else:
         log.info("checkpoint %s was written by %s ranks, this run has %s: model and optimizer state are resharded; "
-                 "per-rank RNG state is not restored", directory, state.get("world_size"),
-                 dist.get_world_size() if dist.is_initialized() else 1)
+                 "per-rank RNG state is not restored", directory, state.get("world_size"), world)
     return state

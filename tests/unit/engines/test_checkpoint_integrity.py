@@ -247,3 +247,79 @@ def test_a_shard_of_another_size_than_the_index_says_is_refused_before_it_is_rea
         f.write(bytes(8))
     with pytest.raises(CheckpointError, match=r"model-rank00000-of-00001\.safetensors has \d+ bytes, the index says"):
         load_sharded(w_ckpt, {"w": torch.zeros(4)}, NO_OPTIM, device=CPU, verify=False)
+
+
+# engine_state.json (which the index's sha256 do not cover) and index.json values of the wrong type: refused
+# before any tensor is written, as CheckpointError naming the file and the entry
+def _adam_state_dicts() -> tuple[dict, dict]:
+    """``(model_sd, optim_sd)`` of one parameter ``w`` after one AdamW step, keyed by name like get_state_dict's."""
+    p = torch.nn.Parameter(torch.arange(4.0))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    return {"w": p.detach().clone()}, {"state": {"w": dict(sd["state"][0])},
+                                       "param_groups": [{**sd["param_groups"][0], "params": ["w"]}]}
+
+
+def _set(tree: dict, path: list, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+_BAD_VALUES = {
+    "rng of rank 0 a string": ("engine_state.json", ["rng", 0, "torch_cpu"], "x", "rng"),
+    "rng of rank 0 without torch_cpu": ("engine_state.json", ["rng", 0], {}, "rng"),
+    "rng of rank 0 too short": ("engine_state.json", ["rng", 0, "torch_cpu"], [1, 2, 3], "rng"),
+    "rng of rank 0 past a byte": ("engine_state.json", ["rng", 0, "torch_cpu"], None, "rng"),
+    "rng a string": ("engine_state.json", ["rng"], "x", "rng"),
+    "lr a string": ("engine_state.json", ["optimizer", "param_groups", 0, "lr"], "fast", "'lr'"),
+    "betas of one": ("engine_state.json", ["optimizer", "param_groups", 0, "betas"], [0.9], "'betas'"),
+    "amsgrad a number": ("engine_state.json", ["optimizer", "param_groups", 0, "amsgrad"], 1, "'amsgrad'"),
+    "global_step true": ("engine_state.json", ["global_step"], True, "global_step"),
+    "global_step -5": ("engine_state.json", ["global_step"], -5, "global_step"),
+    "a file entry a number": ("index.json", ["files", "model-rank00000-of-00001.safetensors"], 5,
+                              "model-rank00000-of-00001.safetensors"),
+    "a file's bytes a string": ("index.json", ["files", "model-rank00000-of-00001.safetensors", "bytes"], "176",
+                                "model-rank00000-of-00001.safetensors"),
+}
+
+
+@pytest.mark.parametrize("what", list(_BAD_VALUES))
+def test_a_value_of_the_wrong_type_is_refused_before_anything_is_written(tmp_path, what):
+    name, path, value, why = _BAD_VALUES[what]
+    d = tmp_path / "ckpt"
+    model_sd, optim_sd = _adam_state_dicts()
+    save_sharded(d, model_sd, optim_sd, device=CPU, engine_state={"global_step": 1})
+    tree = json.loads((d / name).read_text())
+    if what == "rng of rank 0 past a byte":
+        value = [300] + tree["rng"][0]["torch_cpu"][1:]
+    _set(tree, path, value)
+    (d / name).write_text(json.dumps(tree))
+    model_sd, optim_sd = _adam_state_dicts()
+    model_sd["w"].zero_()
+    groups_before = [dict(g) for g in optim_sd["param_groups"]]
+    rng_before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=rf"{name}.*{why}"):
+        load_sharded(d, model_sd, optim_sd, device=CPU, verify=True)
+    assert model_sd["w"].tolist() == [0.0] * 4
+    assert optim_sd["param_groups"] == groups_before
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_the_adam_state_round_trips(tmp_path):
+    """The state the checks above start from loads: weights, moments, step count, hyperparameters."""
+    d = tmp_path / "ckpt"
+    saved_model, saved_optim = _adam_state_dicts()
+    save_sharded(d, saved_model, saved_optim, device=CPU, engine_state={"global_step": 1})
+    model_sd, optim_sd = _adam_state_dicts()
+    model_sd["w"].zero_()
+    for v in optim_sd["state"]["w"].values():
+        v.zero_()
+    optim_sd["param_groups"][0]["lr"] = 0.5
+    load_sharded(d, model_sd, optim_sd, device=CPU, verify=True)
+    assert torch.equal(model_sd["w"], saved_model["w"])
+    for k, v in saved_optim["state"]["w"].items():
+        assert torch.equal(optim_sd["state"]["w"][k], v), k
+    assert optim_sd["param_groups"] == saved_optim["param_groups"]
