@@ -152,34 +152,28 @@ class Echo(FailOnCue, Worker):
     def fail_shard(self, batch: Batch) -> Batch:
         raise KeyError("no rows today")
 
+    def _hold(self, seq: Sequencer, bound: float, cancelled: str) -> int:
+        with seq(self.rank):
+            pass
+        end = time.monotonic() + bound
+        while not self.cancelled():
+            if time.monotonic() > end:
+                self.outcomes.append("bound")
+                return -1
+            time.sleep(0.002)
+        self.outcomes.append(cancelled)
+        return self.rank
+
     @endpoint
     def hold_until_cancelled(self, seq: Sequencer, bound: float = 120.0) -> int:
         """Pass sequencer position ``rank`` (so the test knows every rank is running), then poll ``cancelled()``
         until the controller cancels the call. ``bound`` only ends a broken test."""
-        with seq(self.rank):
-            pass
-        end = time.monotonic() + bound
-        while not self.cancelled():
-            if time.monotonic() > end:
-                self.outcomes.append("bound")
-                return -1
-            time.sleep(0.002)
-        self.outcomes.append("cancelled")
-        return self.rank
+        return self._hold(seq, bound, "cancelled")
 
     @endpoint
     def hold_rows_until_cancelled(self, batch: Batch, seq: Sequencer, bound: float = 120.0) -> int:
         """:meth:`hold_until_cancelled` with a Batch argument (a large one: the call takes the general path)."""
-        with seq(self.rank):
-            pass
-        end = time.monotonic() + bound
-        while not self.cancelled():
-            if time.monotonic() > end:
-                self.outcomes.append("bound")
-                return -1
-            time.sleep(0.002)
-        self.outcomes.append(f"cancelled with {len(batch)} rows")
-        return self.rank
+        return self._hold(seq, bound, f"cancelled with {len(batch)} rows")
 
     @endpoint(D.shard())
     def hold_part_until_cancelled(self, batch: Batch, seq: Sequencer, bound: float = 120.0) -> Batch:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 
 import orchestra as orc
 from orchestra import ResourcePool, WorkerGroup
-from orchestra.testing import Sequencer, kill_rank
+from orchestra.testing import kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
 if str(_INTEGRATION) not in sys.path:
@@ -35,15 +35,6 @@ class Broken(orc.Worker):
 
 def rows(n: int) -> orc.Batch:
     return orc.Batch.from_dict({"x": torch.arange(n)})
-
-
-@pytest.fixture
-def seq() -> Iterator[Sequencer]:
-    s = Sequencer(backend="local")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def shared_pool() -> ResourcePool:

@@ -29,7 +29,7 @@ import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
 from orchestra._batch import balanced_sizes
 from orchestra._wire import Span, reader_cuts
-from orchestra.testing import Sequencer, kill_rank
+from orchestra.testing import kill_rank
 
 _INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
 if str(_INTEGRATION) not in sys.path:
@@ -74,15 +74,6 @@ async def bed() -> AsyncIterator[dict[str, WorkerGroup]]:
     finally:
         for g in groups.values():
             await g.aclose()
-
-
-@pytest.fixture
-def seq() -> Iterator[Sequencer]:
-    s = Sequencer(backend="local")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 # -- dispatch transforms (from test_group_dispatch.py) ---------------------------------------------------------------
