@@ -362,7 +362,13 @@ class _OnlyRanks(Dispatch):
 
 
 def only_ranks(*ranks: int) -> Dispatch:
-    """Run on the given ranks only (arguments as the other transforms say); ``await`` gives their results."""
+    """Run on the given ranks only (arguments as the other transforms say); ``await`` gives their results. At
+    least one rank, each named once."""
+    if not ranks:
+        raise ValueError("only_ranks() needs at least one rank: a call on no rank would run nowhere")
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise ValueError(f"only_ranks{ranks}: rank(s) {twice} more than once; name each rank once")
     return _OnlyRanks(ranks)
 
 

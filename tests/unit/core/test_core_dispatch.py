@@ -157,6 +157,14 @@ def test_only_ranks():
         D.only_ranks(1, 3).check(plan(world=2))
 
 
+def test_only_ranks_needs_a_rank_and_each_rank_once():
+    """``only_ranks()`` with no rank ran the call nowhere and awaited ``[]``; a rank named twice ran it twice."""
+    with pytest.raises(ValueError, match="at least one rank"):
+        D.only_ranks()
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] more than once"):
+        D.only_ranks(1, 0, 1)
+
+
 def test_only_ranks_after_shard_is_rejected():
     with pytest.raises(DispatchError, match="only_ranks\\(\\) cannot follow shard\\(\\)"):
         (D.shard() | D.only_ranks(0, 1)).check(plan(rows(8)))
@@ -185,8 +193,13 @@ def test_from_rank_of_a_rank_that_does_not_run_is_refused_up_front():
     d = D.broadcast() | D.only_ranks(0) | D.from_rank(1)
     with pytest.raises(DispatchError, match=r"from_rank\(1\).*rank\(s\) \[1\].*only rank\(s\) \[0\] run"):
         D.check_final(d.check(plan(world=2)), d)
+
+    class Twice(D.Dispatch):  # a user's transform that names a rank twice
+        def check(self, p: D.Plan) -> D.Plan:
+            return p.with_(ranks=(1, 1))
+
     with pytest.raises(DispatchError, match=r"rank\(s\) \[1\] more than once"):
-        D.check_final(D.only_ranks(1, 1).check(plan(world=2)), D.only_ranks(1, 1))
+        D.check_final(Twice().check(plan(world=2)), Twice())
 
 
 def test_reducing_transforms_must_come_last():
