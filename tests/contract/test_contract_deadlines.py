@@ -15,7 +15,8 @@ from orchestra import Batch
 @pytest.mark.parametrize("rows", [4, 40_000])  # sent at once with the call; stored first (the general path)
 async def test_a_deadline_cancels_a_call_nobody_awaits(bed, seq, rows):
     g = bed["e2"]
-    fut = g.hold_rows_until_cancelled.options(timeout=0.5)(Batch.from_dict({"x": torch.arange(rows)}), seq)
+    # 2 s: time for both ranks to start the call on a loaded machine (a deadline before that skips it there)
+    fut = g.hold_rows_until_cancelled.options(timeout=2.0)(Batch.from_dict({"x": torch.arange(rows)}), seq)
     async with seq(2):  # both ranks run the call now; from here on nobody awaits it
         pass
     with anyio.fail_after(60):  # a bound on a broken build: queued behind the held call, this ends only with it
