@@ -399,16 +399,6 @@ def _cancel_on_its_loop(f: asyncio.Future) -> None:
         loop.call_soon_threadsafe(f.cancel)
 
 
-def _runs_elsewhere(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop`` is running, and not in this thread (so its objects must be touched from its own thread)."""
-    if loop.is_closed() or not loop.is_running():
-        return False
-    try:
-        return asyncio.get_running_loop() is not loop
-    except RuntimeError:  # no loop runs in this thread
-        return True
-
-
 def _current_task() -> asyncio.Task | None:
     try:
         return asyncio.current_task()
@@ -600,7 +590,7 @@ class WorkerGroup:
         thread, this refuses (RuntimeError, nothing changed); hand the close to it instead with
         ``asyncio.run_coroutine_threadsafe(group.aclose(), loop).result()``."""
         loop = self._shared.home_loop()
-        if loop is not None and _runs_elsewhere(loop):
+        if loop is not None and _runtime.runs_elsewhere(loop):
             raise RuntimeError(
                 f"group {self.name!r}: shutdown() was called in thread {threading.current_thread().name!r}, but the "
                 f"group's event loop runs in another thread, where its calls and supervision live; nothing was "

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -148,10 +149,29 @@ def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus:
     return _Session(ray.cluster_resources())
 
 
+def runs_elsewhere(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is running, and not in this thread (so its objects must be touched from its own thread)."""
+    if loop.is_closed() or not loop.is_running():
+        return False
+    try:
+        return asyncio.get_running_loop() is not loop
+    except RuntimeError:  # no loop runs in this thread
+        return True
+
+
 def shutdown() -> None:
     """Close every group (their calls in flight fail with ``GroupClosedError``), then disconnect from (and, if
-    ``init`` started it, stop) the Ray cluster; the in-process backend ends too."""
+    ``init`` started it, stop) the Ray cluster; the in-process backend ends too.
+
+    Groups live on the event loop they are used from: while a group's loop runs in another thread, this refuses
+    (RuntimeError naming the groups, nothing changed); end those groups on their loop first (``aclose()``)."""
     groups = list(_groups)
+    elsewhere = [g.name for g in groups if g.closed is None and (loop := g.home_loop()) is not None
+                 and runs_elsewhere(loop)]
+    if elsewhere:
+        raise RuntimeError(f"orc.shutdown() was called in thread {threading.current_thread().name!r}, but group(s) "
+                           f"{elsewhere} live on an event loop running in another thread; nothing was changed. Close "
+                           f"them on that loop first: asyncio.run_coroutine_threadsafe(group.aclose(), loop).result()")
     for g in groups:
         hosts = g.close("orchestra was shut down")
         if not g.pool.backend.own_process:  # in-process ranks have no cluster to end them: stop their threads

@@ -183,3 +183,22 @@ def test_a_group_whose_start_was_cut_short_by_the_end_of_its_loop_is_closed_sayi
 
     asyncio.run(use())
     assert g.closed and not g.pool.holds_refs()
+
+
+async def test_orc_shutdown_from_another_thread_is_refused_before_changing_anything(seq):
+    """``orc.shutdown()`` from a watchdog thread while a group's event loop runs elsewhere had the flaw
+    ``group.shutdown()`` had (it closed the groups from the wrong thread, halfway): it is refused, naming the group,
+    and nothing is closed."""
+    g = WorkerGroup(ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01, backend="local"), Scorer,
+                    group_name="watched_by_a_thread")
+    try:
+        await g.ready()
+        fut = g.hold_until_cancelled(seq)
+        async with seq(1):  # the rank is running it
+            pass
+        with pytest.raises(RuntimeError, match=r"orc.shutdown\(\).*'watched_by_a_thread'.*another thread"):
+            await asyncio.to_thread(orc.shutdown)
+        assert not g.closed and not fut.done() and g.pool.holds_refs()
+        assert await g.ping() == [0]
+    finally:
+        await g.aclose()
