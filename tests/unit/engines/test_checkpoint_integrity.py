@@ -181,31 +181,31 @@ def _raw_safetensors(header: dict | list, data: bytes, header_len: int | None = 
 _F32x4 = torch.tensor([10.0, 20.0, 30.0, 40.0]).numpy().tobytes()
 _W = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
 _LYING_HEADERS = {
-    "data_offsets past the end": ({"model/w": {**_W, "data_offsets": [8, 24]}}, _F32x4, None, "hole"),
-    "data_offsets reversed": ({"model/w": {**_W, "data_offsets": [16, 0]}}, _F32x4, None, "hold -16"),
-    "negative offset": ({"model/w": {**_W, "data_offsets": [-16, 0]}}, _F32x4, None, "data_offsets"),
-    "dtype size mismatch": ({"model/w": {**_W, "dtype": "F64"}}, _F32x4, None, r"32 bytes.*hold 16"),
-    "shape lies": ({"model/w": {**_W, "shape": [2]}}, _F32x4, None, r"8 bytes.*hold 16"),
-    "huge shape": ({"model/w": {**_W, "shape": [2**62, 4]}}, _F32x4, None, "hold 16"),
+    "data_offsets past the end": ({"model/w": {**_W, "data_offsets": [8, 24]}}, _F32x4, None),
+    "data_offsets reversed": ({"model/w": {**_W, "data_offsets": [16, 0]}}, _F32x4, None),
+    "negative offset": ({"model/w": {**_W, "data_offsets": [-16, 0]}}, _F32x4, None),
+    "dtype size mismatch": ({"model/w": {**_W, "dtype": "F64"}}, _F32x4, None),
+    "shape lies": ({"model/w": {**_W, "shape": [2]}}, _F32x4, None),
+    "huge shape": ({"model/w": {**_W, "shape": [2**62, 4]}}, _F32x4, None),
     "overlapping tensors": ({"model/w": _W, "model/x": {**_W, "shape": [2], "data_offsets": [8, 16]}}, _F32x4,
-                            None, "overlap"),
-    "a hole": ({"model/w": {**_W, "data_offsets": [4, 20]}}, b"\0" * 4 + _F32x4, None, "hole"),
-    "trailing bytes": ({"model/w": _W}, _F32x4 + bytes(8), None, "data area has 24 bytes"),
-    "unknown dtype": ({"model/w": {**_W, "dtype": "XX"}}, _F32x4, None, "dtype"),
-    "dtype a list": ({"model/w": {**_W, "dtype": ["F32"]}}, _F32x4, None, "dtype"),
-    "shape a number": ({"model/w": {**_W, "shape": 4}}, _F32x4, None, "shape"),
-    "metadata not strings": ({"__metadata__": {"a": 1}, "model/w": _W}, _F32x4, None, "__metadata__"),
-    "header a list": ([1], _F32x4, None, "not an object"),
-    "header length past the end": ({"model/w": _W}, _F32x4, 10**6, "header of 1000000 bytes"),
-    "header length 2**63": ({"model/w": _W}, _F32x4, 2**63, "header of"),
-    "header cut": ({"model/w": _W}, _F32x4, 3, "not JSON"),
+                            None),
+    "a hole": ({"model/w": {**_W, "data_offsets": [4, 20]}}, b"\0" * 4 + _F32x4, None),
+    "trailing bytes": ({"model/w": _W}, _F32x4 + bytes(8), None),
+    "unknown dtype": ({"model/w": {**_W, "dtype": "XX"}}, _F32x4, None),
+    "dtype a list": ({"model/w": {**_W, "dtype": ["F32"]}}, _F32x4, None),
+    "shape a number": ({"model/w": {**_W, "shape": 4}}, _F32x4, None),
+    "metadata not strings": ({"__metadata__": {"a": 1}, "model/w": _W}, _F32x4, None),
+    "header a list": ([1], _F32x4, None),
+    "header length past the end": ({"model/w": _W}, _F32x4, 10**6),
+    "header length 2**63": ({"model/w": _W}, _F32x4, 2**63),
+    "header cut": ({"model/w": _W}, _F32x4, 3),
 }
 
 
 @pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("what", list(_LYING_HEADERS))
 def test_a_safetensors_header_that_lies_is_refused_naming_the_file(w_ckpt, what, verify):
-    header, data, header_len, _why = _LYING_HEADERS[what]
+    header, data, header_len = _LYING_HEADERS[what]
     shard = w_ckpt / "model-rank00000-of-00001.safetensors"
     shard.write_bytes(_raw_safetensors(header, data, header_len))
     index = json.loads((w_ckpt / "index.json").read_text())
@@ -217,26 +217,6 @@ def test_a_safetensors_header_that_lies_is_refused_naming_the_file(w_ckpt, what,
                                               r"file \("):
         load_sharded(w_ckpt, {"w": out}, NO_OPTIM, device=CPU, verify=verify)
     assert out.tolist() == [-1.0] * 4
-
-
-def test_the_parser_reads_what_safetensors_writes(tmp_path):
-    """Every dtype a model or optimizer state may have, odd sizes, an empty tensor, a scalar: the same tensors as
-    the safetensors library reads back."""
-    from safetensors.torch import load_file
-
-    from engines.checkpoint import _parse_safetensors
-
-    g = torch.Generator().manual_seed(0)
-    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
-               "f16": torch.randn(2, 3, generator=g).half(), "f64": torch.randn(1, generator=g).double(),
-               "i64": torch.arange(5), "i8": torch.arange(-3, 3, dtype=torch.int8), "u8": torch.arange(3).byte(),
-               "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
-    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"k": "v"})
-    parsed = _parse_safetensors("t.safetensors", (tmp_path / "t.safetensors").read_bytes())
-    reference = load_file(str(tmp_path / "t.safetensors"))
-    assert parsed.keys() == reference.keys() == tensors.keys()
-    for k, t in reference.items():
-        assert parsed[k].dtype == t.dtype and parsed[k].shape == t.shape and torch.equal(parsed[k], t), k
 
 
 def test_a_shard_of_another_size_than_the_index_says_is_refused_before_it_is_read(w_ckpt):
