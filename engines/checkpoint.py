@@ -14,11 +14,12 @@ A checkpoint directory holds, for a run of ``W`` ranks:
 Loading validates the index against the running model (names, global shapes, dtypes) and checks that the shards
 of each tensor cover every element exactly once. It reads each shard file it needs once, whole, into memory,
 checks its size and sha256 on those bytes and takes the tensors from them: what loads is what was verified, even
-if the file is replaced or rewritten meanwhile (peak memory: about twice the largest file this rank reads). It
-copies into each rank's local shard the parts of the saved shards that overlap it, so a checkpoint written by W
-ranks loads into any number of ranks. Tensors are parsed by the ``safetensors`` library from those bytes (a JSON
-header plus raw bytes) and everything else with ``json``: a tampered file fails to parse, it cannot run code. Checkpoints should still come from a place you trust: a well-formed checkpoint can hold
-any weights.
+if the file is replaced or rewritten meanwhile (peak memory: about the largest file this rank reads, on top of
+the model; ``bench.checkpoint_load``). It copies into each rank's local shard the parts of the saved shards that
+overlap it, so a checkpoint written by W ranks loads into any number of ranks. Tensors are parsed by the
+``safetensors`` library from those bytes (a JSON header plus raw bytes) and everything else with ``json``: a
+tampered file fails to parse, it cannot run code. Checkpoints should still come from a place you trust: a
+well-formed checkpoint can hold any weights.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _parse_safetensors(path: str, data: bytes) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file held in ``data``, parsed by the safetensors library from these very bytes
     (those whose size and sha256 were checked: what loads is what was verified); a malformed file (a header that
     lies about offsets, dtypes or shapes, overlapping or trailing data) is a :class:`CheckpointError` naming
-    ``path``. The library copies each tensor out of ``data``: peak memory is about twice the file."""
+    ``path``. The library copies each tensor out of ``data``."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
