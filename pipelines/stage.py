@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import anyio
 import torch
 
 from orchestra import Batch, DataFuture, Tracer
@@ -65,8 +66,25 @@ class StepContext:
         return fut
 
     async def settle(self) -> None:
-        """Wait for the stage watchers (after the step's last await)."""
-        await asyncio.gather(*self._watch, return_exceptions=True)
+        """Wait for the stage watchers (after the step's last await). Cancelled meanwhile: they are cancelled too,
+        and awaited, before the cancellation goes on."""
+        try:
+            if self._watch:
+                await asyncio.wait(self._watch)
+        except asyncio.CancelledError:
+            await self._cancel_watchers()
+            raise
+
+    async def _cancel_watchers(self) -> None:
+        """Cancel the watchers and wait until they have ended, shielded: a cancelled watcher ends within a loop
+        turn or two. ``asyncio.wait``, not ``gather``: a gather cancelled from outside raises its children's
+        cancellation, whose message is not the canceller's, and an anyio cancel scope (the runner's supervision)
+        then does not know the cancellation as its own and lets it escape."""
+        for t in self._watch:
+            t.cancel()
+        if self._watch:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(self._watch)
 
     async def __aenter__(self) -> StepContext:
         return self
@@ -76,10 +94,8 @@ class StepContext:
         after one that failed or was cancelled, so that none outlives its step."""
         if exc_type is None:
             await self.settle()
-            return
-        for t in self._watch:
-            t.cancel()
-        await asyncio.gather(*self._watch, return_exceptions=True)
+        else:
+            await self._cancel_watchers()
 
     @staticmethod
     def score_metrics(scores: torch.Tensor) -> dict[str, float]:

@@ -41,3 +41,27 @@ async def test_a_finished_step_records_every_stage_time():
         ctx.stage("b", _Done())
     assert set(ctx.timings) == {"time/a", "time/b"}
     assert all(t.done() for t in ctx._watch)
+
+
+async def test_a_death_reported_while_a_failed_step_ends_is_caught_by_the_supervising_scope():
+    """CI race (test_elastic_recovery): the awaited call failed with the death, and supervision's ``on_death``
+    cancelled its scope while the step's ``__aexit__`` waited for the watchers it had just cancelled. The
+    cancellation that came out carried a watcher's message, not the scope's, so the scope let it through and the
+    run ended with a bare CancelledError instead of restarting."""
+    import anyio
+
+    ctx = StepContext(None, load_config(None, []), 0)  # type: ignore[arg-type]
+    caught: list[BaseException] = []
+    with anyio.CancelScope() as scope:  # as Runner._supervised: the call's own error is caught inside the scope
+        try:
+            async with ctx:
+                ctx.stage("update_actor", _Pending())
+                await asyncio.sleep(0)  # the watcher is waiting
+                asyncio.get_running_loop().call_soon(scope.cancel)  # the death, reported one loop turn later
+                raise RuntimeError("the awaited call failed: rank 1 died")
+        except RuntimeError as e:
+            caught.append(e)
+    assert [str(e) for e in caught] == ["the awaited call failed: rank 1 died"]
+    assert scope.cancel_called
+    assert ctx._watch and all(t.done() for t in ctx._watch)
+    await asyncio.sleep(0)  # no cancellation left pending on the task once the scope is gone
