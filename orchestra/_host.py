@@ -27,7 +27,7 @@ from . import _backend, _channel
 from ._batch import Batch, balanced_sizes
 from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerError
 from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Output, PartInfo, Source, Span,
-                    overlapping, reader_cuts, row_range)
+                    overlapping, rank_value, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 __all__ = ["Host"]
@@ -570,17 +570,21 @@ class Host:
         """Fetch the parts overlapping this rank's rows from every source, slice, concatenate, and union; also
         the padding rows, and where this rank's rows sit in the rows of the call (None when not known).
 
-        A source whose outputs are plain values (not Batches) arrives as its value: one rank's value as is,
-        several ranks' as a list (what awaiting that future in the controller would give, less its collect).
+        A future whose outputs are plain values (not Batches), read by a broadcast call, arrives as ``await`` gives
+        it: a list with one entry per collecting rank, or the kept rank's entry alone (``Layout.slots``/``one``).
         A "per_rank" layout (a future of one value per rank) arrives as that list: one entry per source (rank),
         its Batch outputs joined into one Batch, as ``await`` gives it."""
         if arg.layout.kind == "per_rank":
-            return [self._rank_value(src, resolved, counters, trace) for src in arg.sources], 0, None
+            return [self._rank_value([resolved[o] if isinstance(o, int) else o for o in src.outputs], counters, trace)
+                    for src in arg.sources], 0, None
         if arg.values_ok and len(arg.sources) == 1:
             outs = [resolved[o] if isinstance(o, int) else o for o in arg.sources[0].outputs]
-            if outs and all(_is_value(o) for o in outs):
-                values = [o.value if isinstance(o, Output) else o for o in outs]
-                return (values[0] if len(values) == 1 else values), 0, None
+            if outs and any(_is_value(o) for o in outs):  # not rows: what await gives (see Layout.slots)
+                values, at = [], 0
+                for n in arg.layout.slots or (len(outs),):
+                    values.append(self._rank_value(outs[at:at + n], counters, trace))
+                    at += n
+                return (values[0] if arg.layout.one else values), 0, None
         part_lists = [self._parts(src, resolved) for src in arg.sources]
         totals = [sum(p.rows for p in parts) for parts in part_lists]
         if len(set(totals)) > 1:
@@ -606,22 +610,18 @@ class Host:
             where = where if all(_span_of(p) == where for p in part_lists[1:]) else None
         return out, pad, where
 
-    def _rank_value(self, src: Source, resolved: tuple, counters: dict, trace: list | None) -> Any:
-        """One upstream rank's value, as the controller's ``await`` makes it (``Invocation._join``): its Batch
-        outputs joined into one private Batch, one plain value as is, several outputs as a list."""
-        outs = [resolved[o] if isinstance(o, int) else o for o in src.outputs]
-        outs = [o if isinstance(o, Output) else Output(-1, value=o) for o in outs]
+    def _rank_value(self, resolved_outs: list[Any], counters: dict, trace: list | None) -> Any:
+        """One upstream rank's value from its (resolved) outputs, as the controller's ``await`` makes it
+        (``Invocation._join``): its Batch outputs joined into one private Batch, one plain value as is, several
+        outputs as a list."""
+        outs = [o if isinstance(o, Output) else Output(-1, value=o) for o in resolved_outs]
 
         def rows(o_parts: list[PartInfo]) -> Batch:
             b = self._read(o_parts, [(0, sum(p.rows for p in o_parts))], counters, trace)
             counters["rows_used"] += len(b)
             return b
 
-        if outs and all(o.is_batch for o in outs):
-            return rows([p for o in outs for p in o.parts])
-        if len(outs) == 1:
-            return outs[0].value
-        return [rows(list(o.parts)) if o.is_batch else o.value for o in outs]
+        return rank_value(outs, rows)
 
     @staticmethod
     def _parts(src: Source, resolved: tuple) -> list[PartInfo]:

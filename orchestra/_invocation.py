@@ -38,7 +38,7 @@ from ._errors import (
     WorkerError,
 )
 from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Layout, Output, PartInfo, Source,
-                    Span)
+                    Span, rank_value)
 from .dispatch import Plan, check_final, forwarded_as
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
@@ -368,10 +368,15 @@ class Invocation:
         spec = plan.shard
         comps = components(a)
         guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs()]
-        if spec is None:  # broadcast: every rank reads everything (one value per rank: each rank's outputs apart)
-            if len(comps) == 1 and not isinstance(comps[0], Batch) and forwarded_as(
-                    comps[0].spec.dispatch, comps[0].plan) == "per_rank":
-                return {0: (await comps[0].slot_refs(), Layout("per_rank"), guards)}
+        if spec is None:  # broadcast: every rank reads everything
+            if len(comps) == 1 and not isinstance(comps[0], Batch):
+                slots = await comps[0].slot_refs()
+                if forwarded_as(comps[0].spec.dispatch, comps[0].plan) == "per_rank":  # each rank's outputs apart
+                    return {0: (slots, Layout("per_rank"), guards)}
+                # rows, or the plain values await gives: the slot boundaries let a rank rebuild await's list
+                return {0: ([[o for s in slots for o in s]], Layout(
+                    "whole", slots=tuple(len(s) for s in slots),
+                    one=forwarded_as(comps[0].spec.dispatch, comps[0].plan) == "one"), guards)}
             return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"), guards)}
         D = spec.dp_size
         slot_lists = []
@@ -726,13 +731,7 @@ class Invocation:
             values.append(joined([by_info[id(p)] for outs in per_slot for o in outs for p in o.parts]))
             per_slot = []
         for outs in per_slot:
-            if outs and all(o.is_batch for o in outs):
-                values.append(joined([by_info[id(p)] for o in outs for p in o.parts]))
-            elif len(outs) == 1:
-                values.append(outs[0].value)
-            else:
-                values.append([o.value if not o.is_batch else joined([by_info[id(p)] for p in o.parts])
-                               for o in outs])
+            values.append(rank_value(outs, lambda parts: joined([by_info[id(p)] for p in parts])))
         return values
 
     # -- cancellation ---------------------------------------------------------------------------------------------

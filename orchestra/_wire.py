@@ -7,6 +7,7 @@ so that it is unit-testable without Ray.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,10 @@ class Layout:
     no rows at all — each source is one upstream rank's outputs, read as the list of their values that ``await``
     gives (a ``broadcast()`` future forwarded into a broadcast call).
     ``pad_rows``: for "whole", how many trailing rows are padding the controller added.
+    ``slots`` / ``one``: for "whole" read by a broadcast call from one future, how many outputs each of its
+    collected ranks gave, and whether it keeps one rank (``rank_zero()`` / ``from_rank()``). Plain values (not
+    rows) are then read as ``await`` gives them: per rank its value (or the list of the values it yielded), as a
+    list over the ranks, or the kept rank's alone.
     """
 
     kind: str = "whole"
@@ -88,6 +93,8 @@ class Layout:
     pad_rows: int = 0
     allow_empty: bool = False
     span: Span | None = None  # "whole" of a controller-made shard: where its rows sit in the caller's batch
+    slots: tuple[int, ...] = ()
+    one: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,17 @@ class DataArg:
     sources: tuple[Source, ...]
     layout: Layout = field(default_factory=Layout)
     values_ok: bool = False  # a broadcast argument may be a forwarded plain value instead of rows
+
+
+def rank_value(outs: list[Output], rows: Callable[[list[PartInfo]], Any]) -> Any:
+    """What ``await`` gives for one rank's outputs — the one rule, used by the controller (``Invocation._join``)
+    and by a worker reading a forwarded future (``Host``): its Batch outputs joined into one Batch (``rows`` of
+    all their parts), one plain value as is, several outputs as a list."""
+    if outs and all(o.is_batch for o in outs):
+        return rows([p for o in outs for p in o.parts])
+    if len(outs) == 1:
+        return outs[0].value
+    return [rows(list(o.parts)) if o.is_batch else o.value for o in outs]
 
 
 def row_range(n: int, layout: Layout) -> tuple[int, int, int]:

@@ -58,6 +58,12 @@ class Echo(FailOnCue, Worker):
     def total(self, batch: Batch) -> int:
         return int(batch["x"].sum())
 
+    @endpoint(D.shard())
+    def totals(self, batch: Batch):
+        """Two plain values per rank: the sum of each half of its rows."""
+        for piece in batch.chunk(2):
+            yield int(piece["x"].sum())
+
     @endpoint(D.shard(pad=True))
     def padded(self, batch: Batch) -> Batch:
         return Batch.from_dict({"n": torch.full((len(batch),), len(batch))})
@@ -231,6 +237,14 @@ class Meshed(FailOnCue, Worker):
     @endpoint(D.shard(mesh="tp"))
     def compute(self, batch: Batch) -> Batch:
         return Batch.from_dict({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(D.shard(mesh="tp"))
+    def total(self, batch: Batch) -> int:
+        return int(batch["x"].sum())
+
+    @endpoint
+    def take_value(self, v: object) -> object:
+        return v
 
 
 class ReversedMesh(Worker):

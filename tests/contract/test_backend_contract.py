@@ -117,6 +117,22 @@ async def test_a_forwarded_value_is_what_await_gives_or_the_forward_is_refused(b
     assert await mets == {"a": 1.5}
 
 
+async def test_plain_values_of_a_shard_call_forward_as_their_await(bed):
+    """A shard endpoint that returns plain values (not rows): a broadcast call that takes its future gets exactly
+    what ``await`` gives — a list with one entry per collecting rank (its one value, or the list of the values it
+    yielded) — whatever the number of collectors, as for every other future."""
+    g, mesh = bed["e2"], bed["mesh"]
+    one_collector = mesh.total(xs(4))  # DP=1 x TP=2: one collector
+    assert await one_collector == [6]
+    assert await mesh.take_value(one_collector) == [[6], [6]]
+    two = g.total(xs(4))
+    assert await two == [1, 5]
+    assert await g.take_value(two) == [[1, 5], [1, 5]]
+    several = g.totals(xs(8))  # two values per rank: rows 0-3 -> 0+1, 2+3; rows 4-7 -> 4+5, 6+7
+    assert await several == [[1, 5], [9, 13]]
+    assert await g.take_value(several) == [[[1, 5], [9, 13]]] * 2
+
+
 async def test_union_of_futures_joins_columns_row_by_row(bed):
     a, b = bed["e2"], bed["e3"]
     base = a.echo(xs(5))
