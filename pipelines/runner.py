@@ -512,10 +512,10 @@ class Runner:
         if missing:
             raise CheckpointError(f"{d / 'runner.json'} lacks {missing}; it was not written by this runner")
         c = self.cluster
-        try:  # the manifest covered every file: the workers need not hash them again
-            await c.actor.load(str(d / "actor"), verify=False)
+        try:  # each rank checks the sha256 of the bytes it loads: a file changed since the manifest check is refused
+            await c.actor.load(str(d / "actor"))
             if c.critic is not None:
-                await c.critic.load(str(d / "critic"), verify=False)
+                await c.critic.load(str(d / "critic"))
             if c.split:
                 await c.rollout.load(str(d / "rollout"))
         except orc.WorkerError as e:
