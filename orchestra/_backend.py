@@ -70,6 +70,15 @@ class TaskFailed(Exception):
         self.remote_traceback = remote_traceback
 
 
+class ReplyUnreadable(Exception):
+    """A reply arrived but could not be rebuilt where it is read (unpickling it raised ``cause``): what Ray reports
+    as a ``RaySystemError`` from its deserializer, the fast path's and the in-process backend's equivalent."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 class Backend(ABC):
     """Where a pool's ranks run. Subclasses: ``RayBackend`` here, ``LocalBackend`` in ``orchestra._local``."""
 

@@ -50,13 +50,14 @@ from ray import cloudpickle
 
 from . import _backend
 
-__all__ = ["Channel", "ChannelReply", "NeedsRay", "dumps_frame", "recv_frame", "send_frame", "FRAME_BYTES",
+__all__ = ["Channel", "ChannelReply", "NeedsRay", "dumps_frame", "loads_frame", "recv_frame", "send_frame", "FRAME_BYTES",
            "enabled", "threshold"]
 
 log = logging.getLogger("orchestra")
 
 FRAME_BYTES = 1 << 20  # a call's frame, or a reply's value, larger than this takes the general path
 _LEN = struct.Struct("!I")
+_PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers
 _ids = itertools.count()
 _PREFIX = uuid.uuid4().hex[:8]
 
@@ -106,12 +107,13 @@ class _CloudPickler(cloudpickle.CloudPickler):
 
 
 def dumps_frame(obj: Any) -> bytes:
-    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than FRAME_BYTES."""
-    buf = io.BytesIO()
+    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than FRAME_BYTES. Out-of-band buffers
+    (numpy arrays) travel after the pickle, so that ``loads_frame`` hands them out read-only, as Ray does."""
+    buf, buffers = io.BytesIO(), []
     by_value = bool(_by_value_modules())
     if not by_value:
         try:
-            p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+            p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
             p.dispatch_table = _table()
             p.dump(obj)
         except NeedsRay:
@@ -123,11 +125,34 @@ def dumps_frame(obj: Any) -> bytes:
             # script (or a notebook), so those go by value, as Ray's cloudpickle sends them
             by_value = b"__main__" in buf.getvalue()
     if by_value:
-        buf = io.BytesIO()
-        _CloudPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    if buf.tell() > FRAME_BYTES:
-        raise NeedsRay(f"{buf.tell()} bytes")
-    return buf.getvalue()
+        buf, buffers = io.BytesIO(), []
+        _CloudPickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    raws = [b.raw() for b in buffers]
+    size = buf.tell() + sum(r.nbytes for r in raws)
+    if size > FRAME_BYTES:
+        raise NeedsRay(f"{size} bytes")
+    if not raws:
+        return _PLAIN + buf.getvalue()
+    head = struct.pack(f"!cIQ{len(raws)}Q", _OUT_OF_BAND, len(raws), buf.tell(), *(r.nbytes for r in raws))
+    return b"".join([head, buf.getvalue(), *raws])
+
+
+def loads_frame(data: bytes) -> Any:
+    """The object ``dumps_frame`` pickled; its out-of-band buffers are read-only views of ``data`` (a numpy array
+    arrives read-only, as from Ray's object store)."""
+    view = memoryview(data)
+    if view[:1] == _PLAIN:
+        return pickle.loads(view[1:])
+    n, body = struct.unpack_from("!IQ", data, 1)
+    sizes = struct.unpack_from(f"!{n}Q", data, 13)
+    at = 13 + 8 * n
+    main = view[at:at + body]
+    at += body
+    buffers = []
+    for size in sizes:
+        buffers.append(view[at:at + size])
+        at += size
+    return pickle.loads(main, buffers=buffers)
 
 
 def send_frame(sock: socket.socket, body: bytes) -> None:
@@ -174,7 +199,7 @@ class ChannelReply:
         await asyncio.shield(self.out)
         if self.ray_ref is not None:
             return await self.ray_ref
-        return pickle.loads(self.payload)
+        return loads_frame(self.payload)
 
     def __await__(self) -> Any:
         return self._fetch().__await__()
@@ -182,7 +207,7 @@ class ChannelReply:
     async def forwardable(self) -> Any:
         await asyncio.shield(self.out)
         # a fresh copy: the first awaiter may have written into the value it got
-        return self.ray_ref if self.ray_ref is not None else pickle.loads(self.payload)
+        return self.ray_ref if self.ray_ref is not None else loads_frame(self.payload)
 
     def __repr__(self) -> str:
         return f"<ChannelReply {self.call_id} rank {self.rank}>"
@@ -408,9 +433,9 @@ class Channel:
             return
         if kind in ("ok", "err"):
             try:
-                value = pickle.loads(payload)
+                value = loads_frame(payload)
             except Exception as e:  # noqa: BLE001 - e.g. a class the controller cannot import: this call fails
-                reply.out.set_exception(_unreadable(self.group, reply.rank, e))
+                reply.out.set_exception(_backend.ReplyUnreadable(e))
                 return
             if kind == "ok":
                 reply.payload = payload
@@ -493,13 +518,6 @@ def _remove_dirs() -> None:
     for d in list(_DIRS):
         shutil.rmtree(d, ignore_errors=True)
 
-
-def _unreadable(group: str, rank: int, e: BaseException) -> BaseException:
-    from ._errors import WorkerError
-
-    return WorkerError(f"the reply could not be unpickled in the controller ({type(e).__name__}: {e}); return "
-                       f"values whose classes the controller can import", group=group, rank=rank,
-                       exc_type=type(e).__name__)
 
 
 def _retrieve(f: asyncio.Future) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import inspect
 import os
 import pickle
 import socket
@@ -408,7 +409,7 @@ class Host:
                 call_id, role, name, blob = pickle.loads(body)
                 self._fast_call = call_id
                 try:
-                    args, kwargs = pickle.loads(blob)
+                    args, kwargs = _channel.loads_frame(blob)
                     kind, value = "ok", self._call(role, name, args, kwargs)
                 except BaseException as e:  # noqa: BLE001 - every error goes back to the controller as the reply
                     kind, value = "err", e if isinstance(e, WorkerError) else self._error(e, role, name)
@@ -459,6 +460,10 @@ class Host:
                 counters["seconds"] += time.perf_counter() - t0
             if self.is_cancelled():  # the caller was told the call ended: no reader may take this result for one
                 raise CallCancelled("cancelled while it ran; its result is discarded")
+            if inspect.isgenerator(result) or inspect.isasyncgen(result):  # Ray would keep its first item as the value
+                raise TypeError(f"the endpoint returned a generator object ({type(result).__name__}), which is not a "
+                                f"value; to stream parts, write the endpoint itself as a generator (yield in its "
+                                f"body), or return list(...) to return every item")
             if pad and (not isinstance(result, Batch) or len(result) != rows_in):
                 got = f"{len(result)} rows" if isinstance(result, Batch) else type(result).__name__
                 raise ValueError(f"endpoint returned {got} for an input of {rows_in} rows ({pad} of them padding); "

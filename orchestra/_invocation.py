@@ -1108,6 +1108,12 @@ def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None)
     """Turn a backend's error into orchestra's: the worker's own WorkerError, or WorkerDiedError for a dead rank."""
     if isinstance(e, _backend.RankDied):
         return _died(e, group, endpoint, rank)
+    if isinstance(e, _backend.ReplyUnreadable) or _unreadable_on_ray(e):
+        cause = e.cause if isinstance(e, _backend.ReplyUnreadable) else None
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e.client_exc)  # type: ignore[attr-defined]
+        return WorkerError(f"the reply could not be unpickled where it was read ({what}); return values whose classes "
+                           f"the controller and the reading ranks can import and rebuild", group=group, rank=rank,
+                           endpoint=endpoint, exc_type=type(cause).__name__ if cause is not None else "RaySystemError")
     if isinstance(e, _backend.TaskFailed):
         return WorkerError(str(e), group=group, rank=rank, endpoint=endpoint, remote_traceback=e.remote_traceback,
                            exc_type=type(e.cause or e).__name__)
@@ -1129,6 +1135,12 @@ def convert_error(e: BaseException, group: str, endpoint: str, rank: int | None)
     if isinstance(e, ray.exceptions.TaskCancelledError):
         return _cancelled(group, endpoint)
     return e
+
+
+def _unreadable_on_ray(e: BaseException) -> bool:
+    """Ray's report of a value that its deserializer could not rebuild (a ``RaySystemError`` from
+    ``deserialize_objects``): the reply exists, it cannot be read here."""
+    return isinstance(e, ray.exceptions.RaySystemError) and "deserializ" in (getattr(e, "traceback_str", "") or "")
 
 
 def _cancelled(group: str, endpoint: str) -> CallCancelledError:

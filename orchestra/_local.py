@@ -34,7 +34,7 @@ from typing import Any
 from ray import cloudpickle
 
 from . import _backend
-from ._backend import Backend, RankDied, Slot, TaskFailed
+from ._backend import Backend, RankDied, ReplyUnreadable, Slot, TaskFailed
 from ._errors import OrchestraError, PlacementError
 
 __all__ = ["LocalBackend", "LocalRef"]
@@ -51,8 +51,8 @@ def _new_id() -> str:
 
 # -- serialization: what Ray would copy is copied; in-process handles travel by reference -------------------------
 class _Pickler(cloudpickle.CloudPickler):
-    def __init__(self, file: io.BytesIO, kept: list[Any]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, file: io.BytesIO, kept: list[Any], buffers: list[pickle.PickleBuffer]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
         self.kept = kept
 
     def persistent_id(self, obj: Any) -> Any:
@@ -63,22 +63,25 @@ class _Pickler(cloudpickle.CloudPickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, kept: list[Any]) -> None:
-        super().__init__(file)
+    def __init__(self, file: io.BytesIO, kept: list[Any], buffers: tuple[bytes, ...]) -> None:
+        super().__init__(file, buffers=buffers)
         self.kept = kept
 
     def persistent_load(self, pid: Any) -> Any:
         return self.kept[pid]
 
 
-def _dumps(obj: Any) -> tuple[bytes, list[Any]]:
-    buf, kept = io.BytesIO(), []
-    _Pickler(buf, kept).dump(obj)
-    return buf.getvalue(), kept
+def _dumps(obj: Any) -> tuple[bytes, list[Any], tuple[bytes, ...]]:
+    """The pickle, the in-process objects it refers to, and its out-of-band buffers copied into immutable bytes."""
+    buf, kept, buffers = io.BytesIO(), [], []
+    _Pickler(buf, kept, buffers).dump(obj)
+    return buf.getvalue(), kept, tuple(b.raw().tobytes() for b in buffers)
 
 
-def _loads(data: tuple[bytes, list[Any]]) -> Any:
-    return _Unpickler(io.BytesIO(data[0]), data[1]).load()
+def _loads(data: tuple[bytes, list[Any], tuple[bytes, ...]]) -> Any:
+    """A fresh object from ``_dumps``'s output; out-of-band buffers (numpy arrays) are read-only views of the
+    stored bytes, as Ray hands them out of its object store."""
+    return _Unpickler(io.BytesIO(data[0]), data[1], data[2]).load()
 
 
 def _describe(e: BaseException) -> str:
@@ -124,9 +127,14 @@ class LocalRef:
             if out.cancelled():  # the reader went away
                 return
             try:
-                value = _loads(src.result())
+                data = src.result()
             except BaseException as e:  # noqa: BLE001 - the call's failure, handed to this reader
                 _resolve(out, error=e)
+                return
+            try:
+                value = _loads(data)
+            except Exception as e:  # noqa: BLE001 - a reply that cannot be rebuilt here fails this read, as on Ray
+                _resolve(out, error=ReplyUnreadable(e))
             else:
                 _resolve(out, value)
         self._src.add_done_callback(done)

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from orchestra import Batch, Worker, endpoint
 from orchestra import dispatch as D
 from orchestra.testing import FailOnCue, Sequencer
+
+
+def _fail_to_load() -> object:
+    raise RuntimeError("this object cannot be rebuilt where it is read")
+
+
+class _LoadFails:
+    """Pickles on the rank; unpickling it raises (a class whose __reduce__ rebuilds through a failing function)."""
+
+    def __reduce__(self) -> tuple:
+        return (_fail_to_load, ())
 
 
 class EvenRanks(D.Dispatch):
@@ -138,6 +150,22 @@ class Echo(FailOnCue, Worker):
     @endpoint
     async def async_add(self, v: int) -> int:
         return v + self.rank
+
+    @endpoint
+    def lazy_values(self) -> object:
+        return (i for i in range(3))  # a generator object from a plain endpoint (not a generator endpoint)
+
+    @endpoint
+    def np_ones(self, n: int) -> object:
+        return {"a": np.ones(n)}
+
+    @endpoint
+    def np_writable(self, arr: object) -> bool:
+        return bool(arr.flags.writeable)
+
+    @endpoint
+    def unloadable(self) -> object:
+        return _LoadFails()
 
     @endpoint
     def take(self, obj: object) -> str:

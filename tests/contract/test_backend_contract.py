@@ -4,8 +4,10 @@ streaming, results, errors, cancellation, deadlines, supervision, integrity, des
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import anyio
+import numpy as np
 import pytest
 import torch
 from contract_workers import BadInit, Critic, Echo, ReversedMesh
@@ -131,6 +133,50 @@ async def test_plain_values_of_a_shard_call_forward_as_their_await(bed):
     several = g.totals(xs(8))  # two values per rank: rows 0-3 -> 0+1, 2+3; rows 4-7 -> 4+5, 6+7
     assert await several == [[1, 5], [9, 13]]
     assert await g.take_value(several) == [[[1, 5], [9, 13]]] * 2
+
+
+def _paths(g: WorkerGroup) -> Iterator[str]:
+    """Run the loop body on the general path (one Ray task per rank), then with the fast path allowed and a few
+    repeated calls to open it (Ray; the in-process backend has one path); the group's switch is put back."""
+    was = g.fast_path
+    try:
+        g.fast_path = False
+        yield "general"
+        g.fast_path = True
+        for _ in range(5):
+            yield "repeated"
+    finally:
+        g.fast_path = was
+
+
+async def test_a_plain_endpoint_returning_a_generator_object_fails_on_every_path(bed):
+    """Ray takes a returned generator object for several return values and kept the first one ([0]) on its
+    general path, while the fast path and the in-process backend failed to pickle it. The call fails on every path,
+    saying what to write instead."""
+    g = bed["e2"]
+    for path in _paths(g):
+        with pytest.raises(orc.WorkerError, match=r"generator object.*yield") as info:
+            await g.lazy_values()
+        assert info.value.endpoint == "lazy_values", path
+
+
+async def test_a_numpy_array_arrives_read_only_on_every_path(bed):
+    """Ray hands numpy arrays over zero-copy, read-only (in results and in arguments, of any size); the fast path
+    and the in-process backend gave writable copies, so a test that wrote into one passed in-process and failed on
+    Ray, or changed behaviour once a repeated call took the fast path."""
+    g = bed["e2"]
+    for path in _paths(g):
+        got = await g.np_ones(4)
+        assert [v["a"].flags.writeable for v in got] == [False, False], path
+        assert await g.np_writable(np.zeros(4)) == [False, False], path
+
+
+async def test_a_result_that_cannot_be_unpickled_is_a_worker_error_on_every_path(bed):
+    g = bed["e2"]
+    for path in _paths(g):
+        with pytest.raises(orc.WorkerError, match="cannot be rebuilt") as info:
+            await g.unloadable()
+        assert (info.value.group, info.value.endpoint) == ("e2", "unloadable"), path
 
 
 async def test_union_of_futures_joins_columns_row_by_row(bed):
