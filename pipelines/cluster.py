@@ -6,7 +6,6 @@ helpers) on a CPU pool. split: the rollout engine gets a pool of its own and rec
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from orchestra import ResourcePool, WorkerGroup
 
 from .config import ActorConfig, Config, CriticConfig
+from .join import join
 from .taskspec import TaskSpec
 from .advantage_worker import AdvantageWorker
 
@@ -74,7 +74,7 @@ class Cluster:
         return out
 
     async def ready(self) -> None:
-        await asyncio.gather(*[g.ready() for g in self.groups()])
+        await join(*[g.ready() for g in self.groups()])
 
     def shutdown(self) -> None:
         seen = set()

@@ -7,14 +7,12 @@ moments it needs to whiten them and the per-sequence scores for logging.
 
 from __future__ import annotations
 
-import asyncio
-
 from orchestra import DataFuture
 
 from .grpo import whitening
 from .kl_control import adapt_kl, kl_coef
 from .objectives import PolicyLoss, ValueLoss
-from .stage import StepContext, union
+from .stage import StepContext, join, union
 
 __all__ = ["ppo_step"]
 
@@ -45,7 +43,7 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
                         kl_estimator=alg.kl_loss_estimator, adv_mean=mean, adv_std=std,
                         loss_type=cfg.actor.policy_loss, rollout_is_cap=cfg.actor.rollout_is_cap)
     batch = union(rollouts, old, ref, values, adv)
-    actor_m, critic_m = await asyncio.gather(
+    actor_m, critic_m = await join(
         ctx.stage("update_actor", c.actor.update_actor(batch, loss_fn=policy, ppo_epochs=cfg.actor.ppo_epochs,
                                                         mini_batches=cfg.actor.mini_batches)),
         ctx.stage("update_critic", c.critic.update_critic(batch, loss_fn=ValueLoss(cfg.critic.value_clip,

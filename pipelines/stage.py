@@ -15,8 +15,9 @@ from orchestra import Batch, DataFuture, Tracer
 from .algorithms import AdaptiveKLController
 from .cluster import Cluster
 from .config import Config
+from .join import join
 
-__all__ = ["StepContext", "union"]
+__all__ = ["StepContext", "join", "union"]
 
 
 def union(*parts: DataFuture | Batch | None) -> DataFuture | Batch:
