@@ -70,6 +70,11 @@ class Echo(FailOnCue, Worker):
     def total(self, batch: Batch) -> int:
         return int(batch["x"].sum())
 
+    @endpoint(D.scatter() | D.shard())
+    def offset_rows(self, batch: Batch, offset: list) -> Batch:
+        """Rank i adds entry i of ``offset`` to its shard of the rows."""
+        return Batch.from_dict({"x": batch["x"] + offset})
+
     @endpoint(D.shard())
     def totals(self, batch: Batch):
         """Two plain values per rank: the sum of each half of its rows."""

@@ -119,6 +119,14 @@ async def test_a_forwarded_value_is_what_await_gives_or_the_forward_is_refused(b
     assert await mets == {"a": 1.5}
 
 
+async def test_scatter_then_shard_gives_each_rank_its_entry_and_its_rows(bed):
+    g = bed["e2"]
+    out = await g.offset_rows(xs(4), [10, 20])
+    assert out["x"].tolist() == [10, 11, 22, 23]
+    with pytest.raises(orc.DispatchError, match="3 entries but the group has 2 ranks"):
+        g.offset_rows(xs(4), [1, 2, 3])
+
+
 async def test_plain_values_of_a_shard_call_forward_as_their_await(bed):
     """A shard endpoint that returns plain values (not rows): a broadcast call that takes its future gets exactly
     what ``await`` gives — a list with one entry per collecting rank (its one value, or the list of the values it
