@@ -61,7 +61,7 @@ class StepContext:
             end = time.time()
             self.timings[f"time/{name}"] = end - self._t0
             if self.tracer is not None:
-                self.tracer.add_span(name, start, end, step=self.step)
+                self.tracer.add_span(name, start, end, track=name, step=self.step)  # stages overlap: a lane each
 
         self._watch.append(asyncio.get_running_loop().create_task(watch()))
         return fut
