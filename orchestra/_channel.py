@@ -62,19 +62,31 @@ _ids = itertools.count()
 _PREFIX = uuid.uuid4().hex[:8]
 
 
+_OFF, _ON = {"0", "false", "no", "off"}, {"1", "true", "yes", "on", ""}
+
+
 def enabled() -> bool:
-    """Whether the fast path may be used at all (``ORCHESTRA_FAST_PATH=0`` turns it off)."""
-    return os.environ.get("ORCHESTRA_FAST_PATH", "1") != "0"
+    """Whether the fast path may be used at all (``ORCHESTRA_FAST_PATH``: ``0``/``false``/``no``/``off`` turn it off,
+    ``1``/``true``/``yes``/``on`` or unset leave it on; anything else is refused)."""
+    raw = os.environ.get("ORCHESTRA_FAST_PATH", "1")
+    value = raw.strip().lower()
+    if value in _OFF or value in _ON:
+        return value not in _OFF
+    raise ValueError(f"ORCHESTRA_FAST_PATH={raw!r}: set it to 0 (or false, no, off) to turn the fast path off, or to "
+                     f"1 (or true, yes, on) to leave it on")
 
 
 def threshold() -> int:
     """How many fast-path-eligible calls in a row open a group's channel (``ORCHESTRA_FAST_PATH_AFTER``)."""
     raw = os.environ.get("ORCHESTRA_FAST_PATH_AFTER", "4")
     try:
-        return max(1, int(raw))
+        n = int(raw)
     except ValueError:
-        raise ValueError(f"ORCHESTRA_FAST_PATH_AFTER={raw!r}: set it to a whole number of calls (default 4), or set "
-                         f"ORCHESTRA_FAST_PATH=0 to turn the fast path off") from None
+        n = 0
+    if n < 1:
+        raise ValueError(f"ORCHESTRA_FAST_PATH_AFTER={raw!r}: set it to a whole number of calls of at least 1 "
+                         f"(default 4), or set ORCHESTRA_FAST_PATH=0 to turn the fast path off")
+    return n
 
 
 class NeedsRay(Exception):
