@@ -15,7 +15,7 @@ import ray
 
 from . import _channel, _runtime, _stats
 from ._batch import Batch
-from ._errors import DispatchError, WorkerDiedError
+from ._errors import CallCancelledError, DispatchError, GroupClosedError, WorkerDiedError
 from ._future import DataFuture
 from ._host import CONCURRENCY_GROUPS, host_class, method_name
 from ._invocation import Invocation, check_forwarded, closed_error, convert_error
@@ -328,19 +328,26 @@ class _Shared:
 
     def note_unseen(self, inv: Any) -> None:
         """``inv`` failed and nothing awaited it: kept for ``failed_calls_not_awaited`` (the oldest is dropped past
-        ``UNSEEN_KEPT``, with its error logged, as it is at close: a failure nobody looked at is never silent)."""
+        ``UNSEEN_KEPT``, with its error logged, as it is at close: a failure nobody looked at is never silent). One
+        noted after the close is logged at once (the close logged the others). A call ended by ``fut.cancel()`` or
+        by closing its group did not fail: the caller ended it (as ``Invocation._end`` decides for its own error)."""
+        if isinstance(inv.outcome(), (CallCancelledError, GroupClosedError)):
+            return
         self.unseen[id(inv)] = inv
+        if self.closed is not None:
+            _log_unseen(inv)
         while len(self.unseen) > UNSEEN_KEPT:
             _, old = self.unseen.popitem(last=False)
-            _log_unseen(old)
+            if self.closed is None:  # after the close, every kept one was logged already
+                _log_unseen(old)
 
     def close(self, why: str = "shutdown() was called") -> list[Any]:
         """Mark closed, cancel start-up and every call in flight; returns the actor handles still to kill."""
         if self.closed is not None:
             return []
         self.closed = why
-        while self.unseen:
-            _log_unseen(self.unseen.popitem(last=False)[1])
+        for inv in list(self.unseen.values()):  # logged, and kept: failed_calls_not_awaited() still lists them
+            _log_unseen(inv)
         if self._start is not None and not self._start.done() and self._start is not _current_task():
             self._start.cancel()
         err = closed_error(self.name, why)
@@ -557,8 +564,9 @@ class WorkerGroup:
 
     def failed_calls_not_awaited(self) -> list[str]:
         """``"group.endpoint: error"`` of every call of this group (every colocated role's) that failed and that
-        nothing awaited, nor read as an input of another call; oldest first. For tests that check no failure went
-        unnoticed (the ``make_group`` fixture fails a test that leaves one); a group logs these when it closes."""
+        nothing awaited, nor read as an input of another call; oldest first (the 64 most recent). For tests that
+        check no failure went unnoticed (the ``make_group`` fixture fails a test that leaves one); a group logs these
+        when it closes, and still lists them after."""
         return [f"{inv.group}.{inv.endpoint}: {inv.outcome()!r}" for inv in list(self._shared.unseen.values())]
 
     def calls_in_flight(self) -> list[str]:

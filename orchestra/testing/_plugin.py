@@ -133,15 +133,22 @@ class GroupFactory:
 
 
 def in_flight(factory: GroupFactory) -> list[str]:
-    """The calls still in flight on the groups ``factory`` made and the test did not close."""
+    """The calls still in flight on the groups ``factory`` made and the test did not close: closing a group ends
+    its calls (they fail with ``GroupClosedError``), the test's own explicit act, as ``fut.cancel()`` is."""
     return [c for g in factory.groups if not g.closed for c in g.calls_in_flight()]
+
+
+def failed_unawaited(factory: GroupFactory) -> list[str]:
+    """The calls of the groups ``factory`` made that failed with nothing awaiting them, closed groups included (a
+    group keeps them after its close): a test that closes its group itself hides no failure."""
+    return [c for g in factory.groups for c in g.failed_calls_not_awaited()]
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
     """After a test body that passed: fail the test when calls of groups made by ``make_group`` are still in flight
-    (a call never awaited, or a stream never drained), or failed with nothing awaiting them (an error no one saw).
-    A body that raised is reported as is."""
+    (a call never awaited, or a stream never drained), or failed with nothing awaiting them (an error no one saw,
+    whether or not the test closed the group). A body that raised is reported as is."""
     result = yield
     factory = getattr(pyfuncitem, "funcargs", {}).get("make_group")
     if isinstance(factory, GroupFactory):
@@ -149,7 +156,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
         if left:
             pytest.fail(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
                         f"before the test returns", pytrace=False)
-        failed = [c for g in factory.groups if not g.closed for c in g.failed_calls_not_awaited()]
+        failed = failed_unawaited(factory)
         if failed:
             pytest.fail(f"calls failed and nothing awaited them: {failed}; await every call (one expected to "
                         f"fail: with pytest.raises(...): await fut)", pytrace=False)

@@ -1,0 +1,80 @@
+"""orchestra.testing's helpers and the group state they read, on the in-process backend (no Ray): kill_rank on a
+group that already has a dead rank, a Sequencer wait given up before its turn, what a group keeps of failures nobody
+awaited once it is closed, and errors raised by ``on_death`` callbacks. The Ray Sequencer's side of the cancelled
+wait is in tests/integration/test_testing_plugin.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+import orchestra as orc
+from orchestra import ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra import dispatch as D
+from orchestra.testing import Sequencer, kill_rank
+
+
+class Plain(Worker):
+    @endpoint(D.broadcast())
+    def work(self) -> int:
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def boom(self, msg: str) -> None:
+        raise ValueError(msg)
+
+    @endpoint(D.broadcast())
+    def hold(self, seq: Sequencer) -> None:
+        with seq(1):  # held until position 0 ran
+            pass
+
+
+def group(ranks: int) -> WorkerGroup:
+    return WorkerGroup(ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.01, backend="local"), Plain)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray() -> Iterator[None]:
+    """Nothing here may start Ray (it would cost seconds and belong to the slow tier)."""
+    before = ray.is_initialized()
+    yield
+    if not before:
+        assert not ray.is_initialized(), "a test of the in-process backend started Ray"
+
+
+# -- kill_rank -------------------------------------------------------------------------------------------------------
+
+
+# -- Sequencer -------------------------------------------------------------------------------------------------------
+
+
+# -- what a group keeps for tests ------------------------------------------------------------------------------------
+async def test_failed_calls_not_awaited_are_still_listed_after_the_group_closed(caplog):
+    g = await group(1).ready()
+    g.boom("nobody saw me")
+    assert await g.work() == [0]  # sent after boom, to the same rank: boom has failed by now
+    assert [c.split(":")[0] for c in g.failed_calls_not_awaited()] == ["Plain.boom"]
+    await g.aclose()
+    listed = g.failed_calls_not_awaited()  # was: [] (closing emptied the list into a log line)
+    assert len(listed) == 1 and listed[0].startswith("Plain.boom: WorkerError") and "nobody saw me" in listed[0]
+    assert "a call failed and nothing awaited it" in caplog.text  # and the close still logs it
+
+
+async def test_a_call_ended_by_closing_its_group_is_no_failure_nobody_awaited(caplog):
+    """Closing a group ends its calls (GroupClosedError): the closer's own act, like ``fut.cancel()``; such a call
+    is not listed (was: listed once its rank's work ended after the close), and nothing is logged at ERROR."""
+    g = await group(1).ready()
+    s = Sequencer(backend="local")
+    try:
+        g.hold(s)
+        await g.aclose()
+        assert g.failed_calls_not_awaited() == []
+        assert g.calls_in_flight() == []
+    finally:
+        s.close()
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+
+

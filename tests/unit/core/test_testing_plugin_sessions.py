@@ -1,0 +1,138 @@
+"""The orchestra pytest plugin as a user meets it: pytest run in a subprocess over a user's test files (no project
+config), checking what fails and what is left running. Without Ray: what ``make_group`` reports after a test that
+closed its own groups or whose ``on_death`` callback raised, and ``orc_cluster`` on a local session the user
+started. With Ray (``slow``: each run starts a small Ray cluster): ``orc_cluster`` leaves a Ray cluster the user
+started running, says when it reuses one of another size, and in-process groups of a Ray session
+(``orc_backend("local")``) get the session's CPUs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+INI = ("[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = session\n"
+       "asyncio_default_test_loop_scope = session\n")
+
+WORKERS = '''
+from orchestra import Worker, endpoint
+from orchestra import dispatch as D
+
+
+class W(Worker):
+    @endpoint(D.broadcast())
+    def add(self, n):
+        return n + 1
+
+    @endpoint(D.broadcast())
+    def boom(self, msg):
+        raise ValueError(msg)
+
+    @endpoint(D.broadcast())
+    def hold(self, seq):
+        with seq(1):  # held until the test enters position 1 (it never does: the group is closed first)
+            pass
+'''
+
+
+def run_pytest(tmp_path: Path, files: dict[str, str], *args: str, timeout: float = 300) -> tuple[int, str]:
+    """pytest in a fresh process over ``files`` (written to ``tmp_path`` with an ini file): (exit code, output)."""
+    (tmp_path / "pytest.ini").write_text(INI)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *args,
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+HIDDEN = '''
+from workers import W
+
+
+async def test_closes_its_group_after_a_failure_nobody_awaited(make_group):
+    g = await make_group(W, ranks=1, group_name="closed_async")
+    g.boom("nobody saw me")
+    assert await g.add(1) == [2]  # sent after boom, to the same rank: boom has failed by now
+    await g.aclose()
+
+
+async def test_shuts_its_group_down_after_a_failure_nobody_awaited(make_group):
+    g = await make_group(W, ranks=1, group_name="closed_sync")
+    g.boom("nor me")
+    assert await g.add(1) == [2]
+    g.shutdown()
+
+
+async def test_closes_its_group_while_a_call_runs(make_group, orc_sequencer):
+    g = await make_group(W, ranks=1, group_name="ended")
+    g.hold(orc_sequencer)  # ended by the close, the test's own explicit act: not a failure
+    await g.aclose()
+'''
+
+
+def test_make_group_reports_failures_nobody_awaited_in_groups_the_test_closed_itself(tmp_path):
+    """A failed call nobody awaited fails the test although the test closed (or shut down) the group itself (was:
+    such tests passed); a call still running when the test closes its group is ended by that close and fails
+    nothing."""
+    code, out = run_pytest(tmp_path, {"workers.py": WORKERS, "test_hidden.py": HIDDEN}, "--orc-backend=local")
+    assert code == 1, out
+    assert "2 failed, 1 passed" in out, out
+    assert "PASSED test_hidden.py::test_closes_its_group_while_a_call_runs" in out, out
+    assert "calls failed and nothing awaited them: ['closed_async.boom: WorkerError" in out, out
+    assert "calls failed and nothing awaited them: ['closed_sync.boom: WorkerError" in out, out
+
+
+ON_DEATH = '''
+from orchestra.testing import kill_rank
+from workers import W
+
+
+async def test_on_death_callback_fails(make_group):
+    g = await make_group(W, ranks=1, group_name="watched")
+
+    def my_callback(err):
+        assert err.rank == 5, "my callback's assertion failed"
+
+    g.on_death(my_callback)
+    await kill_rank(g, 0)
+'''
+
+
+LOCAL_SESSION = '''
+import pytest
+import orchestra as orc
+from orchestra import _backend
+
+
+@pytest.fixture(scope="session", autouse=True)
+def my_session():
+    orc.init(backend="local", num_cpus=1)
+    yield
+    assert _backend.current().name == "local", "orc_cluster ended the local session the user started"
+    print("USER SESSION STILL UP")
+    orc.shutdown()
+'''
+
+
+RAY_SESSION = '''
+import pytest
+import ray
+import orchestra as orc
+
+
+@pytest.fixture(scope="session", autouse=True)
+def my_ray_cluster():
+    orc.init(num_cpus=1)  # the user's own Ray cluster for the whole session
+    yield
+    assert ray.is_initialized(), "orc_cluster shut down the Ray cluster the user started"
+    print("USER RAY STILL UP")
+    orc.shutdown()
+'''
+
+
