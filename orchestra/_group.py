@@ -94,6 +94,7 @@ class _Shared:
         self.unseen: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
         self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
+        self.callback_errors: list[str] = []  # what on_death callbacks raised (logged too), for death_callback_errors()
         # deaths known when a callback was registered with no event loop running there: told on the group's loop
         self._owed: list[tuple[Callable[[WorkerDiedError], None], list[WorkerDiedError]]] = []
         self._watch_refs: list[Any] = []  # one never-returning supervision call per rank
@@ -280,8 +281,15 @@ class _Shared:
     def _tell(self, cb: Callable[[WorkerDiedError], None], err: WorkerDiedError) -> None:
         try:
             cb(err)
-        except Exception:  # noqa: BLE001 - a bad callback must not stop the others; it is logged
-            log.exception("group %r: on_death callback %r raised", self.name, cb)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - a bad callback must not stop the others: logged, and kept
+            # (death_callback_errors(); make_group fails the test with it). BaseException: pytest.fail() in a
+            # callback raises one, and it would otherwise end up in the event loop's log instead
+            log.exception("group %r: on_death callback %r raised when told rank %d died", self.name, cb, err.rank)
+            name = getattr(cb, "__qualname__", None) or repr(cb)
+            self.callback_errors.append(f"{name} (told rank {err.rank} of {self.name!r} died) raised "
+                                        f"{type(e).__name__}: {e}")
 
     def add_death_callback(self, cb: Callable[[WorkerDiedError], None]) -> None:
         """Register ``cb`` for deaths; the ranks already known dead are told to it too, once each: at once when
@@ -569,6 +577,12 @@ class WorkerGroup:
         when it closes, and still lists them after."""
         return [f"{inv.group}.{inv.endpoint}: {inv.outcome()!r}" for inv in list(self._shared.unseen.values())]
 
+    def death_callback_errors(self) -> list[str]:
+        """What this group's ``on_death`` callbacks raised, oldest first: ``"callback (told rank r of 'group' died)
+        raised error"``. Each is logged with its traceback when raised; the other callbacks are told regardless. For
+        tests (the ``make_group`` fixture fails a test whose callback raised); kept after the group closed."""
+        return list(self._shared.callback_errors)
+
     def calls_in_flight(self) -> list[str]:
         """``"group.endpoint"`` of every call not yet finished or ended on this group's actors (every colocated
         role's), sorted; empty when nothing is left running. For tests that check no call was left behind."""
@@ -577,8 +591,9 @@ class WorkerGroup:
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` on the event loop when a rank of this group dies (once per rank); the group's
         calls in flight have already failed with WorkerDiedError then. A rank that died before the registration is
-        told too: at once when registered on an event loop, which the group then follows. Returns a function that
-        unregisters it."""
+        told too: at once when registered on an event loop, which the group then follows. A callback that raises is
+        logged and listed by ``death_callback_errors()``; the other callbacks are told regardless. Returns a function
+        that unregisters it."""
         self._shared.add_death_callback(callback)
 
         def remove() -> None:

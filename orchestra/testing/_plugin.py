@@ -103,6 +103,17 @@ class GroupFactory:
         self.loop = loop
         self.backend = backend  # the test's ``orc_backend`` marker: the backend of its pools (None: the session's)
         self.made: list[_Made] = []
+        self._told: dict[int, int] = {}  # per made group (by index): how many of its callback errors were reported
+
+    def new_callback_errors(self) -> list[str]:
+        """The errors raised by ``on_death`` callbacks of this test's groups not reported yet (each reported once:
+        after the test body, or by the teardown for those raised since)."""
+        new = []
+        for i, g in enumerate(self.groups):
+            raised = g.death_callback_errors()
+            new += raised[self._told.get(i, 0):]
+            self._told[i] = len(raised)
+        return new
 
     @property
     def groups(self) -> list[Any]:
@@ -152,15 +163,28 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
     result = yield
     factory = getattr(pyfuncitem, "funcargs", {}).get("make_group")
     if isinstance(factory, GroupFactory):
+        problems = []
         left = in_flight(factory)
         if left:
-            pytest.fail(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
-                        f"before the test returns", pytrace=False)
+            problems.append(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
+                            f"before the test returns")
         failed = failed_unawaited(factory)
         if failed:
-            pytest.fail(f"calls failed and nothing awaited them: {failed}; await every call (one expected to "
-                        f"fail: with pytest.raises(...): await fut)", pytrace=False)
+            problems.append(f"calls failed and nothing awaited them: {failed}; await every call (one expected to "
+                            f"fail: with pytest.raises(...): await fut)")
+        raised = factory.new_callback_errors()
+        if raised:
+            problems.append(callback_errors_message(raised))
+        if problems:
+            pytest.fail("\n".join(problems), pytrace=False)
     return result
+
+
+def callback_errors_message(raised: list[str]) -> str:
+    """The failure text for errors raised by ``on_death`` callbacks of a test's groups."""
+    return ("on_death callbacks of its groups raised (each traceback is in the captured log); a callback's error "
+            "fails the test: fix the callback, or let it record what it saw and assert on that in the test body:\n  - "
+            + "\n  - ".join(raised))
 
 
 async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], bound: float = LEAK_WAIT_S) -> list[str]:
@@ -238,13 +262,16 @@ if pytest_asyncio is not None:
         """``group = await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``: a ready WorkerGroup (pool
         ``ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.1, **pool_kwargs)``; ``init_kwargs=`` and
         ``group_name=`` pass through). After the test every group it made is closed; the test fails if calls were
-        left in flight, and its teardown fails if orchestra tasks, actors or pools outlive the close. A test marked
+        left in flight, failed unawaited, or an ``on_death`` callback raised, and its teardown fails if orchestra tasks, actors or pools outlive the close. A test marked
         ``@pytest.mark.orc_backend("local")`` gets in-process groups whatever the session's backend."""
         loop = asyncio.get_running_loop()
         before = {t for t in asyncio.all_tasks(loop) if t.get_name().startswith("orchestra:")}
         factory = GroupFactory(loop, marked_backend(request.node))
         yield factory
         problems = await close_and_check(factory, before)
+        raised = factory.new_callback_errors()  # raised after the test body (or a body that failed: not checked)
+        if raised:
+            problems.append(callback_errors_message(raised))
         if problems:
             pytest.fail("make_group: left behind after the test:\n  - " + "\n  - ".join(problems), pytrace=False)
 else:  # pragma: no cover

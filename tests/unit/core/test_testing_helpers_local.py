@@ -78,3 +78,23 @@ async def test_a_call_ended_by_closing_its_group_is_no_failure_nobody_awaited(ca
     assert [r for r in caplog.records if r.levelname == "ERROR"] == []
 
 
+async def test_an_error_raised_by_an_on_death_callback_is_kept_and_the_other_callbacks_are_told(caplog):
+    g = await group(1).ready()
+    told = []
+
+    def bad(err: orc.WorkerDiedError) -> None:
+        assert err.rank == 5, "my callback's assertion failed"
+
+    g.on_death(bad)
+    g.on_death(told.append)
+    try:
+        await kill_rank(g, 0)  # its own on_death callback is told after the bad one
+        assert [e.rank for e in told] == [0]
+        errors = g.death_callback_errors()
+        assert len(errors) == 1, errors
+        assert "bad" in errors[0] and "rank 0" in errors[0] and "my callback's assertion failed" in errors[0]
+        assert "on_death callback" in caplog.text  # still logged where it happened
+    finally:
+        await g.aclose()
+    assert g.death_callback_errors() == errors  # kept after close, like failed_calls_not_awaited()
+

@@ -104,6 +104,17 @@ async def test_on_death_callback_fails(make_group):
 '''
 
 
+def test_make_group_fails_a_test_whose_on_death_callback_raised(tmp_path):
+    """An ``on_death`` callback that raised fails the test, naming the callback, the death and the error (was: only
+    logged, and the test passed)."""
+    code, out = run_pytest(tmp_path, {"workers.py": WORKERS, "test_on_death.py": ON_DEATH}, "--orc-backend=local")
+    assert code == 1, out
+    assert "1 failed" in out, out
+    assert "on_death callbacks of its groups raised" in out, out
+    assert ("  - test_on_death_callback_fails.<locals>.my_callback (told rank 0 of 'watched' died) raised "
+            "AssertionError: my callback's assertion failed") in out, out
+
+
 LOCAL_SESSION = '''
 import pytest
 import orchestra as orc
