@@ -22,6 +22,7 @@ import ray
 from .. import _backend
 from .._errors import WorkerDiedError
 from .._group import WorkerGroup
+from .._invocation import convert_error
 from .._worker import Worker, endpoint, endpoints_of
 from ..dispatch import broadcast
 from ._sequencer_state import SequencerHost as _SequencerHost
@@ -238,11 +239,18 @@ def _kill_pid(pid: int) -> None:
 
 async def kill_rank(group: WorkerGroup, rank: int, timeout: float = 60.0) -> WorkerDiedError:
     """SIGKILL the process of ``rank`` and wait (at most ``timeout`` seconds) until the group reports the death:
-    returns the ``WorkerDiedError`` that ``await group.ping()`` then raises. The group's calls in flight fail
-    with ``WorkerDiedError``; new calls are refused."""
+    returns the rank's ``WorkerDiedError`` (as ``await group.ping()`` then raises it). The group's calls in flight
+    fail with ``WorkerDiedError``; new calls are refused. Other ranks may be dead already; this one may not."""
     if not 0 <= rank < group.world_size:
         raise ValueError(f"kill_rank: rank {rank} is outside 0..{group.world_size - 1} of {group!r}")
-    info = (await group.describe())[rank]
+    await group.ready()
+    shared = group._shared
+    if rank in shared.dead:
+        raise RuntimeError(f"kill_rank: rank {rank} of {group!r} is already dead ({shared.dead[rank].message}); "
+                           f"nothing was killed. Kill a live rank, or make a new group")
+    # where the rank runs, as it described itself at start-up: asking it now (group.describe()) would ask every
+    # rank, and fail on one already dead
+    info = dict(shared.info[rank])
     died = asyncio.get_running_loop().create_future()
 
     def on_death(err: WorkerDiedError) -> None:
@@ -253,7 +261,7 @@ async def kill_rank(group: WorkerGroup, rank: int, timeout: float = 60.0) -> Wor
     try:
         backend = group.pool.backend
         if not backend.own_process:  # in-process: the rank dies as the controller sees a process die
-            backend.kill(group.actors[rank])
+            backend.kill(shared.hosts[rank])
             info["pid"] = f"{info['pid']}, in-process"
         elif info.get("node_id") in (None, ray.get_runtime_context().get_node_id()):
             _kill_pid(int(info["pid"]))
@@ -266,15 +274,19 @@ async def kill_rank(group: WorkerGroup, rank: int, timeout: float = 60.0) -> Wor
         log.info("kill_rank: sent SIGKILL to rank %d of %r (pid %s)", rank, group.name, info["pid"])
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(died, timeout)
+            err = await asyncio.wait_for(died, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"kill_rank: rank {rank} of {group!r} (pid {info['pid']}) was sent SIGKILL but the "
                                f"group did not report its death within {timeout:g} s") from None
     finally:
         remove()
-    try:
-        await group.ping()
-    except WorkerDiedError as e:
+    try:  # the rank's own control lane: it must fail now, with this rank's death
+        await shared.hosts[rank].ping.remote()
+    except Exception as e:  # noqa: BLE001 - converted: a death is what is expected, anything else is raised
+        died_err = convert_error(e, group.name, "ping", rank)
+        if not isinstance(died_err, WorkerDiedError):
+            raise died_err from e
         log.info("kill_rank: rank %d of %r reported dead after %.2f s", rank, group.name, time.monotonic() - t0)
-        return e
-    raise AssertionError(f"kill_rank: rank {rank} of {group!r} was reported dead, yet group.ping() answered")
+        return died_err
+    raise AssertionError(f"kill_rank: rank {rank} of {group!r} was reported dead ({err.message}), yet its ping "
+                         f"answered")

@@ -118,6 +118,11 @@ async def test_kill_rank_waits_until_the_group_reports_the_death(make_group):
     assert [h["alive"] for h in group.health()] == [True, False]
     with pytest.raises(orc.WorkerDiedError):  # refused before anything is sent
         group.double(Batch.from_dict({"x": torch.arange(4)}))
+    with pytest.raises(RuntimeError, match="rank 1 of .* is already dead"):
+        await kill_rank(group, 1)
+    err = await kill_rank(group, 0)  # another rank of a group with a dead rank (was: WorkerDiedError for rank 1)
+    assert isinstance(err, orc.WorkerDiedError) and err.rank == 0
+    assert [h["alive"] for h in group.health()] == [False, False]
 
 
 def test_orc_cluster_reuses_a_running_cluster_and_leaves_it_running(orc_cluster, tmp_path):

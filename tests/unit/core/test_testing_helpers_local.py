@@ -46,6 +46,25 @@ def _no_ray() -> Iterator[None]:
 
 
 # -- kill_rank -------------------------------------------------------------------------------------------------------
+async def test_kill_rank_kills_another_rank_of_a_group_with_a_dead_rank():
+    g = await group(2).ready()
+    try:
+        assert (await kill_rank(g, 1)).rank == 1
+        err = await kill_rank(g, 0)  # was: WorkerDiedError for rank 1, from describing every rank first
+        assert isinstance(err, orc.WorkerDiedError) and err.rank == 0
+        assert [h["alive"] for h in g.health()] == [False, False]
+    finally:
+        await g.aclose()
+
+
+async def test_kill_rank_of_a_rank_already_dead_says_so():
+    g = await group(2).ready()
+    try:
+        await kill_rank(g, 1)
+        with pytest.raises(RuntimeError, match=r"kill_rank: rank 1 of .* is already dead"):
+            await kill_rank(g, 1)
+    finally:
+        await g.aclose()
 
 
 # -- Sequencer -------------------------------------------------------------------------------------------------------
