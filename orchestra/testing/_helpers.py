@@ -48,7 +48,8 @@ class Sequencer:
     first), so a new Sequencer costs no process start.
     A block that raises breaks the sequence: every waiting and later position fails with ``SequencerError``
     instead of waiting forever; so does a position still waiting after ``timeout`` seconds (a bound on a broken
-    test, never what decides a passing one). Make one with ``Sequencer()`` after ``orc.init()`` (or use the
+    test, never what decides a passing one). A wait that ends before its block runs (cancelled, timed out) gives its
+    position back: it was never entered, so it may be waited for again. Make one with ``Sequencer()`` after ``orc.init()`` (or use the
     ``orc_sequencer`` fixture); ``close()`` breaks its sequence (its waiting positions fail; a blocking round trip).
     Under the in-process backend (``backend="local"``, the default after ``orc.init(backend="local")``) it is a
     thread-safe object in this process instead.
@@ -67,10 +68,16 @@ class Sequencer:
         self._local = None
         self._id = uuid.uuid4().hex
         self._actor = _sequencer_host()
+        self._given_back: list[tuple[int, str]] = []  # waits given up here, sent again with this copy's next wait
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_given_back"] = []  # this process's own: another process's copy has its own waits
+        return state
 
     def __call__(self, position: int) -> _Turn:
         """The block at ``position``: use it as ``with`` (blocking, e.g. in a sync endpoint) or ``async with``."""
-        if not isinstance(position, int) or position < 0:
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"a sequencer position is an int >= 0, got {position!r}")
         return _Turn(self, position)
 
@@ -96,6 +103,9 @@ class Sequencer:
 
 
 class _Turn:
+    """One use of a position. A wait that ends before its block runs (cancelled, interrupted) gives the position
+    back: it was never entered, so the sequence neither counts it as entered nor waits for it to exit."""
+
     def __init__(self, seq: Sequencer, pos: int) -> None:
         self.seq, self.pos = seq, pos
 
@@ -104,13 +114,34 @@ class _Turn:
         if status[0] != "ok":
             raise SequencerError(status[1])
 
+    def _give_back_on_host(self, ticket: str) -> None:
+        """Tell the actor this wait was given up (not awaited: the caller is being cancelled); the next wait of this
+        Sequencer says so again, since calls to an async actor run in no guaranteed order."""
+        seq = self.seq
+        seq._given_back.append((self.pos, ticket))
+        ref = seq._actor.give_back.remote(seq._id, self.pos, ticket)
+        ref.future().add_done_callback(lambda f, pos=self.pos: _gave_back(f, pos))
+
+    def _send_enter(self, ticket: str) -> Any:
+        seq = self.seq
+        given_back, seq._given_back = tuple(seq._given_back), []
+        return seq._actor.enter.remote(seq._id, self.pos, seq.timeout, ticket, given_back)
+
     def __enter__(self) -> None:
-        local = self.seq._local
-        if local is not None:
-            self._check(local.enter(self.pos, self.seq.timeout))
-        else:
-            seq = self.seq
-            self._check(_on_host(seq, lambda: ray.get(seq._actor.enter.remote(seq._id, self.pos, seq.timeout))))
+        local, ticket = self.seq._local, uuid.uuid4().hex
+        try:
+            if local is not None:
+                status = local.enter(self.pos, self.seq.timeout, ticket)
+            else:
+                ref = self._send_enter(ticket)
+                status = _on_host(self.seq, lambda: ray.get(ref))
+        except BaseException:  # interrupted while waiting (e.g. KeyboardInterrupt): the block never runs
+            if local is not None:
+                local.give_back(self.pos, ticket)
+            else:
+                self._give_back_on_host(ticket)
+            raise
+        self._check(status)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
@@ -122,12 +153,25 @@ class _Turn:
             self._check(_on_host(seq, lambda: ray.get(seq._actor.exit.remote(seq._id, self.pos, err))))
 
     async def __aenter__(self) -> None:
-        local = self.seq._local
-        if local is not None:  # a blocking wait: in a worker thread, never on the event loop
-            self._check(await anyio.to_thread.run_sync(local.enter, self.pos, self.seq.timeout, abandon_on_cancel=True))
+        local, ticket = self.seq._local, uuid.uuid4().hex
+        if local is not None:
+            refused = local.arrive(self.pos, ticket)  # taken before the wait starts, so a cancellation can give it back
+            if refused:
+                self._check(refused)
+            try:  # a blocking wait: in a worker thread, never on the event loop
+                status = await anyio.to_thread.run_sync(local.wait, self.pos, ticket, self.seq.timeout,
+                                                        abandon_on_cancel=True)
+            except BaseException:  # cancelled before its turn (or as it came): the abandoned thread returns at once
+                local.give_back(self.pos, ticket)
+                raise
         else:
-            seq = self.seq
-            self._check(await _on_host_async(seq, seq._actor.enter.remote(seq._id, self.pos, seq.timeout)))
+            ref = self._send_enter(ticket)
+            try:
+                status = await _on_host_async(self.seq, ref)
+            except BaseException:  # cancelled: the actor's wait goes on unless told
+                self._give_back_on_host(ticket)
+                raise
+        self._check(status)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         err = None if exc_type is None else f"{exc_type.__name__}: {exc}"
@@ -137,6 +181,13 @@ class _Turn:
         else:
             seq = self.seq
             self._check(await _on_host_async(seq, seq._actor.exit.remote(seq._id, self.pos, err)))
+
+
+def _gave_back(f: Any, pos: int) -> None:
+    """Done callback of a give-back call: its failure is logged (the actor is gone, and the sequence with it: the
+    next use of the Sequencer raises SequencerError saying so)."""
+    if not f.cancelled() and f.exception() is not None:
+        log.warning("Sequencer: giving back position %d after a cancelled wait failed: %r", pos, f.exception())
 
 
 _host_lock = threading.Lock()

@@ -20,29 +20,57 @@ OK = ("ok", "")
 
 class _Protocol:
     """The sequence itself: the next position to run, the positions entered, and why it broke (if it did). Every
-    method here runs under the subclass's lock."""
+    method here runs under the subclass's lock.
+
+    Each wait carries a ticket (a string its caller makes). A wait that ends without entering (its caller was
+    cancelled, or it timed out) gives its position back (``_give_back``): the position was never entered, so a
+    later wait may take it, and the abandoned wait, if it is still waiting, returns without taking its turn."""
 
     def __init__(self) -> None:
         self.next = 0
-        self.entered: set[int] = set()
+        self.entered: set[int] = set()  # positions taken by a wait: waiting, running or exited
+        self.tickets: dict[int, str] = {}  # position -> the ticket of the wait that took it
+        self.given_up: set[str] = set()  # tickets given back before their wait arrived (a give-back may overtake it)
         self.broken: str | None = None
 
-    def _arrive(self, pos: int) -> tuple[str, str] | None:
+    def _arrive(self, pos: int, ticket: str) -> tuple[str, str] | None:
+        if ticket in self.given_up:
+            self.given_up.discard(ticket)
+            return self._withdrawn(pos)
         if pos in self.entered:
             return "error", f"position {pos} was entered twice; each position is used once"
         self.entered.add(pos)
+        self.tickets[pos] = ticket
         return None
 
-    def _turn(self, pos: int) -> Callable[[], bool]:
-        return lambda: self.broken is not None or self.next == pos
+    def _turn(self, pos: int, ticket: str) -> Callable[[], bool]:
+        return lambda: self.broken is not None or self.tickets.get(pos) != ticket or self.next == pos
 
-    def _timed_out(self, pos: int, timeout: float) -> tuple[str, str]:
-        return "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
-                         f"{self.next} (entered so far: {sorted(self.entered)}); did position {self.next} never run "
-                         f"or never exit?")
+    @staticmethod
+    def _withdrawn(pos: int) -> tuple[str, str]:
+        return "error", f"position {pos}: this wait was given up (cancelled) before its turn; it did not enter"
 
-    def _entered(self) -> tuple[str, str]:
+    def _timed_out(self, pos: int, ticket: str, timeout: float) -> tuple[str, str]:
+        out = "error", (f"position {pos} still waiting after {timeout:g} s: the sequence is at position "
+                        f"{self.next} (entered so far: {sorted(self.entered - {pos})}); did position {self.next} "
+                        f"never run or never exit?")
+        self._give_back(pos, ticket)  # it did not enter: the position is free again
+        return out
+
+    def _entered(self, pos: int, ticket: str) -> tuple[str, str]:
+        if self.tickets.get(pos) != ticket:  # given back while it waited
+            return self._withdrawn(pos)
         return ("error", f"the sequence is broken: {self.broken}") if self.broken is not None else OK
+
+    def _give_back(self, pos: int, ticket: str) -> None:
+        """The wait with ``ticket`` for ``pos`` ended without its block running: free the position (the caller
+        notifies the waiters). A give-back that arrives before its wait is remembered, so that wait returns at once."""
+        if self.tickets.get(pos) == ticket:
+            if pos >= self.next:  # not exited: never entered as far as the sequence goes
+                del self.tickets[pos]
+                self.entered.discard(pos)
+        else:
+            self.given_up.add(ticket)
 
     def _leave(self, pos: int, error: str | None) -> tuple[str, str]:
         if self.broken is not None:
@@ -68,18 +96,32 @@ class SequencerState(_Protocol):
             self.cond = asyncio.Condition()
         return self.cond
 
-    async def enter(self, pos: int, timeout: float) -> tuple[str, str]:
-        """Wait until every position before ``pos`` has exited; ("ok", "") or ("error", why)."""
+    async def enter(self, pos: int, timeout: float, ticket: str,
+                    given_back: tuple[tuple[int, str], ...] = ()) -> tuple[str, str]:
+        """Wait until every position before ``pos`` has exited; ("ok", "") or ("error", why). ``given_back``: the
+        caller's earlier waits given up since its last call, given back first (their own give-back calls may come
+        later: calls to an async actor run in no guaranteed order)."""
         cond = self._cond()
         async with cond:
-            refused = self._arrive(pos)
+            for p, t in given_back:
+                self._give_back(p, t)
+            if given_back:
+                cond.notify_all()
+            refused = self._arrive(pos, ticket)
             if refused:
                 return refused
             try:
-                await asyncio.wait_for(cond.wait_for(self._turn(pos)), timeout)
+                await asyncio.wait_for(cond.wait_for(self._turn(pos, ticket)), timeout)
             except asyncio.TimeoutError:
-                return self._timed_out(pos, timeout)
-            return self._entered()
+                return self._timed_out(pos, ticket, timeout)
+            return self._entered(pos, ticket)
+
+    async def give_back(self, pos: int, ticket: str) -> None:
+        """The wait with ``ticket`` was given up before its block ran: ``pos`` is free again."""
+        cond = self._cond()
+        async with cond:
+            self._give_back(pos, ticket)
+            cond.notify_all()
 
     async def exit(self, pos: int, error: str | None) -> tuple[str, str]:
         """Leave ``pos`` (the current position): the next one may enter, or, on ``error``, every waiter fails."""
@@ -114,9 +156,14 @@ class SequencerHost:
             seq = self._seqs[sid] = SequencerState()
         return seq
 
-    async def enter(self, sid: str, pos: int, timeout: float) -> tuple[str, str]:
+    async def enter(self, sid: str, pos: int, timeout: float, ticket: str,
+                    given_back: tuple[tuple[int, str], ...] = ()) -> tuple[str, str]:
         """``SequencerState.enter`` on sequence ``sid``."""
-        return await self._seq(sid).enter(pos, timeout)
+        return await self._seq(sid).enter(pos, timeout, ticket, given_back)
+
+    async def give_back(self, sid: str, pos: int, ticket: str) -> None:
+        """``SequencerState.give_back`` on sequence ``sid``."""
+        await self._seq(sid).give_back(pos, ticket)
 
     async def exit(self, sid: str, pos: int, error: str | None) -> tuple[str, str]:
         """``SequencerState.exit`` on sequence ``sid``."""
@@ -140,14 +187,27 @@ class ThreadSequencerState(_Protocol):
         super().__init__()
         self.cond = threading.Condition()
 
-    def enter(self, pos: int, timeout: float) -> tuple[str, str]:
+    def arrive(self, pos: int, ticket: str) -> tuple[str, str] | None:
+        """Take ``pos`` for the wait ``ticket`` (None), or why not ("error", why). Never blocks."""
         with self.cond:
-            refused = self._arrive(pos)
-            if refused:
-                return refused
-            if not self.cond.wait_for(self._turn(pos), timeout):
-                return self._timed_out(pos, timeout)
-            return self._entered()
+            return self._arrive(pos, ticket)
+
+    def wait(self, pos: int, ticket: str, timeout: float) -> tuple[str, str]:
+        """Block until the turn of ``pos`` (taken by ``arrive``); ("ok", "") or ("error", why)."""
+        with self.cond:
+            if not self.cond.wait_for(self._turn(pos, ticket), timeout):
+                return self._timed_out(pos, ticket, timeout)
+            return self._entered(pos, ticket)
+
+    def enter(self, pos: int, timeout: float, ticket: str) -> tuple[str, str]:
+        """``arrive`` then ``wait``."""
+        return self.arrive(pos, ticket) or self.wait(pos, ticket, timeout)
+
+    def give_back(self, pos: int, ticket: str) -> None:
+        """The wait ``ticket`` was given up before its block ran: ``pos`` is free again, the wait returns."""
+        with self.cond:
+            self._give_back(pos, ticket)
+            self.cond.notify_all()
 
     def exit(self, pos: int, error: str | None) -> tuple[str, str]:
         with self.cond:

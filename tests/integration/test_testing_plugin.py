@@ -4,6 +4,7 @@ while a wrong assertion or a call left running in it fails (the plugin swallows 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -58,6 +59,33 @@ async def test_a_position_never_reached_fails_instead_of_hanging(orc_cluster):
                 pass
     finally:
         seq.close()
+
+
+async def test_a_wait_cancelled_before_its_turn_gives_the_position_back(orc_cluster):
+    """The test stops waiting for position 1 (cancelled) before position 0 ran: position 1 was never entered, so it
+    can be entered later, and position 2 after it (was: the actor's abandoned wait took position 1 and never left
+    it, so re-entering it said "entered twice" and position 2 timed out). The in-process Sequencer's side is in
+    tests/unit/core/test_testing_helpers_local.py."""
+    s = Sequencer()
+    try:
+        async def enter_one() -> None:
+            async with s(1):
+                raise AssertionError("position 1 ran although its wait was cancelled")
+
+        waiter = asyncio.create_task(enter_one())
+        await asyncio.sleep(0)  # one turn of the loop: the task has sent its wait to the actor and awaits it
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        async with s(0):
+            pass
+        async with s(1):
+            pass
+        async with s(2):
+            pass
+        assert await asyncio.to_thread(s.position) == 3
+    finally:
+        s.close()
 
 
 async def test_sequencers_share_one_actor_and_keep_their_own_positions(orc_cluster):

@@ -14,7 +14,7 @@ import ray
 import orchestra as orc
 from orchestra import ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
-from orchestra.testing import Sequencer, kill_rank
+from orchestra.testing import Sequencer, SequencerError, kill_rank
 
 
 class Plain(Worker):
@@ -68,6 +68,56 @@ async def test_kill_rank_of_a_rank_already_dead_says_so():
 
 
 # -- Sequencer -------------------------------------------------------------------------------------------------------
+async def test_a_wait_cancelled_before_its_turn_gives_the_position_back():
+    """The test stops waiting for position 1 (cancelled) before position 0 ran: position 1 was never entered, so it
+    can be entered again later, and position 2 after it; the abandoned wait takes nothing."""
+    s = Sequencer(backend="local")
+    try:
+        async def enter_one() -> None:
+            async with s(1):
+                raise AssertionError("position 1 ran although its wait was cancelled")
+
+        waiter = asyncio.create_task(enter_one())
+        while 1 not in s._local.entered:  # the wait has arrived on the sequence (a thread registers it)
+            await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        async with s(0):
+            pass
+        async with s(1):  # was: "position 1 was entered twice" (the abandoned wait held it)
+            pass
+        async with s(2):  # was: timed out, blaming position 1
+            pass
+        assert s.position() == 3
+    finally:
+        s.close()
+
+
+async def test_a_wait_that_timed_out_gives_the_position_back():
+    """Position 1 cannot come before position 0 ran, so its wait times out whatever the machine's speed; it never
+    entered, so position 1 can be waited for again (was: "entered twice")."""
+    s = Sequencer(timeout=0.05, backend="local")
+    try:
+        with pytest.raises(SequencerError, match=r"position 1 still waiting after 0.05 s: .* at position 0"):
+            async with s(1):
+                pass
+        async with s(0):
+            pass
+        async with s(1):
+            pass
+        assert s.position() == 2
+    finally:
+        s.close()
+
+
+def test_a_position_is_an_int_not_a_bool():
+    s = Sequencer(backend="local")
+    try:
+        with pytest.raises(ValueError, match="got True"):
+            s(True)
+    finally:
+        s.close()
 
 
 # -- what a group keeps for tests ------------------------------------------------------------------------------------
