@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,28 +54,74 @@ def num_cpus(config: pytest.Config) -> float:
 def orc_cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, float]]:
     """The session's cluster: a private local Ray cluster (loopback, token auth) with ``--orc-num-cpus`` CPUs, shut
     down at the end; or, when Ray is already initialized (the user started one), that cluster, left running. With
-    ``--orc-backend=local``, the in-process backend instead (no Ray). Yields its resources (``{"CPU": 4.0, ...}``)."""
+    ``--orc-backend=local``, the in-process backend instead (no Ray): one it starts and ends, or the in-process
+    session the user started, left as it is. Yields its resources (``{"CPU": 4.0, ...}``). Reusing a session whose
+    CPU count is not ``--orc-num-cpus`` warns, naming both."""
     import ray
 
     import orchestra as orc
+    from orchestra import _backend
 
     n = num_cpus(pytestconfig)
     if backend(pytestconfig) == "local":
+        current = _backend.current()
+        if current.name == "local":  # orc.init(backend="local") ran before: the user's session
+            resources = current.resources()
+            reusing("in-process session (orc.init(backend='local'))", resources, n)
+            yield resources
+            return
         session = orc.init(backend="local", num_cpus=n)
+        mine = _backend.current()
         try:
             yield dict(session.resources)
         finally:
-            orc.shutdown()
+            end_local_session(mine)  # not orc.shutdown(): that would also stop a Ray cluster the user started
         return
     if ray.is_initialized():
-        log.info("orc_cluster: reusing the Ray cluster already started; it is not shut down at the end")
-        yield dict(ray.cluster_resources())
+        resources = dict(ray.cluster_resources())
+        reusing("Ray cluster", resources, n)
+        yield resources
         return
     session = orc.init(num_cpus=int(n) if float(n).is_integer() else n)
     try:
         yield dict(session.resources)
     finally:
         orc.shutdown()
+
+
+def reusing(what: str, resources: dict[str, float], n: float) -> None:
+    """Say that ``orc_cluster`` uses a session the user started (and leaves it running); warn when its CPU count is
+    not the ``n`` that ``--orc-num-cpus`` asks for."""
+    log.info("orc_cluster: reusing the %s already started; it is not shut down at the end", what)
+    cpus = resources.get("CPU", 0.0)
+    if cpus != n:
+        msg = (f"orc_cluster: reusing the {what} started before the tests, with {cpus:g} CPU(s); --orc-num-cpus={n:g} "
+               f"(or the orc_num_cpus ini option; 4 when unset) does not apply to it. Start it with {n:g} CPUs, or "
+               f"pass --orc-num-cpus={cpus:g} to say that is what you want")
+        log.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=2)
+
+
+def end_local_session(local: Any) -> None:
+    """End the in-process session ``orc_cluster`` started: close the groups on its backend (their ranks stop), forget
+    the backend, make Ray the default again. Nothing else: a Ray cluster, or groups the user made on it, stay."""
+    from orchestra import _backend, _runtime
+
+    groups = [g for g in list(_runtime._groups) if g.pool.backend is local and g.closed is None]
+    elsewhere = [g.name for g in groups if (loop := g.home_loop()) is not None and _runtime.runs_elsewhere(loop)]
+    if elsewhere:
+        raise RuntimeError(f"orc_cluster: in-process group(s) {elsewhere} live on an event loop running in another "
+                           f"thread; close them on that loop (await group.aclose()) before the session ends")
+    for g in groups:
+        g.finish_close(g.close("orchestra was shut down"))
+    try:
+        registered = _backend.by_name("local")
+    except ValueError:  # already forgotten (an orc.shutdown() in a test)
+        registered = None
+    if registered is local:
+        _backend.unregister("local")
+    if _backend.current() is local:
+        _backend.set_current(None)
 
 
 @pytest.fixture

@@ -131,6 +131,17 @@ def my_session():
 '''
 
 
+def test_orc_cluster_reuses_a_local_session_the_user_started_says_so_and_leaves_it(tmp_path):
+    """``--orc-backend=local`` with a local session the user started (1 CPU) and ``--orc-num-cpus=2``: orc_cluster
+    yields the user's session, warns naming both CPU counts, and does not end it."""
+    test = "def test_res(orc_cluster):\n    assert orc_cluster == {'CPU': 1.0}\n"
+    code, out = run_pytest(tmp_path, {"conftest.py": LOCAL_SESSION, "test_res.py": test}, "--orc-backend=local",
+                           "--orc-num-cpus=2", "-s")
+    assert code == 0, out
+    assert "USER SESSION STILL UP" in out, out
+    assert "1 CPU" in out and "--orc-num-cpus=2" in out and "orc_cluster: reusing" in out, out
+
+
 RAY_SESSION = '''
 import pytest
 import ray
@@ -145,5 +156,16 @@ def my_ray_cluster():
     print("USER RAY STILL UP")
     orc.shutdown()
 '''
+
+
+@pytest.mark.slow
+def test_orc_cluster_on_the_local_backend_leaves_a_ray_cluster_the_user_started_running(tmp_path):
+    test = ("import ray\n\n"
+            "def test_uses_local(orc_cluster):\n    assert orc_cluster == {'CPU': 2.0}\n\n"
+            "def test_ray_still_up_for_me():\n    assert ray.get(ray.put(1)) == 1\n")
+    code, out = run_pytest(tmp_path, {"conftest.py": RAY_SESSION, "test_a.py": test}, "--orc-backend=local",
+                           "--orc-num-cpus=2", "-s")
+    assert code == 0, out
+    assert "2 passed" in out and "USER RAY STILL UP" in out, out
 
 
