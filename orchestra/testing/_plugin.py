@@ -124,6 +124,20 @@ def end_local_session(local: Any) -> None:
         _backend.set_current(None)
 
 
+_MARKED_LOCAL = pytest.StashKey[Any]()
+
+
+def marked_local_backend(config: pytest.Config, resources: dict[str, float]) -> Any:
+    """The in-process backend of the groups of tests marked ``orc_backend("local")`` in a Ray session: one for the
+    session, with the session's CPUs (``resources``, what ``orc_cluster`` yields), as its Ray groups have."""
+    local = config.stash.get(_MARKED_LOCAL, None)
+    if local is None:
+        from orchestra._local import LocalBackend
+
+        local = config.stash[_MARKED_LOCAL] = LocalBackend(num_cpus=resources.get("CPU"))
+    return local
+
+
 @pytest.fixture
 def orc_sequencer(orc_cluster: dict[str, float]) -> Iterator[Any]:
     """A fresh ``orchestra.testing.Sequencer`` for this test (closed afterwards: its waiting positions fail)."""
@@ -146,9 +160,9 @@ class GroupFactory:
     """What the ``make_group`` fixture gives a test: ``await make_group(WorkerCls, *init_args, ranks=2,
     init_kwargs=None, group_name=None, **pool_kwargs)`` returns a ready ``WorkerGroup``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, backend: str | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, backend: Any = None) -> None:
         self.loop = loop
-        self.backend = backend  # the test's ``orc_backend`` marker: the backend of its pools (None: the session's)
+        self.backend = backend  # its pools' backend (a name or a Backend), by the test's marker; None: the session's
         self.made: list[_Made] = []
         self._told: dict[int, int] = {}  # per made group (by index): how many of its callback errors were reported
 
@@ -309,11 +323,18 @@ if pytest_asyncio is not None:
         """``group = await make_group(WorkerCls, *init_args, ranks=2, **pool_kwargs)``: a ready WorkerGroup (pool
         ``ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.1, **pool_kwargs)``; ``init_kwargs=`` and
         ``group_name=`` pass through). After the test every group it made is closed; the test fails if calls were
-        left in flight, failed unawaited, or an ``on_death`` callback raised, and its teardown fails if orchestra tasks, actors or pools outlive the close. A test marked
-        ``@pytest.mark.orc_backend("local")`` gets in-process groups whatever the session's backend."""
+        left in flight, failed unawaited, or an ``on_death`` callback raised, and its teardown fails if orchestra
+        tasks, actors or pools outlive the close. A test marked ``@pytest.mark.orc_backend("local")`` gets in-process
+        groups whatever the session's backend (in a Ray session: one in-process backend for the session, with the
+        session's CPUs)."""
         loop = asyncio.get_running_loop()
         before = {t for t in asyncio.all_tasks(loop) if t.get_name().startswith("orchestra:")}
-        factory = GroupFactory(loop, marked_backend(request.node))
+        marked = marked_backend(request.node)
+        if marked == "local" and backend(request.config) == "ray":  # in process, with the session's CPUs
+            marked = marked_local_backend(request.config, orc_cluster)
+        elif marked == "local":
+            marked = None  # the session's own in-process backend
+        factory = GroupFactory(loop, marked)
         yield factory
         problems = await close_and_check(factory, before)
         raised = factory.new_callback_errors()  # raised after the test body (or a body that failed: not checked)

@@ -169,3 +169,37 @@ def test_orc_cluster_on_the_local_backend_leaves_a_ray_cluster_the_user_started_
     assert "2 passed" in out and "USER RAY STILL UP" in out, out
 
 
+@pytest.mark.slow
+def test_orc_cluster_on_ray_says_when_it_reuses_a_cluster_of_another_size(tmp_path):
+    """The user's Ray cluster has 1 CPU, ``--orc-num-cpus=2``: orc_cluster uses it, warns naming both, leaves it
+    running; a test marked ``orc_backend("local")`` gets in-process groups with the session's 1 CPU."""
+    test = ('import pytest\nfrom workers import W\n\n'
+            'def test_res(orc_cluster):\n    assert orc_cluster["CPU"] == 1.0\n\n'
+            '@pytest.mark.orc_backend("local")\n'
+            'async def test_local(make_group):\n'
+            '    g = await make_group(W, ranks=1, cpus_per_worker=1)\n'
+            '    assert g.pool.backend.name == "local" and g.pool.backend.resources()["CPU"] == 1.0\n'
+            '    assert await g.add(1) == [2]\n')
+    code, out = run_pytest(tmp_path, {"conftest.py": RAY_SESSION, "workers.py": WORKERS, "test_r.py": test},
+                           "--orc-num-cpus=2", "-s")
+    assert code == 0, out
+    assert "USER RAY STILL UP" in out, out
+    assert "1 CPU" in out and "--orc-num-cpus=2" in out and "orc_cluster: reusing" in out, out
+
+
+@pytest.mark.slow
+def test_a_test_marked_local_in_a_ray_session_gets_the_sessions_cpus(tmp_path):
+    """``orc_backend("local")`` in a Ray session started by orc_cluster with ``--orc-num-cpus=N`` (N differs from
+    this machine's CPU count): the in-process groups reserve from N CPUs, as the session's Ray groups do (was: the
+    machine's CPU count)."""
+    n = (os.cpu_count() or 1) + 1
+    test = ('import pytest\nfrom workers import W\n\n'
+            '@pytest.mark.orc_backend("local")\n'
+            'async def test_local(make_group, orc_cluster):\n'
+            f'    assert orc_cluster["CPU"] == {float(n)!r}\n'
+            f'    g = await make_group(W, ranks=1, cpus_per_worker={n})\n'
+            f'    assert g.pool.backend.name == "local" and g.pool.backend.resources()["CPU"] == {float(n)!r}\n'
+            '    assert await g.add(1) == [2]\n')
+    code, out = run_pytest(tmp_path, {"workers.py": WORKERS, "test_m.py": test}, f"--orc-num-cpus={n}")
+    assert code == 0, out
+    assert "1 passed" in out, out
