@@ -49,8 +49,9 @@ class Sequencer:
     A block that raises breaks the sequence: every waiting and later position fails with ``SequencerError``
     instead of waiting forever; so does a position still waiting after ``timeout`` seconds (a bound on a broken
     test, never what decides a passing one). A wait that ends before its block runs (cancelled, timed out) gives its
-    position back: it was never entered, so it may be waited for again. Make one with ``Sequencer()`` after ``orc.init()`` (or use the
-    ``orc_sequencer`` fixture); ``close()`` breaks its sequence (its waiting positions fail; a blocking round trip).
+    position back: it was never entered, so it may be waited for again. Make one with ``Sequencer()`` after
+    ``orc.init()`` (or use the ``orc_sequencer`` fixture); ``close()`` breaks its sequence (its waiting positions
+    fail; a blocking round trip).
     Under the in-process backend (``backend="local"``, the default after ``orc.init(backend="local")``) it is a
     thread-safe object in this process instead.
     """
