@@ -159,6 +159,32 @@ def _warn_schedule_change(saved: Mapping[str, Any] | None, now: EngineConfig, wh
                 os.fspath(where), "; ".join(diff))
 
 
+_OPTIMIZER_FIELDS = ("weight_decay", "betas", "eps")
+
+
+def _hparam(value: Any) -> Any:
+    """A param-group value in a comparable, printable form (betas come back from JSON as a list)."""
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _apply_optimizer_hparams(optimizer: torch.optim.Optimizer, now: EngineConfig, where: Any, rank: int) -> None:
+    """Set the running config's AdamW hyperparameters on every param group after a load (the checkpoint's groups
+    carry the values it was written with) and say which differed: the config in effect is this engine's, as for
+    ``lr``. Rank 0 warns (once per load), the other ranks log it at DEBUG."""
+    diff: dict[str, str] = {}
+    for group in optimizer.param_groups:
+        for k in _OPTIMIZER_FIELDS:
+            want = _hparam(getattr(now, k))
+            had = _hparam(group.get(k))
+            if had != want:
+                diff.setdefault(k, f"{k}: {had!r} -> {want!r}")
+            group[k] = want
+    if diff:
+        log.log(logging.WARNING if rank == 0 else logging.DEBUG,
+                "%s was written with other optimizer hyperparameters; this engine's config applies from now on "
+                "(%s)", os.fspath(where), "; ".join(diff.values()))
+
+
 def _detect_kind(model: nn.Module) -> Literal["causal_lm", "value"]:
     name = type(model).__name__
     if name.endswith("ForCausalLM") or hasattr(model, "lm_head"):
@@ -537,7 +563,9 @@ class FSDPEngine:
 
     def load(self, directory: str | os.PathLike, *, verify: bool = True) -> None:
         """Restore model, optimizer, step (hence the LR schedule) and, with the same DP size, RNG from
-        :meth:`save`, written by any DP size. ``verify`` checks each file's size and sha256 against the index
+        :meth:`save`, written by any DP size. The running config's learning-rate schedule and AdamW weight_decay,
+        betas and eps apply after the load (the optimizer moments are the checkpoint's); rank 0 logs a WARNING naming
+        each one that differs from the checkpoint's. ``verify`` checks each file's size and sha256 against the index
         first. A missing, corrupt or mismatching checkpoint raises ``engines.checkpoint.CheckpointError``
         before the engine changes. Collective."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -550,6 +578,7 @@ class FSDPEngine:
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         self.global_step = int(state["global_step"])
         _warn_schedule_change(state.get("config"), self.config, directory, self._rank)
+        _apply_optimizer_hparams(self.optimizer, self.config, directory, self._rank)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 
