@@ -19,7 +19,10 @@ independent of ``micro_batch_size`` and of the DP size, for token- and sequence-
 The reported ``loss`` and every loss_fn metric are the same weighted means, except that a metric named in the
 loss object's ``metric_scales`` (``{name: "tokens" | "sequences" | "rows"}``) is weighted by those units: a
 token-mean metric such as a clip fraction or the entropy stays the mean over the mini-batch's tokens under a
-sequence-mean loss, so it does not change with ``micro_batch_size`` either.
+sequence-mean loss, so it does not change with ``micro_batch_size`` either. Metrics are summed over the ranks by
+name: the ranks agree on the union of the names first, and a metric that a micro-batch (or a whole rank) does not
+report contributes 0 there, so ``loss_fn`` may report a metric for some data only (its value is then the weighted
+sum over the micro-batches that report it, divided by the mini-batch's units).
 
 Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches so that every
 rank issues the same FSDP collectives (a batch need not split evenly over ranks).
@@ -516,11 +519,7 @@ class FSDPEngine:
             self.global_step += 1
         self.optimizer.zero_grad(set_to_none=True)
 
-        keys = sorted(metric_sums)
-        vec = torch.tensor([metric_sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        if self._world > 1 and keys:
-            dist.all_reduce(vec)
-        result = dict(zip(keys, vec.tolist()))
+        result = self._sum_by_name(metric_sums)
         result.update(
             grad_norm=grad_norm_f,
             lr=lr,
@@ -531,6 +530,19 @@ class FSDPEngine:
             skipped=float(skipped),
         )
         return result
+
+    def _sum_by_name(self, sums: Mapping[str, float]) -> dict[str, float]:
+        """Sum each named value over the ranks (collective). The ranks first agree on the union of their names
+        (``all_gather_object``); a name a rank lacks counts as 0 there, so values are never added across names."""
+        keys = sorted(sums)
+        if self._world > 1:
+            gathered: list[Any] = [None] * self._world
+            dist.all_gather_object(gathered, keys)
+            keys = sorted(set().union(*gathered))
+        vec = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self.device)
+        if self._world > 1 and keys:
+            dist.all_reduce(vec)
+        return dict(zip(keys, vec.tolist()))
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
