@@ -25,7 +25,8 @@ report contributes 0 there, so ``loss_fn`` may report a metric for some data onl
 sum over the micro-batches that report it, divided by the mini-batch's units).
 
 Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches so that every
-rank issues the same FSDP collectives (a batch need not split evenly over ranks).
+rank issues the same FSDP collectives (a batch need not split evenly over ranks); a rank with no rows at all
+(a global mini-batch whose rows other ranks hold) runs them on one filler row.
 """
 
 from __future__ import annotations
@@ -230,6 +231,14 @@ def _units_of(scale: str, response_mask: torch.Tensor, ranges: list[tuple[int, i
     if scale == "rows":
         return [float(e - s) for s, e in ranges]
     raise ValueError(f"train_step: {what} must be one of {', '.join(LOSS_SCALES)}, got {scale!r}")
+
+
+def _filler_row(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One fully attended row of token id 0, shaped like ``data``'s model inputs: what a rank that holds no rows of
+    a step runs its zero-weighted dummy micro-batches on (a model cannot run a forward on zero rows)."""
+    input_ids, _, R = model_inputs(data, "train_step")
+    ids = torch.zeros((1, input_ids.shape[1]), dtype=input_ids.dtype, device=input_ids.device)
+    return {"input_ids": ids, "responses": ids[:, -R:], "attention_mask": torch.ones_like(ids)}
 
 
 class FSDPEngine:
@@ -437,7 +446,8 @@ class FSDPEngine:
         lr: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this rank's rows (collective: all ranks call it); ``lr`` replaces the
-        schedule's rate for this step (a warm start's own rate).
+        schedule's rate for this step (a warm start's own rate). A rank may pass zero rows (its columns shaped
+        ``[0, ...]``) when another rank holds the step's rows: it still enters every collective.
 
         ``loss_fn(outputs, micro_batch)`` gets ``outputs`` with ``log_probs`` [b, R] and ``entropy``
         [b, R] (causal LM; entropy if ``with_entropy``) or ``values`` [b, R] (value model), with
@@ -449,9 +459,7 @@ class FSDPEngine:
         """
         self._check_ready("train_step")
         cfg = self.config
-        rows = batch_rows(batch)
-        if rows < 1:
-            raise ValueError(f"train_step: empty batch on rank {self._rank}; every rank needs at least one row")
+        rows = batch_rows(batch)  # may be 0: a rank that holds none of a global mini-batch's rows still takes part
         data = tensor_dict(batch, self.device)
         if "response_mask" not in data:
             raise KeyError(f"train_step: batch needs 'response_mask' [B, R] (got keys {sorted(data)})")
@@ -474,6 +482,9 @@ class FSDPEngine:
         weights_by_scale = {loss_scale: (units, total_units),
                             **{sc: (scale_units[sc], t) for sc, t in zip(scales, scale_totals)}}
         n_global = int(n_local.item())
+        if total_rows == 0:
+            raise ValueError("train_step: the batch has no rows on any rank; pass at least one row (a rank may hold "
+                             "none as long as another rank holds some)")
 
         self.model.train()
         if lr is None:
@@ -488,8 +499,10 @@ class FSDPEngine:
             if cfg.accumulate_without_sync and self._world > 1:
                 self.model.set_requires_gradient_sync(i == n_global - 1)
             real = i < len(ranges)
-            s, e = ranges[i] if real else ranges[0]
-            mb = slice_rows(data, s, e)
+            if real or ranges:
+                mb = slice_rows(data, *(ranges[i] if real else ranges[0]))
+            else:  # this rank holds no rows: its dummy micro-batches run on one filler row
+                mb = _filler_row(data)
             outputs = self._forward(mb, temperature, with_entropy and self.model_kind == "causal_lm")
             if not real:  # keep collectives in step with ranks that have more micro-batches
                 dummy = sum(v.sum() for v in outputs.values()) * 0.0

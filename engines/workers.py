@@ -81,23 +81,43 @@ def _rows_of(batch: Batch, what: str) -> None:
         raise ValueError(f"{what}: this rank got an empty shard; pass at least as many rows as the data-parallel size")
 
 
-def _global_min_rows(engine: FSDPEngine, rows: int) -> int:
-    """The smallest shard over the DP ranks (collective), so that every rank takes the same error path."""
+def _balanced_sizes(n: int, parts: int) -> list[int]:
+    """Row counts of ``Batch.chunk(parts)`` on ``n`` rows: sizes differ by at most one, larger first."""
+    q, r = divmod(n, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str) -> list[Batch]:
+    """This rank's rows of each global mini-batch: mini-batch i is the i-th balanced slice (``Batch.chunk``) of the
+    update's rows in global order, whatever the DP size. Rank r holds the r-th contiguous block of those rows (as
+    ``dispatch.shard`` gives them), so its part of mini-batch i may be some rows, all of them or none (collective
+    when ``mini_batches > 1`` on several ranks: the ranks exchange their row counts)."""
     import torch.distributed as dist
 
-    t = torch.tensor([rows], dtype=torch.int64, device=engine.device)
-    if engine.dp_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def _mini_batches(batch: Batch, mini_batches: int, min_rows: int, what: str) -> list[Batch]:
     if mini_batches < 1:
         raise ValueError(f"{what}: mini_batches must be >= 1, got {mini_batches}")
-    if min_rows < mini_batches:
-        raise ValueError(f"{what}: a rank has {min_rows} rows, fewer than mini_batches={mini_batches}; lower "
-                         f"mini_batches or pass more rows (every rank needs a row per mini-batch)")
-    return batch.chunk(mini_batches)
+    if mini_batches == 1:
+        return [batch]
+    counts = torch.tensor([len(batch)], dtype=torch.int64, device=engine.device)
+    if engine.dp_size > 1:
+        gathered = [torch.zeros_like(counts) for _ in range(engine.dp_size)]
+        dist.all_gather(gathered, counts)
+        sizes = [int(t.item()) for t in gathered]
+    else:
+        sizes = [len(batch)]
+    total = sum(sizes)
+    if total < mini_batches:
+        raise ValueError(f"{what}: the update has {total} rows over {engine.dp_size} data-parallel rank(s), fewer "
+                         f"than mini_batches={mini_batches}; lower mini_batches or pass more rows (every mini-batch "
+                         f"needs a row)")
+    start = sum(sizes[: engine.dp_rank])
+    stop = start + len(batch)
+    local, lo = [], 0
+    for size in _balanced_sizes(total, mini_batches):
+        hi = lo + size
+        local.append(max(0, min(hi, stop) - max(lo, start)))
+        lo = hi
+    return batch.split(local)
 
 
 def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,
@@ -108,9 +128,7 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     if not callable(loss_fn):
         raise TypeError(f"{what}: loss_fn must be a callable loss_fn(outputs, micro_batch) -> (loss, metrics), "
                         f"got {type(loss_fn).__name__}")
-    # one mini-batch fits any non-empty shard (the host rejects empty ones), so only split calls need the all-reduce
-    min_rows = len(batch) if mini_batches == 1 else _global_min_rows(engine, len(batch))
-    pieces = _mini_batches(batch, mini_batches, min_rows, what)
+    pieces = _mini_batches(engine, batch, mini_batches, what)
     steps: list[dict[str, float]] = []
     seconds: list[float] = []
     for _ in range(ppo_epochs):
