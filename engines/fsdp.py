@@ -233,6 +233,18 @@ def _units_of(scale: str, response_mask: torch.Tensor, ranges: list[tuple[int, i
     raise ValueError(f"train_step: {what} must be one of {', '.join(LOSS_SCALES)}, got {scale!r}")
 
 
+def _check_temperature(temperature: float, what: str) -> None:
+    """Logits are divided by ``temperature``: refuse 0 (NaN log-probs), a negative value (the inverted
+    distribution) and a non-finite one, with the same message in every entry point."""
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        t = math.nan
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"{what}: temperature must be a finite number > 0, got {temperature!r}; pass the sampling "
+                         f"temperature the responses were generated with (1.0 for greedy)")
+
+
 def _filler_row(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One fully attended row of token id 0, shaped like ``data``'s model inputs: what a rank that holds no rows of
     a step runs its zero-weighted dummy micro-batches on (a model cannot run a forward on zero rows)."""
@@ -389,8 +401,7 @@ class FSDPEngine:
     @torch.no_grad()
     def _inference(self, batch: Mapping[str, Any], temperature: float, with_entropy: bool, what: str) -> TensorDict:
         self._check_ready(what)
-        if temperature <= 0:
-            raise ValueError(f"{what}: temperature must be > 0, got {temperature}")
+        _check_temperature(temperature, what)
         rows = batch_rows(batch)
         if rows < 1:
             raise ValueError(f"{what}: empty batch on rank {self._rank}; every rank needs at least one row")
@@ -417,7 +428,8 @@ class FSDPEngine:
     ) -> TensorDict:
         """Log-probs [B, R] (and entropy [B, R]) of the response tokens, in micro-batches.
 
-        Logits are divided by ``temperature`` first; logits at position t score token t+1.
+        Logits are divided by ``temperature`` first (a finite number > 0, as in ``train_step``); logits at
+        position t score token t+1.
         Positions where ``response_mask`` is 0 are returned as 0 when the batch has that key.
         Collective: every rank must call it (with at least one row).
         """
@@ -453,11 +465,13 @@ class FSDPEngine:
         [b, R] (causal LM; entropy if ``with_entropy``) or ``values`` [b, R] (value model), with
         gradients, and ``micro_batch``: every tensor of the batch sliced to the micro-batch, on
         the engine's device. It returns (mean loss over the micro-batch's units, metrics). See
-        the module docstring for the weighting. Returns global metrics: loss, the loss_fn
+        the module docstring for the weighting. ``temperature`` (a finite number > 0, else ValueError, as in
+        ``compute_log_prob``) divides the logits. Returns global metrics: loss, the loss_fn
         metrics, grad_norm (before clipping), lr, tokens, rows, micro_batches, step, skipped
         (1.0 when the gradient was not finite and the update was skipped).
         """
         self._check_ready("train_step")
+        _check_temperature(temperature, "train_step")
         cfg = self.config
         rows = batch_rows(batch)  # may be 0: a rank that holds none of a global mini-batch's rows still takes part
         data = tensor_dict(batch, self.device)
