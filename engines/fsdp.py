@@ -71,7 +71,9 @@ LOSS_SCALES = ("tokens", "sequences", "rows")
 class EngineConfig:
     """Optimisation and execution options of an :class:`FSDPEngine`.
 
-    lr / weight_decay / betas / eps: AdamW (weight decay applies to every parameter).
+    lr / weight_decay / betas / eps: AdamW (weight decay applies to every parameter); lr finite > 0, weight_decay
+        >= 0, each beta in [0, 1), eps finite > 0 (``__post_init__`` raises a ValueError naming the field otherwise,
+        as for min_lr_ratio outside [0, 1], total_steps < 1 and a NaN grad_clip).
     lr_schedule: "constant" or "cosine" (to ``min_lr_ratio * lr`` at ``total_steps``), both
         after a linear warmup of ``warmup_steps`` (step s uses ``lr * (s + 1) / warmup_steps``).
     schedule_start: optimizer steps taken before the schedule starts (a warm start's, each given its own
@@ -113,20 +115,46 @@ class EngineConfig:
     device: str | None = None
 
     def __post_init__(self) -> None:
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"EngineConfig.{field} must be {rule}, got {getattr(self, field)!r}")
+
+        def number(x: Any) -> bool:
+            try:
+                return not isinstance(x, bool) and math.isfinite(float(x))
+            except (TypeError, ValueError):
+                return False
+
         if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
-        if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
-            raise ValueError("lr_schedule='cosine' needs total_steps > 0 (the step where lr reaches min_lr_ratio*lr)")
-        if self.loss_scale not in LOSS_SCALES:
-            raise ValueError(f"loss_scale must be one of {', '.join(LOSS_SCALES)}, got {self.loss_scale!r}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
-            raise ValueError(f"forward_micro_batch_size must be >= 1 or None, got {self.forward_micro_batch_size}")
+            raise bad("lr_schedule", "'constant' or 'cosine'")
+        if not (number(self.lr) and self.lr > 0):
+            raise bad("lr", "a finite number > 0")
+        if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
+            raise bad("min_lr_ratio", "in [0, 1] (the end of the cosine schedule as a fraction of lr)")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise bad("total_steps", ">= 1 or None")
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("EngineConfig: lr_schedule='cosine' needs total_steps > 0 (the step where lr reaches "
+                             "min_lr_ratio*lr)")
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise bad("warmup_steps", ">= 0")
         if self.schedule_start < 0:
-            raise ValueError(f"schedule_start must be >= 0, got {self.schedule_start}")
+            raise bad("schedule_start", ">= 0")
+        if not (number(self.weight_decay) and self.weight_decay >= 0):
+            raise bad("weight_decay", "a finite number >= 0")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(number(b) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise bad("betas", "two numbers in [0, 1) (AdamW's beta1, beta2)")
+        if not (number(self.eps) and self.eps > 0):
+            raise bad("eps", "a finite number > 0")
+        clip = self.grad_clip
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or math.isnan(clip)):
+            raise bad("grad_clip", "a number (<= 0 or None: no clipping)")
+        if self.loss_scale not in LOSS_SCALES:
+            raise bad("loss_scale", f"one of {', '.join(LOSS_SCALES)}")
+        if self.micro_batch_size < 1:
+            raise bad("micro_batch_size", ">= 1")
+        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
+            raise bad("forward_micro_batch_size", ">= 1 or None")
 
 
 def lr_factor(config: EngineConfig, step: int) -> float:
@@ -503,6 +531,9 @@ class FSDPEngine:
         self.model.train()
         if lr is None:
             lr = self.lr
+            if not (math.isfinite(lr) and lr >= 0):  # EngineConfig's checks make this unreachable; never step with it
+                raise ValueError(f"train_step: the LR schedule gives lr={lr} at step {self.global_step}; check "
+                                 f"EngineConfig.lr and min_lr_ratio (config: {self.config})")
         elif not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"train_step: lr must be a finite number > 0, got {lr}")
         for group in self.optimizer.param_groups:
