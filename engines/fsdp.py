@@ -496,7 +496,9 @@ class FSDPEngine:
         the module docstring for the weighting. ``temperature`` (a finite number > 0, else ValueError, as in
         ``compute_log_prob``) divides the logits. Returns global metrics: loss, the loss_fn
         metrics, grad_norm (before clipping), lr, tokens, rows, micro_batches, step, skipped
-        (1.0 when the gradient was not finite and the update was skipped).
+        (1.0 when the gradient was not finite and the update was skipped). A batch with no response token on any
+        rank is not trained on: no forward, no optimizer step (no momentum or weight decay), the schedule does not
+        advance; it returns loss 0, grad_norm 0, skipped 1 (no loss_fn metrics) and rank 0 logs a warning.
         """
         self._check_ready("train_step")
         _check_temperature(temperature, "train_step")
@@ -536,6 +538,13 @@ class FSDPEngine:
                                  f"EngineConfig.lr and min_lr_ratio (config: {self.config})")
         elif not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"train_step: lr must be a finite number > 0, got {lr}")
+        if total_tokens == 0:  # every rank knows it from the all-reduce: all return here, no collective is left
+            log.log(logging.WARNING if self._rank == 0 else logging.DEBUG,
+                    "train_step: the batch has no response token on any rank (response_mask is 0 everywhere in "
+                    "%d rows); nothing to train on, so the optimizer step is skipped (skipped=1: no update, no "
+                    "momentum or weight decay, the LR schedule stays at step %d)", int(total_rows), self.global_step)
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": lr, "tokens": 0.0, "rows": total_rows,
+                    "micro_batches": total_micro, "step": float(self.global_step), "skipped": 1.0}
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)

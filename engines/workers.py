@@ -137,7 +137,7 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
             steps.append(engine.train_step(mb.tensors, loss_fn, **train_kw))
             seconds.append(time.perf_counter() - t0)
     out: dict[str, float] = {}
-    for k in steps[0]:
+    for k in dict.fromkeys(k for s in steps for k in s):  # a skipped step may lack the loss_fn metrics
         vals = [s[k] for s in steps if k in s]
         out[f"{prefix}/{k}"] = vals[-1] if k in ("step", "lr") else float(statistics.fmean(vals))
     out[f"{prefix}/tokens"] = float(sum(s.get("tokens", 0.0) for s in steps))

@@ -25,6 +25,13 @@ def data_dependent_metric_loss(outputs, mb):
 data_dependent_metric_loss.loss_scale = "tokens"
 
 
+def masked_token_mean_loss(outputs, mb):
+    """``-adv * logp`` averaged over the response tokens, 0 (not 0/0) for a micro-batch without one, as the
+    pipelines' losses (``masked_mean``) give it."""
+    m = mb["response_mask"].float()
+    return -(mb["advantages"] * outputs["log_probs"] * m).sum() / m.sum().clamp(min=1.0), {}
+
+
 def rows_with_response_length(n: int, length: int, R: int = 8, P: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
     """``n`` rows whose responses all have ``length`` tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -43,3 +50,22 @@ def metric_keys_worker(rank: int, world: int) -> dict[str, Any]:
     eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=4), model_kind="causal_lm")
     batch = rows_with_response_length(2, 8 if rank == 0 else 2, seed=rank)
     return eng.train_step(batch, data_dependent_metric_loss)
+
+
+def token_less_step_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    """Two train_steps after a normal one: first with no response token on any rank, then with none on rank 0
+    only. Per step: its metrics, and whether the weights moved."""
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+
+    eng = FSDPEngine(model_factory(0), EngineConfig(lr=1e-2, weight_decay=0.1, micro_batch_size=2))
+    batch = make_batch(B=3, seed=rank)
+    eng.train_step(batch, masked_token_mean_loss)
+    masked = {**batch, "response_mask": torch.zeros_like(batch["response_mask"])}
+    out = []
+    for b in (masked, masked if rank == 0 else batch):
+        before = eng.full_state_dict(rank0_only=False)
+        m = eng.train_step(b, masked_token_mean_loss)
+        after = eng.full_state_dict(rank0_only=False)
+        out.append({"metrics": m, "moved": any(not torch.equal(before[k], after[k]) for k in before)})
+    return out
