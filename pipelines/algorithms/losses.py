@@ -33,6 +33,12 @@ def _log_ratio(log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor) 
     return d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
+def _zero_masked(x: Tensor, response_mask: Tensor) -> Tensor:
+    """``x`` with masked positions set to 0 by ``where`` *before* any arithmetic, so a NaN / inf there reaches
+    neither the value nor the gradient (``0 * nan`` in a product's backward would)."""
+    return torch.where(response_mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _weighted(loss_mat: Tensor, token_weights: Tensor | None) -> Tensor:
     """``loss_mat * token_weights`` (weights detached), or ``loss_mat`` when there are none."""
     if token_weights is None:
@@ -151,7 +157,9 @@ def gmpo_loss(
     ``l_t`` is clipped.
     """
     log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
-    adv = advantages.detach()
+    # the advantage multiplies the sequence's geometric mean, which every token's gradient flows through: zero it
+    # at masked positions first (a masked NaN would make the whole row's gradient NaN)
+    adv = _zero_masked(advantages.detach().expand_as(log_ratio), response_mask)
     bounded = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
     pessimistic = torch.where(adv >= 0, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
     geo = torch.exp(masked_mean(pessimistic, response_mask, dim=-1))  # [B], gradient through the kept tokens
@@ -228,11 +236,13 @@ def value_loss(
     makes the gradient ``V - G``.  Metric ``vf_clipfrac``: tokens where the clipped term is larger,
     i.e. the clip is active.
     """
-    target = returns.detach()
+    # masked positions zeroed before the arithmetic: a NaN / inf return or value there reaches no gradient
+    values = _zero_masked(values, response_mask)
+    target = _zero_masked(returns.detach(), response_mask)
     loss_mat = (values - target).square()
     clip_active = torch.zeros_like(loss_mat, dtype=torch.bool)
     if clip_range is not None:
-        old = old_values.detach()
+        old = _zero_masked(old_values.detach(), response_mask)
         v_clipped = old + (values - old).clamp(-clip_range, clip_range)
         clipped = (v_clipped - target).square()
         clip_active = clipped > loss_mat
