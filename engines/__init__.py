@@ -7,7 +7,8 @@ Data convention shared by every engine. A batch is any ``Mapping[str, torch.Tens
 - ``responses`` [B, R] int64, RIGHT-padded
 - ``input_ids`` = cat(prompts, responses) [B, P+R]
 - ``attention_mask`` [B, P+R] (1 = real token)
-- ``response_mask`` [B, R] (1 = real response token, the eos token included)
+- ``response_mask`` [B, R] (1 = real response token, the eos token included; 0/1 or bool only: the FSDP engine
+  refuses other values, e.g. a 0.5 "weight", with a ValueError)
 
 Position ids are derived inside the engines from ``attention_mask`` (cumsum - 1, clipped at 0).
 Engines return TensorDicts with batch size [B] on CPU.

@@ -37,7 +37,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -273,6 +273,35 @@ def _check_temperature(temperature: float, what: str) -> None:
                          f"temperature the responses were generated with (1.0 for greedy)")
 
 
+class _Problem(NamedTuple):
+    """Why a rank refuses its batch: the exception type and message it raises (the other ranks raise too)."""
+
+    error: type[Exception]
+    message: str
+
+
+def _mask_problem(mask: torch.Tensor, what: str, rank: int) -> _Problem | None:
+    """``response_mask`` must hold only 0 and 1: the engine multiplies its outputs by it and counts its sum as
+    tokens, while the losses count ``mask.bool()``; any other value would scale one and not the other."""
+    if mask.dtype == torch.bool:
+        return None
+    bad = (mask != 0) & (mask != 1)
+    if not bool(bad.any()):
+        return None
+    values = sorted({float(v) for v in mask[bad].unique()[:5].tolist()}, key=str)
+    return _Problem(ValueError, f"{what}: response_mask must hold only 0 and 1 (1: a response token), but rank "
+                                f"{rank}'s holds {values} at {int(bad.sum())} position(s); pass a 0/1 (or bool) mask "
+                                f"and put token weights into the loss")
+
+
+def _train_batch_problem(data: Mapping[str, torch.Tensor], rank: int) -> _Problem | None:
+    """What is wrong with a rank's train_step batch, before anything is computed from it (None: nothing)."""
+    if "response_mask" not in data:
+        return _Problem(KeyError, f"train_step: batch needs 'response_mask' [B, R] (rank {rank} got keys "
+                                  f"{sorted(data)})")
+    return _mask_problem(data["response_mask"], "train_step", rank)
+
+
 def _filler_row(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One fully attended row of token id 0, shaped like ``data``'s model inputs: what a rank that holds no rows of
     a step runs its zero-weighted dummy micro-batches on (a model cannot run a forward on zero rows)."""
@@ -420,11 +449,23 @@ class FSDPEngine:
     def _micro_ranges(self, rows: int, size: int) -> list[tuple[int, int]]:
         return [(s, min(s + size, rows)) for s in range(0, rows, size)]
 
-    def _global_micro_count(self, local: int) -> int:
-        t = torch.tensor([local], dtype=torch.int64, device=self.device)
+    def _global_micro_count(self, local: int, problem: _Problem | None, what: str) -> int:
+        """The most micro-batches any rank has (collective); raises on every rank if any rank's batch was
+        refused (``problem``: this rank's reason, or None)."""
+        t = torch.tensor([local, 0 if problem is None else self._rank + 1], dtype=torch.int64, device=self.device)
         if self._world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        self._raise_refused(problem, int(t[1].item()), what)
+        return int(t[0].item())
+
+    def _raise_refused(self, problem: _Problem | None, refused: int, what: str) -> None:
+        """After the ranks exchanged ``refused`` (the highest refused rank + 1, 0 if none): raise this rank's own
+        error, or one naming the refusing rank, so that no rank goes on alone into a collective."""
+        if problem is not None:
+            raise problem.error(problem.message)
+        if refused:
+            raise ValueError(f"{what}: rank {refused - 1} refused its batch (its error says why); this rank's batch "
+                             f"is fine, but no rank computed anything")
 
     @torch.no_grad()
     def _inference(self, batch: Mapping[str, Any], temperature: float, with_entropy: bool, what: str) -> TensorDict:
@@ -438,7 +479,8 @@ class FSDPEngine:
         self.model.eval()
         size = self.config.forward_micro_batch_size or self.config.micro_batch_size
         ranges = self._micro_ranges(rows, size)
-        n_global = self._global_micro_count(len(ranges))
+        problem = _mask_problem(data["response_mask"], what, self._rank) if "response_mask" in data else None
+        n_global = self._global_micro_count(len(ranges), problem, what)
         parts: list[dict[str, torch.Tensor]] = []
         for i in range(n_global):
             s, e = ranges[i] if i < len(ranges) else ranges[0]
@@ -458,7 +500,8 @@ class FSDPEngine:
 
         Logits are divided by ``temperature`` first (a finite number > 0, as in ``train_step``); logits at
         position t score token t+1.
-        Positions where ``response_mask`` is 0 are returned as 0 when the batch has that key.
+        Positions where ``response_mask`` is 0 are returned as 0 when the batch has that key (a 0/1 or bool
+        mask: other values raise a ValueError on every rank).
         Collective: every rank must call it (with at least one row).
         """
         if self.model_kind != "causal_lm":
@@ -505,27 +548,32 @@ class FSDPEngine:
         cfg = self.config
         rows = batch_rows(batch)  # may be 0: a rank that holds none of a global mini-batch's rows still takes part
         data = tensor_dict(batch, self.device)
-        if "response_mask" not in data:
-            raise KeyError(f"train_step: batch needs 'response_mask' [B, R] (got keys {sorted(data)})")
-        ranges = self._micro_ranges(rows, cfg.micro_batch_size)
-        tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]
         loss_scale = getattr(loss_fn, "loss_scale", None) or cfg.loss_scale
-        units = _micro_units(loss_fn, cfg.loss_scale, data["response_mask"], ranges, tok)
         # a metric is weighted by the units it is a mean over: the loss's, or those loss_fn.metric_scales names
         metric_scales: dict[str, str] = dict(getattr(loss_fn, "metric_scales", None) or {})
         scales = sorted({*metric_scales.values()} - {loss_scale})
-        scale_units = {sc: _units_of(sc, data["response_mask"], ranges, tok, "a value of loss_fn.metric_scales")
-                       for sc in scales}
+        # a refused batch still enters the two all-reduces below (with zero counts), so that every rank raises
+        problem = _train_batch_problem(data, self._rank)
+        if problem is None:
+            ranges = self._micro_ranges(rows, cfg.micro_batch_size)
+            tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]
+            units = _micro_units(loss_fn, cfg.loss_scale, data["response_mask"], ranges, tok)
+            scale_units = {sc: _units_of(sc, data["response_mask"], ranges, tok, "a value of loss_fn.metric_scales")
+                           for sc in scales}
+        else:
+            ranges, tok, units, scale_units = [], [], [], {sc: [] for sc in scales}
         counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges)),
                                *[sum(scale_units[sc]) for sc in scales]], dtype=torch.float64, device=self.device)
-        n_local = torch.tensor([len(ranges)], dtype=torch.int64, device=self.device)
+        n_local = torch.tensor([len(ranges), 0 if problem is None else self._rank + 1], dtype=torch.int64,
+                               device=self.device)
         if self._world > 1:
             dist.all_reduce(counts)
             dist.all_reduce(n_local, op=dist.ReduceOp.MAX)
+        self._raise_refused(problem, int(n_local[1].item()), "train_step")
         total_units, total_tokens, total_rows, total_micro, *scale_totals = counts.tolist()
         weights_by_scale = {loss_scale: (units, total_units),
                             **{sc: (scale_units[sc], t) for sc, t in zip(scales, scale_totals)}}
-        n_global = int(n_local.item())
+        n_global = int(n_local[0].item())
         if total_rows == 0:
             raise ValueError("train_step: the batch has no rows on any rank; pass at least one row (a rank may hold "
                              "none as long as another rank holds some)")

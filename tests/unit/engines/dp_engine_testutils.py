@@ -69,3 +69,24 @@ def token_less_step_worker(rank: int, world: int) -> list[dict[str, Any]]:
         after = eng.full_state_dict(rank0_only=False)
         out.append({"metrics": m, "moved": any(not torch.equal(before[k], after[k]) for k in before)})
     return out
+
+
+def bad_mask_on_one_rank_worker(rank: int, world: int) -> dict[str, str]:
+    """Rank 1's response_mask holds 0.5s, rank 0's is fine: train_step and compute_log_prob must raise on *every*
+    rank (a rank that raised alone would leave the others waiting in a collective). The messages, per call."""
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    batch = make_batch(B=3, seed=rank)
+    if rank == 1:
+        batch["response_mask"] = batch["response_mask"] * 0.5
+    out = {}
+    for name, call in (("compute_log_prob", lambda: eng.compute_log_prob(batch)),
+                       ("train_step", lambda: eng.train_step(batch, masked_token_mean_loss))):
+        try:
+            call()
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
