@@ -458,6 +458,22 @@ class FSDPEngine:
         self._raise_refused(problem, int(t[1].item()), what)
         return int(t[0].item())
 
+    def _check_outputs_for(self, loss_fn: LossFn, with_entropy: bool) -> None:
+        """``loss_fn.required_outputs`` (optional) names the outputs it reads: refuse, before any collective, a
+        call that will not compute one of them (the same on every rank: the arguments are the same)."""
+        produced = {"log_probs", "entropy"} if with_entropy else {"log_probs"}
+        if self.model_kind == "value":
+            produced = {"values"}
+        for name in getattr(loss_fn, "required_outputs", None) or ():
+            if name in produced:
+                continue
+            if name == "entropy" and self.model_kind == "causal_lm":
+                hint = "pass with_entropy=True (or drop the loss's entropy term)"
+            else:
+                hint = f"this {self.model_kind} engine computes only {sorted(produced)}"
+            raise ValueError(f"train_step: {type(loss_fn).__name__} needs the engine output {name!r}, which this call "
+                             f"does not compute; {hint}")
+
     def _raise_refused(self, problem: _Problem | None, refused: int, what: str) -> None:
         """After the ranks exchanged ``refused`` (the highest refused rank + 1, 0 if none): raise this rank's own
         error, or one naming the refusing rank, so that no rank goes on alone into a collective."""
@@ -534,7 +550,8 @@ class FSDPEngine:
 
         ``loss_fn(outputs, micro_batch)`` gets ``outputs`` with ``log_probs`` [b, R] and ``entropy``
         [b, R] (causal LM; entropy if ``with_entropy``) or ``values`` [b, R] (value model), with
-        gradients, and ``micro_batch``: every tensor of the batch sliced to the micro-batch, on
+        gradients (a ``loss_fn.required_outputs`` tuple, if present, is checked first: a ValueError names what to
+        pass), and ``micro_batch``: every tensor of the batch sliced to the micro-batch, on
         the engine's device. It returns (mean loss over the micro-batch's units, metrics). See
         the module docstring for the weighting. ``temperature`` (a finite number > 0, else ValueError, as in
         ``compute_log_prob``) divides the logits. Returns global metrics: loss, the loss_fn
@@ -545,6 +562,7 @@ class FSDPEngine:
         """
         self._check_ready("train_step")
         _check_temperature(temperature, "train_step")
+        self._check_outputs_for(loss_fn, with_entropy)
         cfg = self.config
         rows = batch_rows(batch)  # may be 0: a rank that holds none of a global mini-batch's rows still takes part
         data = tensor_dict(batch, self.device)

@@ -91,7 +91,11 @@ class PolicyLoss:
                                                     clip_ratio_high=self.clip_ratio_high, agg=self.agg,
                                                     token_weights=weights, **extra)
         metrics = {"pg_loss": loss.detach(), **metrics, **tis_metrics}
-        if self.entropy_coef and "entropy" in outputs:
+        if self.entropy_coef:
+            if "entropy" not in outputs:
+                raise ValueError(f"PolicyLoss: entropy_coef={self.entropy_coef} needs outputs['entropy'] (the policy's "
+                                 f"per-token entropy), which the engine did not compute: call train_step(..., "
+                                 f"with_entropy=True), or set entropy_coef=0")
             loss = loss + entropy_bonus(outputs["entropy"], mask, self.entropy_coef, agg=self.agg)
         if "entropy" in outputs:
             metrics["entropy"] = masked_mean(outputs["entropy"].detach(), mask)
@@ -105,6 +109,11 @@ class PolicyLoss:
     def loss_scale(self) -> str:
         """The units the loss is a mean over, for the engine's micro-batch weighting."""
         return agg_units(self.agg)
+
+    @property
+    def required_outputs(self) -> tuple[str, ...]:
+        """The engine outputs this loss reads (the engine checks them before it computes anything)."""
+        return ("log_probs", "entropy") if self.entropy_coef else ("log_probs",)
 
     # the metrics that are means over other units than the loss (engines.fsdp weights each by its own units)
     metric_scales: ClassVar[dict[str, str]] = {
@@ -132,6 +141,7 @@ class ValueLoss:
         return agg_units(self.agg)
 
     metric_scales: ClassVar[dict[str, str]] = {"vf_clipfrac": "tokens"}  # a mean over tokens in every mode
+    required_outputs: ClassVar[tuple[str, ...]] = ("values",)  # the engine outputs this loss reads
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,7 @@ class SFTLoss:
     """Negative log-likelihood of the response tokens (used for the format warm start)."""
 
     agg: str = "token-mean"
+    required_outputs: ClassVar[tuple[str, ...]] = ("log_probs",)  # the engine outputs this loss reads
 
     def __call__(self, outputs: Mapping[str, Tensor], mb: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         loss = aggregate(-outputs["log_probs"], mb["response_mask"], self.agg)
