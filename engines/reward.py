@@ -238,7 +238,8 @@ class RuleRewardEngine:
         return [self.tokenizer.decode(r[m].tolist()) for r, m in zip(responses, mask)]
 
     def score(self, batch: Mapping[str, Any], ground_truths: Sequence[str]) -> TensorDict:
-        """``scores`` [B] (float32) and ``token_level_scores`` [B, R] (score at the last response token)."""
+        """``scores`` [B] (float32) and ``token_level_scores`` [B, R] (score at the last valid response token:
+        the last position where response_mask is 1, holes allowed)."""
         texts = self.decode_responses(batch)
         scores = torch.tensor(self.fn(texts, ground_truths, **self.kw), dtype=torch.float32)
         bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
@@ -257,10 +258,14 @@ class RuleRewardEngine:
 
 
 def _place_at_last(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.long().sum(-1) - 1).clamp(min=0)
+    """Each row's score on its last valid response token (the last position where ``response_mask`` is set, so a
+    mask with holes works, as in ``pipelines.algorithms.outcome_to_token_scores``) -> ``[B, R]`` float32 on CPU;
+    a row without a valid token gets all zeros."""
+    keep = response_mask.bool().cpu()
+    last = keep.shape[-1] - 1 - keep.flip(-1).to(torch.int8).argmax(-1)
+    out = torch.zeros(keep.shape, dtype=torch.float32)
     out[torch.arange(len(scores)), last] = scores.float().cpu()
-    return out
+    return torch.where(keep, out, torch.zeros_like(out))
 
 
 class RewardModelEngine:
@@ -294,8 +299,8 @@ class RewardModelEngine:
 
     @torch.no_grad()
     def score(self, batch: Mapping[str, Any]) -> TensorDict:
-        """``scores`` [B] and ``token_level_scores`` [B, R] (the score placed at the last response
-        token) for a batch with input_ids (or prompts+responses) and attention_mask."""
+        """``scores`` [B] and ``token_level_scores`` [B, R] (the score placed at the last valid response
+        token, where response_mask is last 1) for a batch with input_ids (or prompts+responses) and attention_mask."""
         rows = batch_rows(batch)
         data = tensor_dict(batch, self.device, ["prompts", "responses", "input_ids", "attention_mask", "response_mask"])
         if "input_ids" not in data:
