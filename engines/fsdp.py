@@ -74,7 +74,8 @@ class EngineConfig:
     lr / weight_decay / betas / eps: AdamW (weight decay applies to every parameter); lr finite > 0, weight_decay
         >= 0, each beta in [0, 1), eps finite > 0 (``__post_init__`` raises a ValueError naming the field otherwise,
         as for min_lr_ratio outside [0, 1], total_steps < 1 and a NaN grad_clip).
-    lr_schedule: "constant" or "cosine" (to ``min_lr_ratio * lr`` at ``total_steps``), both
+    lr_schedule: "constant" or "cosine" (to ``min_lr_ratio * lr`` at step index ``total_steps``: one past the
+        last of ``total_steps`` steps, which runs slightly above it), both
         after a linear warmup of ``warmup_steps`` (step s uses ``lr * (s + 1) / warmup_steps``).
     schedule_start: optimizer steps taken before the schedule starts (a warm start's, each given its own
         ``lr`` in ``train_step``): step ``schedule_start`` is the schedule's step 0.

@@ -175,7 +175,8 @@ class RolloutConfig(_Model):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the sampling (32 bits, as runner.seed)")
 
 
-_SCHEDULE = "After warmup: constant, or cosine decay to min_lr_ratio x lr at the last optimizer step"
+_SCHEDULE = ("After warmup: constant, or cosine decay toward min_lr_ratio x lr, reached one step after the last "
+             "optimizer step of the run (the last step runs slightly above it)")
 
 
 class ActorConfig(_Model):
@@ -185,7 +186,7 @@ class ActorConfig(_Model):
     lr: Float = Field(2e-3, gt=0, description="Peak learning rate of the policy's AdamW optimizer")
     warmup_steps: int = Field(5, ge=0, description="Linear warmup of the learning rate, in optimizer steps")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description=_SCHEDULE)
-    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="End of the cosine schedule, as a fraction of lr")
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="Where the cosine schedule ends, as a fraction of lr")
     beta2: Float = Field(0.999, gt=0, lt=1, description="AdamW second-moment decay (beta1 is 0.9)")
     weight_decay: Float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     grad_clip: Float | None = Field(1.0, gt=0, description="Max global gradient norm; null: no clipping")
@@ -210,7 +211,7 @@ class CriticConfig(_Model):
     lr: Float = Field(1e-3, gt=0, description="Peak learning rate of the critic's AdamW optimizer")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup of the learning rate, in critic optimizer steps")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description=_SCHEDULE)
-    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="End of the cosine schedule, as a fraction of lr")
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1, description="Where the cosine schedule ends, as a fraction of lr")
     beta2: Float = Field(0.999, gt=0, lt=1, description="AdamW second-moment decay (beta1 is 0.9)")
     weight_decay: Float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     grad_clip: Float | None = Field(1.0, gt=0, description="Max global gradient norm; null: no clipping")
