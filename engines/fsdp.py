@@ -295,12 +295,66 @@ def _mask_problem(mask: torch.Tensor, what: str, rank: int) -> _Problem | None:
                                 f"and put token weights into the loss")
 
 
-def _train_batch_problem(data: Mapping[str, torch.Tensor], rank: int) -> _Problem | None:
-    """What is wrong with a rank's train_step batch, before anything is computed from it (None: nothing)."""
+COLUMN_SHAPES = ("tokens", "rows|tokens")
+"""Shapes a loss may declare for a column in ``required_columns``: ``[rows, response_len]``, or that or ``[rows]``."""
+
+
+def _shape_text(kind: str, rows: int, R: int) -> str:
+    tokens = f"[rows, response_len] = {(rows, R)}"
+    return tokens if kind == "tokens" else f"[rows] = {(rows,)} or {tokens}"
+
+
+def _train_batch_problem(batch: Mapping[str, Any], data: Mapping[str, torch.Tensor], rows: int, loss_fn: LossFn,
+                         rank: int) -> _Problem | None:
+    """What is wrong with a rank's train_step batch, before anything is computed from it (None: nothing): the model
+    inputs, ``response_mask`` (shape ``[rows, response_len]``, 0/1 values) and each column ``loss_fn`` declares in
+    ``required_columns`` (``{name: (shape kind, what to pass)}``, optional): present, floating point, of its
+    shape. ``batch`` is the caller's mapping (``data`` drops tensors whose first dimension is not ``rows``)."""
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        v = batch.get(name) if hasattr(batch, "get") else None
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    if "responses" not in data or data["responses"].dim() != 2:
+        had = shape_of("responses")
+        return _Problem(KeyError if had is None else ValueError,
+                        f"train_step: batch needs 'responses' [rows, response_len] (rank {rank} got "
+                        + (f"keys {sorted(data)})" if had is None else f"shape {had} for {rows} rows)"))
+    R = data["responses"].shape[1]
+    try:
+        model_inputs(data, "train_step")
+    except (KeyError, ValueError) as e:
+        return _Problem(type(e), f"{e.args[0] if e.args else e} (rank {rank})")
     if "response_mask" not in data:
-        return _Problem(KeyError, f"train_step: batch needs 'response_mask' [B, R] (rank {rank} got keys "
-                                  f"{sorted(data)})")
-    return _mask_problem(data["response_mask"], "train_step", rank)
+        return _Problem(KeyError, f"train_step: batch needs 'response_mask' [rows, response_len] (rank {rank} got "
+                                  f"keys {sorted(data)})")
+    if tuple(data["response_mask"].shape) != (rows, R):
+        return _Problem(ValueError, f"train_step: column 'response_mask' has shape {tuple(data['response_mask'].shape)} "
+                                    f"on rank {rank}; it must be {_shape_text('tokens', rows, R)} (response_len: the "
+                                    f"width of 'responses')")
+    problem = _mask_problem(data["response_mask"], "train_step", rank)
+    if problem is not None:
+        return problem
+    who = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
+    for name, (kind, purpose) in (getattr(loss_fn, "required_columns", None) or {}).items():
+        if kind not in COLUMN_SHAPES:
+            raise ValueError(f"train_step: {who}.required_columns[{name!r}] must be one of {COLUMN_SHAPES}, got {kind!r}")
+        expected = _shape_text(kind, rows, R)
+        if name not in data:
+            had = shape_of(name)
+            if had is None:
+                return _Problem(KeyError, f"train_step: {who} needs column {name!r} {expected} ({purpose}), but rank "
+                                          f"{rank}'s batch has none (it has {sorted(data)})")
+            return _Problem(ValueError, f"train_step: column {name!r} has shape {had} on rank {rank}; {who} needs "
+                                        f"{expected}")
+        v = data[name]
+        allowed = [(rows, R)] if kind == "tokens" else [(rows,), (rows, R)]
+        if tuple(v.shape) not in allowed:
+            return _Problem(ValueError, f"train_step: column {name!r} has shape {tuple(v.shape)} on rank {rank}; "
+                                        f"{who} needs {expected}")
+        if not v.is_floating_point():
+            return _Problem(ValueError, f"train_step: column {name!r} has dtype {v.dtype} on rank {rank}; {who} "
+                                        f"needs a floating-point tensor ({purpose}); cast it with .float()")
+    return None
 
 
 def _filler_row(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -552,7 +606,10 @@ class FSDPEngine:
         ``loss_fn(outputs, micro_batch)`` gets ``outputs`` with ``log_probs`` [b, R] and ``entropy``
         [b, R] (causal LM; entropy if ``with_entropy``) or ``values`` [b, R] (value model), with
         gradients (a ``loss_fn.required_outputs`` tuple, if present, is checked first: a ValueError names what to
-        pass), and ``micro_batch``: every tensor of the batch sliced to the micro-batch, on
+        pass; so are the model inputs, ``response_mask`` [rows, response_len] of 0/1, and every column in
+        ``loss_fn.required_columns`` (``{name: ("tokens" | "rows|tokens", what to pass)}``): missing, misshapen or
+        non-float columns raise a KeyError / ValueError naming the column, its shape and the expected one, on
+        every rank), and ``micro_batch``: every tensor of the batch sliced to the micro-batch, on
         the engine's device. It returns (mean loss over the micro-batch's units, metrics). See
         the module docstring for the weighting. ``temperature`` (a finite number > 0, else ValueError, as in
         ``compute_log_prob``) divides the logits. Returns global metrics: loss, the loss_fn
@@ -572,7 +629,7 @@ class FSDPEngine:
         metric_scales: dict[str, str] = dict(getattr(loss_fn, "metric_scales", None) or {})
         scales = sorted({*metric_scales.values()} - {loss_scale})
         # a refused batch still enters the two all-reduces below (with zero counts), so that every rank raises
-        problem = _train_batch_problem(data, self._rank)
+        problem = _train_batch_problem(batch, data, rows, loss_fn, self._rank)
         if problem is None:
             ranges = self._micro_ranges(rows, cfg.micro_batch_size)
             tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]

@@ -115,6 +115,21 @@ class PolicyLoss:
         """The engine outputs this loss reads (the engine checks them before it computes anything)."""
         return ("log_probs", "entropy") if self.entropy_coef else ("log_probs",)
 
+    @property
+    def required_columns(self) -> dict[str, tuple[str, str]]:
+        """The batch columns this loss reads: ``{name: (shape, what to pass)}``, shape ``"tokens"`` ([rows,
+        response_len]) or ``"rows|tokens"``; the engine checks them before it computes anything."""
+        cols = {"old_log_probs": ("tokens", "the policy's log-probs of the responses before this update: "
+                                            "ActorRolloutRefWorker.compute_log_prob"),
+                "advantages": ("rows|tokens", "per-sequence or per-token advantages")}
+        if self.kl_coef:
+            cols["ref_log_probs"] = ("tokens", f"kl_coef={self.kl_coef} needs the reference model's log-probs: "
+                                               f"compute_ref_log_prob, or set kl_coef=0")
+        if self.rollout_is_cap is not None:
+            cols["rollout_log_probs"] = ("tokens", f"rollout_is_cap={self.rollout_is_cap} needs the rollout engine's "
+                                                   f"log-probs (generate returns them), or set rollout_is_cap=None")
+        return cols
+
     # the metrics that are means over other units than the loss (engines.fsdp weights each by its own units)
     metric_scales: ClassVar[dict[str, str]] = {
         "entropy": "tokens", "clipfrac": "tokens", "clipfrac_dual": "tokens", "approx_kl": "tokens",
@@ -142,6 +157,10 @@ class ValueLoss:
 
     metric_scales: ClassVar[dict[str, str]] = {"vf_clipfrac": "tokens"}  # a mean over tokens in every mode
     required_outputs: ClassVar[tuple[str, ...]] = ("values",)  # the engine outputs this loss reads
+    # the batch columns it reads (see PolicyLoss.required_columns)
+    required_columns: ClassVar[dict[str, tuple[str, str]]] = {
+        "values": ("tokens", "the critic's values when the advantages were computed: CriticWorker.compute_values"),
+        "returns": ("tokens", "the value targets, e.g. GAE returns")}
 
 
 @dataclass(frozen=True)
