@@ -122,7 +122,8 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
 
 def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,
            what: str, **train_kw: Any) -> dict[str, float]:
-    """``ppo_epochs`` passes over ``mini_batches`` mini-batches, one optimizer step each; metrics averaged."""
+    """``ppo_epochs`` passes over ``mini_batches`` global mini-batches (``_mini_batches``: the same rows whatever
+    the DP size), one optimizer step each; metrics averaged over the steps."""
     if ppo_epochs < 1:
         raise ValueError(f"{what}: ppo_epochs must be >= 1, got {ppo_epochs}")
     if not callable(loss_fn):
