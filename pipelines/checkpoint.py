@@ -10,7 +10,9 @@ Layout under ``<output_dir>/checkpoints``::
 A checkpoint is written into a ``step_XXXXXX.tmp-<random>`` directory; when every file is there,
 ``manifest.json`` (relative path, size and sha256 of every other file) is written last, the directory is renamed
 into place and ``latest`` is replaced atomically (temporary file + rename). A crash at any point leaves
-``latest`` naming the previous complete checkpoint. Before anything is loaded the manifest is checked; a
+``latest`` naming the previous complete checkpoint. A checkpoint is committed only with every engine role's weights
+in it (``roles``: the index and every shard it lists), so a worker that wrote elsewhere fails the save instead of
+committing a checkpoint without weights. Before anything is loaded the manifest is checked; a
 checkpoint that fails (missing or changed file, truncated JSON) is reported with a warning naming the file and
 the previous good one is used. Only directories named like ours are ever pruned or removed.
 """
@@ -22,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,8 @@ from engines.checkpoint_io import (CheckpointError, read_json, read_regular_file
                                    write_json_atomic)
 
 __all__ = ["LATEST", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
-           "prepare_output_dir", "prune", "read_json", "stage", "verify", "write_json_atomic", "write_manifest"]
+           "prepare_output_dir", "prune", "read_json", "resolve_output_dir", "stage", "verify", "write_json_atomic",
+           "write_manifest"]
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -37,6 +41,8 @@ MANIFEST_FORMAT = "orchestra.checkpoint-manifest/1"
 _STEP = re.compile(r"^step_(\d{6,})$")
 _STAGED = re.compile(r"^(step_\d{6,})\.(tmp|old)-[0-9a-f]{8}$")
 _LATEST_TMP = re.compile(r"^latest\.tmp-[0-9a-f]{8}$")
+ENGINE_INDEX = "index.json"  # what an engine role's save writes last (engines.checkpoint): it lists the shard files
+ENGINE_STATE = "engine_state.json"
 
 log = logging.getLogger("orchestra")
 
@@ -50,9 +56,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path) -> dict[str, Any]:
-    """Hash every file under ``directory`` (flushing each to disk) and write ``manifest.json``; returns it."""
+def resolve_output_dir(path: str | os.PathLike[str]) -> Path:
+    """``runner.output_dir`` as the absolute path every process must write to: ``~`` expanded, a relative path taken
+    from this (the driver's) working directory. Workers on Ray run in a copy of it, so they get only absolute paths."""
+    return Path(os.path.expanduser(os.fspath(path))).absolute()
+
+
+def _role_files(directory: Path, role: str) -> list[str]:
+    """The files engine role ``role`` (a directory relative to the checkpoint, e.g. ``actor/actor``) must hold: its
+    index, its engine state and every file the index lists, as paths relative to ``directory``. A role whose index
+    is missing or lists no files is a :class:`CheckpointError`."""
+    where = directory / role / ENGINE_INDEX
+    if not where.is_file():
+        raise CheckpointError(f"checkpoint {directory.name}: role {role!r} wrote no weights: {where} is missing, so "
+                              f"its workers wrote their shards somewhere else (a path resolved in another working "
+                              f"directory?); nothing was committed")
+    index = read_json(where)
+    listed = index.get("files") if isinstance(index, dict) else None
+    if not isinstance(listed, dict) or not listed or not all(isinstance(n, str) and n for n in listed):
+        raise CheckpointError(f"checkpoint {directory.name}: {where} lists no shard files; role {role!r} saved no "
+                              f"weights, nothing was committed")
+    return [f"{role}/{ENGINE_INDEX}", f"{role}/{ENGINE_STATE}", *(f"{role}/{name}" for name in sorted(listed))]
+
+
+def _check_roles(directory: Path, roles: list[str], present: set[str], what: str) -> None:
+    """Every file of every role in ``roles`` is in ``present`` (paths relative to ``directory``)."""
+    for role in roles:
+        missing = [rel for rel in _role_files(directory, role) if rel not in present]
+        if missing:
+            raise CheckpointError(f"checkpoint {directory.name}: role {role!r} is incomplete: {_short(missing)} "
+                                  f"{'is' if len(missing) == 1 else 'are'} not {what}")
+
+
+def write_manifest(directory: Path, roles: Sequence[str] = ()) -> dict[str, Any]:
+    """Hash every file under ``directory`` (flushing each to disk) and write ``manifest.json``; returns it.
+    ``roles``: engine checkpoint directories (relative, e.g. ``actor/actor``) that must each hold their index and
+    every shard it lists, else :class:`CheckpointError` and no manifest; they are recorded in the manifest."""
     directory = Path(directory)
+    roles = [str(r) for r in roles]
     files = []
     for root, dirs, names in os.walk(directory):
         dirs.sort()
@@ -66,7 +107,8 @@ def write_manifest(directory: Path) -> dict[str, Any]:
             size, digest = sha256_file(p, sync=True)
             files.append({"path": rel, "bytes": size, "sha256": digest})
         _fsync_dir(Path(root))
-    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    _check_roles(directory, roles, {f["path"] for f in files}, "in the checkpoint")
+    manifest = {"format": MANIFEST_FORMAT, "files": files, "roles": roles}
     write_json_atomic(directory / MANIFEST, manifest, indent=1)
     return manifest
 
@@ -78,7 +120,8 @@ def _short(v: Any, n: int = 120) -> str:
 
 
 def verify(directory: Path) -> dict[str, Any]:
-    """Check ``directory`` against its manifest: every listed file present, same size, same sha256.
+    """Check ``directory`` against its manifest: every listed file present, same size, same sha256, and every
+    engine role it records (``roles``) with its index and each shard that index lists among them.
 
     Raises :class:`CheckpointError` naming the first file that is missing, changed or truncated (or the
     manifest itself when it is missing or not valid JSON). Returns the manifest.
@@ -105,6 +148,11 @@ def verify(directory: Path) -> dict[str, Any]:
         if not regular:
             raise CheckpointError(f"{p} is missing (listed in {mpath}); the checkpoint is incomplete")
         verify_file(p, entry, "the manifest")
+    roles = manifest.get("roles", [])  # absent in manifests written before roles were recorded
+    if not isinstance(roles, list) or not all(isinstance(r, str) and r and not r.startswith("/")
+                                                   and ".." not in Path(r).parts for r in roles):
+        raise CheckpointError(f"{mpath}: 'roles' is {_short(roles)}, not a list of role directories")
+    _check_roles(directory, roles, {e["path"] for e in manifest["files"]}, f"listed in {mpath}")
     return manifest
 
 
@@ -149,16 +197,18 @@ def _write_latest(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
-def commit(staged: Path, *, keep: int) -> Path:
+def commit(staged: Path, *, keep: int, roles: Sequence[str] = ()) -> Path:
     """Finish a staged checkpoint: manifest, rename into place, point ``latest`` at it, prune to the newest
-    ``keep`` (0 keeps all) and remove unfinished ones left by crashes. Returns the committed directory."""
+    ``keep`` (0 keeps all) and remove unfinished ones left by crashes. Returns the committed directory.
+    ``roles``: the engine checkpoint directories that must be complete (see :func:`write_manifest`); if one is not,
+    :class:`CheckpointError` and nothing is committed."""
     staged = Path(staged)
     m = _STAGED.match(staged.name)
     if m is None or m.group(2) != "tmp":
         raise ValueError(f"{staged} is not a staged checkpoint directory (made by stage())")
     root = staged.parent
     final = root / m.group(1)
-    write_manifest(staged)
+    write_manifest(staged, roles)
     aside = None
     if final.exists():  # left by an earlier run past the step we resumed from: replaced, never mixed
         aside = root / f"{final.name}.old-{secrets.token_hex(4)}"

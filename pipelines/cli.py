@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 __all__ = ["main"]
 
@@ -56,11 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
-    from .checkpoint import CheckpointError, prepare_output_dir
+    from .checkpoint import CheckpointError, prepare_output_dir, resolve_output_dir
+    from .config import replace
     from .health import TrainingDivergedError
 
+    out = resolve_output_dir(cfg.runner.output_dir)  # once, here: workers are given absolute paths only
+    cfg = replace(cfg, runner=replace(cfg.runner, output_dir=str(out)))
     try:  # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
-        resume_from = prepare_output_dir(Path(cfg.runner.output_dir), resume=args.resume, overwrite=args.overwrite)
+        resume_from = prepare_output_dir(out, resume=args.resume, overwrite=args.overwrite)
         from .runner import run
 
         history = run(cfg, resume_from=resume_from, progress=not args.no_progress)

@@ -34,7 +34,7 @@ from orchestra import Batch, DataFuture
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .cluster import Cluster, build_cluster, wait_for_capacity
-from .config import Config, config_to_dict
+from .config import Config, config_to_dict, replace
 from .dapo import dapo_step
 from .data import PromptSampler
 from .grpo import grpo_step
@@ -91,10 +91,14 @@ class Runner:
         """``resume``: continue from the newest good checkpoint in ``runner.output_dir``; ``overwrite``: start over
         in an output_dir that holds checkpoints (without it such a run is refused); ``resume_from``: a checkpoint
         directory already chosen and verified by ``pipelines.checkpoint.prepare_output_dir`` (implies resume)."""
+        # runner.output_dir resolved once, here in the driver: every path a worker is given is absolute (a worker on
+        # Ray runs in a copy of the driver's directory, where a relative path names another place)
+        self.out = ckpt.resolve_output_dir(cfg.runner.output_dir)
+        if cfg.runner.output_dir != str(self.out):
+            cfg = replace(cfg, runner=replace(cfg.runner, output_dir=str(self.out)))
         self.cfg, self.overwrite, self.progress = cfg, overwrite, progress
         self.resume = resume or resume_from is not None
         self._resume_from: Path | None = resume_from
-        self.out = Path(cfg.runner.output_dir)
         self.step_fn = STEPS[cfg.algorithm.name]
         self.task: TaskSpec = get_task(cfg)
         self.tok = self.task.tokenizer()
@@ -477,12 +481,14 @@ class Runner:
         manifest (``pipelines.checkpoint``), so ``latest`` always names a complete checkpoint. ``pending``: the next
         step's rollout, already launched (``max_staleness=1``); its prompts were drawn before this checkpoint, so
         the sampler state they were drawn from is kept too, and a resume draws them again."""
-        d = ckpt.stage(self.out / "checkpoints", step)
+        d = ckpt.stage(self.out / "checkpoints", step)  # absolute: self.out is
         c = self.cluster
+        roles = ["actor/actor"]  # the engine checkpoints commit refuses to go without (each worker's save writes one)
         try:
             await c.actor.save(str(d / "actor"))
             if c.critic is not None:
                 await c.critic.save(str(d / "critic"))
+                roles.append("critic/critic")
             if c.split:
                 await c.rollout.save(str(d / "rollout"))
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
@@ -495,7 +501,11 @@ class Runner:
         except BaseException:
             ckpt.abort(d)
             raise
-        final = await asyncio.to_thread(ckpt.commit, d, keep=self.cfg.runner.keep_checkpoints)
+        try:
+            final = await asyncio.to_thread(ckpt.commit, d, keep=self.cfg.runner.keep_checkpoints, roles=roles)
+        except CheckpointError:  # a role's weights are not there: refused before anything was renamed
+            ckpt.abort(d)
+            raise
         self._state_time[step] = time.time()
         return final
 

@@ -5,13 +5,14 @@ import json
 
 import pytest
 
+from fake_engine_ckpt import write_engine_checkpoint
 from pipelines.config import load_config
 from pipelines.runner import Runner
 
 
 class _FakeActor:
     async def save(self, directory):
-        return directory
+        return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
 
     async def load(self, directory, verify=True):
         return 0

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 import pipelines.runner as runner_mod
+from fake_engine_ckpt import write_engine_checkpoint
 from pipelines import checkpoint as ckpt
 from pipelines.config import config_to_dict, load_config
 from pipelines.runner import Runner, _warn_config_changes
@@ -15,7 +16,7 @@ from pipelines.runner import Runner, _warn_config_changes
 
 class _FakeActor:
     async def save(self, directory):
-        return directory
+        return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
 
     async def load(self, directory, verify=True):
         return 0
