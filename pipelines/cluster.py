@@ -12,13 +12,13 @@ from typing import Any
 
 from orchestra import ResourcePool, WorkerGroup
 
-from .config import ActorConfig, Config, CriticConfig
+from .config import ActorConfig, Config, ConfigError, CriticConfig, model_dir, model_positions, read_model_config
 from .join import join
 from .taskspec import TaskSpec
 from .advantage_worker import AdvantageWorker
 
-__all__ = ["Cluster", "build_cluster", "capacity_problems", "engine_config", "model_overrides", "optimizer_steps",
-           "wait_for_capacity"]
+__all__ = ["Cluster", "build_cluster", "capacity_problems", "check_model_fits", "engine_config", "model_overrides",
+           "optimizer_steps", "wait_for_capacity"]
 
 log = logging.getLogger("orchestra")
 
@@ -30,6 +30,39 @@ def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
             "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads or max(1, m.num_heads // 2),
             "intermediate_size": m.intermediate_size or 2 * m.hidden_size, "max_position_embeddings": m.max_seq_len,
             "tie_word_embeddings": m.tie_embeddings}
+
+
+def check_model_fits(cfg: Config, task: TaskSpec) -> None:
+    """The model takes the task's tokens, before any worker starts: its vocabulary covers the task tokenizer's ids
+    (an id past the embedding fails inside the workers), and with ``model.path`` the longest prompt plus
+    ``rollout.max_new_tokens`` fits its positions (the tiny model's ``model.max_seq_len`` is checked by the task).
+    Raises :class:`ConfigError` naming the key to change."""
+    tok = task.tokenizer()
+    m = cfg.model
+    if m.path is None:
+        return
+    hf = read_model_config(m.path)
+    vocab = hf.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < tok.vocab_size:
+        raise ConfigError(
+            f"model.path: {m.path} has vocab_size {vocab!r} in its config.json; the task's tokenizer has "
+            f"{tok.vocab_size} token ids, all of which the model must embed: use a model over the task's tokenizer",
+            "model.path")
+    positions = model_positions(hf)
+    longest = 0
+    for i, r in enumerate(task.records):
+        try:
+            longest = max(longest, len(tok.encode(r["prompt"], add_bos=True)))
+        except ValueError as e:  # a character the task's tokenizer does not know: the rollout would fail on it
+            where = f"data.train_path ({cfg.data.train_path})" if cfg.data.train_path else f"task {cfg.task.name!r}"
+            raise ConfigError(f"{where}: prompt {i} cannot be tokenized by the task's tokenizer ({e})",
+                              "data.train_path" if cfg.data.train_path else "task.name") from None
+    if longest + cfg.rollout.max_new_tokens > positions:
+        raise ConfigError(
+            f"rollout.max_new_tokens: bad value {cfg.rollout.max_new_tokens}; the task's longest prompt is {longest} "
+            f"tokens (bos included), and model.path's config.json has max_position_embeddings {positions}: lower "
+            f"rollout.max_new_tokens to {positions - longest} or less (or shorten the prompts)",
+            "rollout.max_new_tokens")
 
 
 def engine_config(cfg: Config, section: ActorConfig | CriticConfig, total_steps: int, seed: int,
@@ -147,7 +180,10 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
 
     r = cfg.resources
     tok = task.tokenizer()
-    model = model_overrides(cfg, tok.vocab_size)
+    # model.path: every role loads that directory, given as an absolute path (workers on Ray run in a copy of the
+    # driver's working directory); else the tiny random Qwen2 from the model section's knobs
+    path = None if cfg.model.path is None else str(model_dir(cfg.model.path))
+    model = None if path is not None else model_overrides(cfg, tok.vocab_size)
     total = optimizer_steps(cfg, cfg.actor)
     seed = cfg.runner.seed
     sampling = SamplingParams(n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -155,13 +191,13 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
     use_gpu = r.device == "cuda"
     actor_pool = ResourcePool(process_on_nodes=[r.actor_workers], use_gpu=use_gpu, name="actor", backend=r.backend)
     actor_engine = engine_config(cfg, cfg.actor, total, seed, schedule_start=task.warm_start_steps)
-    actor_init = dict(model=model, seed=seed, engine=actor_engine, sampling=sampling, tokenizer=tok,
+    actor_init = dict(model=model, model_path=path, seed=seed, engine=actor_engine, sampling=sampling, tokenizer=tok,
                       with_ref=cfg.algorithm.kl_coef > 0)
     roles: dict[str, type] = {"actor": ActorRolloutRefWorker}
     init: dict[str, dict] = {"actor": actor_init}
     if cfg.algorithm.name == "ppo":
         roles["critic"] = CriticWorker
-        init["critic"] = dict(model=model, seed=seed + 1,
+        init["critic"] = dict(model=model, model_path=path, seed=seed + 1,
                               engine=engine_config(cfg, cfg.critic, optimizer_steps(cfg, cfg.critic), seed + 1))
     views = WorkerGroup.colocate(actor_pool, roles, group_name="actor", **init)
     pools = [actor_pool]
@@ -171,8 +207,8 @@ def build_cluster(cfg: Config, task: TaskSpec) -> Cluster:
 
         rollout_pool = ResourcePool(process_on_nodes=[r.rollout_workers], use_gpu=use_gpu, name="rollout",
                                     backend=r.backend)
-        rollout = WorkerGroup(rollout_pool, RolloutWorker, model=model, seed=seed, sampling=sampling, tokenizer=tok,
-                              group_name="rollout")
+        rollout = WorkerGroup(rollout_pool, RolloutWorker, model=model, model_path=path, seed=seed, sampling=sampling,
+                              tokenizer=tok, group_name="rollout")
         pools.append(rollout_pool)
     reward_pool = ResourcePool(process_on_nodes=[r.reward_workers], name="reward", backend=r.backend)
     reward_views = WorkerGroup.colocate(reward_pool, {"reward": RewardWorker, "advantage": AdvantageWorker},

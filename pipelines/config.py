@@ -137,8 +137,9 @@ class ModelConfig(_Model):
     """The policy (and critic / reference) model."""
 
     _section = "model"
-    path: str | None = Field(None, description="HF checkpoint dir or name; null: a tiny random Qwen2 from the knobs "
-                             "below (the only model the runner builds today)")
+    path: str | None = Field(None, description="Local Hugging Face model directory (config.json + weights) that the "
+                             "actor, reference, rollout and critic load; its vocabulary must cover the task's "
+                             "tokenizer. null: a tiny random Qwen2 from the knobs below (which a path replaces)")
     vocab_size: int | None = Field(None, ge=1, description="Vocabulary of the tiny model; null: the task tokenizer's")
     hidden_size: int = Field(64, ge=1, description="Hidden width of the tiny model (a multiple of num_heads)")
     num_layers: int = Field(2, ge=1, description="Decoder layers of the tiny model")
@@ -147,8 +148,9 @@ class ModelConfig(_Model):
     intermediate_size: int | None = Field(None, ge=1, description="MLP width of the tiny model; null: 2 x hidden_size")
     tie_embeddings: bool = Field(False, description="Share the input embedding and the output projection weights")
     max_seq_len: int = Field(64, ge=2, description="Positions of the tiny model: prompt + response tokens")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight dtype (not read by the "
-                                                             "runner yet: engines keep float32, bf16 autocast on GPU)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight dtype; only float32: the "
+                                                             "engines train float32 master weights (bf16 mixed "
+                                                             "precision on CUDA comes with resources.device=cuda)")
 
 
 class DataConfig(_Model):
@@ -412,6 +414,7 @@ class Config(_Model):
                 raise ConfigError(
                     f"{name}.mini_batches: bad value {section.mini_batches}; a step has only {rows} rows "
                     "(data.prompts_per_step * rollout.n)", f"{name}.mini_batches")
+        self._check_model()
         if self.model.path is None:
             if self.model.hidden_size % self.model.num_heads:
                 raise ConfigError(
@@ -429,6 +432,83 @@ class Config(_Model):
                 f"resources.rollout_workers: bad value {self.resources.rollout_workers}; with placement "
                 f"'colocated' rollout runs in the actor processes, so it must equal "
                 f"resources.actor_workers ({self.resources.actor_workers})", "resources.rollout_workers")
+
+
+    def _check_model(self) -> None:
+        """``model.dtype`` is one the engines train in; with ``model.path``: a Hugging Face model directory, no
+        tiny-model knob set next to it, and ``rollout.max_new_tokens`` below its positions."""
+        m = self.model
+        if m.dtype != "float32":
+            raise ConfigError(
+                f"model.dtype: bad value {m.dtype!r}; the engines train float32 master weights (bf16 mixed precision "
+                "on CUDA comes with resources.device=cuda, and the rollout copy follows it): use float32 or remove "
+                "model.dtype", "model.dtype")
+        if m.path is None:
+            return
+        for name in _TINY_MODEL_KNOBS:
+            info = ModelConfig.model_fields[name]
+            if getattr(m, name) != info.get_default(call_default_factory=True):
+                raise ConfigError(
+                    f"model.{name}: bad value {getattr(m, name)!r}; it is a knob of the tiny random model, and "
+                    f"model.path ({m.path}) loads a model whose config.json decides it: remove model.{name} (or set "
+                    f"model.path to null)", f"model.{name}")
+        positions = model_positions(read_model_config(m.path))
+        if self.rollout.max_new_tokens >= positions:
+            raise ConfigError(
+                f"rollout.max_new_tokens: bad value {self.rollout.max_new_tokens}; must be below the "
+                f"max_position_embeddings ({positions}) of model.path's config.json ({m.path}) to leave room for the "
+                "prompt", "rollout.max_new_tokens")
+
+
+# the ModelConfig fields that describe the tiny random model: a model.path's config.json decides them instead
+_TINY_MODEL_KNOBS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "tie_embeddings", "max_seq_len")
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def model_dir(path: str) -> Path:
+    """``model.path`` as the absolute directory the workers load (``~`` expanded, relative to this working
+    directory: workers on Ray run in a copy of it)."""
+    return Path(path).expanduser().absolute()
+
+
+def read_model_config(path: str) -> dict[str, Any]:
+    """The ``config.json`` of the Hugging Face model directory ``path`` (``model.path``), checked to be one: the
+    directory exists and holds ``config.json`` (a JSON object) and weights; else :class:`ConfigError`."""
+    d = model_dir(path)
+    fix = ("set model.path to a local Hugging Face model directory (config.json plus model.safetensors, as "
+           "save_pretrained writes it), or null for the tiny random model")
+    if not d.exists():
+        raise ConfigError(f"model.path: {d} does not exist; {fix}", "model.path")
+    if not d.is_dir():
+        raise ConfigError(f"model.path: {d} is not a directory; {fix}", "model.path")
+    cfg_file = d / "config.json"
+    try:
+        data = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"model.path: {d} has no config.json, so it is not a Hugging Face model directory; {fix}",
+                          "model.path") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"model.path: {cfg_file} cannot be read as JSON ({e}); {fix}", "model.path") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.path: {cfg_file} holds a {type(data).__name__}, not a model config; {fix}",
+                          "model.path")
+    if not any((d / name).is_file() for name in _HF_WEIGHTS):
+        raise ConfigError(f"model.path: {d} has a config.json but no weights (none of {', '.join(_HF_WEIGHTS)}); "
+                          f"{fix}", "model.path")
+    return data
+
+
+def model_positions(model_config: Mapping[str, Any]) -> int:
+    """The positions (prompt + response tokens) of a model from its ``config.json``: ``max_position_embeddings``
+    (``n_positions`` for GPT-2-style configs); :class:`ConfigError` when it has neither."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = model_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise ConfigError("model.path: its config.json has no max_position_embeddings (or n_positions), so the prompt "
+                      "and response lengths cannot be checked against the model; use a model whose config.json "
+                      "states its positions", "model.path")
 
 
 def warm_start_with_kl(steps: int, kl_coef: float) -> str:

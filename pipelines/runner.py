@@ -33,7 +33,7 @@ from orchestra import Batch, DataFuture
 
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
-from .cluster import Cluster, build_cluster, wait_for_capacity
+from .cluster import Cluster, build_cluster, check_model_fits, wait_for_capacity
 from .config import Config, config_to_dict, replace
 from .dapo import dapo_step
 from .data import PromptSampler
@@ -101,6 +101,7 @@ class Runner:
         self._resume_from: Path | None = resume_from
         self.step_fn = STEPS[cfg.algorithm.name]
         self.task: TaskSpec = get_task(cfg)
+        check_model_fits(cfg, self.task)  # the model takes the task's tokens: before any worker starts
         self.tok = self.task.tokenizer()
         self.sampler = self._new_sampler()
         self.cluster: Cluster | None = None
