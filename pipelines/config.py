@@ -570,6 +570,49 @@ def config_from_dict(data: Mapping[str, Any] | None) -> Config:
     return Config(**built)
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader for config files and override values (see :func:`_load_yaml`)."""
+
+
+def _check_duplicate_keys(node: yaml.Node, path: str, where: str, unit: str) -> None:
+    """Refuse a mapping under ``node`` that gives a key twice (YAML keeps the last and drops the first's values),
+    naming the key path and both places (``unit``: ``line`` or ``column``); keys merged in with ``<<`` may be
+    overridden, as YAML intends."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                _check_duplicate_keys(value_node, path, where, unit)
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{path}.{key}" if path else str(key)
+            at = (key_node.start_mark.line if unit == "line" else key_node.start_mark.column) + 1
+            if key is not None and key in seen:
+                raise ConfigError(f"{where}: duplicate key {dotted!r} at {unit} {at} (first at {unit} {seen[key]}); "
+                                  f"YAML would keep only the last one and drop the values of the first: give it once",
+                                  dotted)
+            if key is not None:
+                seen[key] = at
+            _check_duplicate_keys(value_node, dotted, where, unit)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicate_keys(item, f"{path}[{i}]", where, unit)
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    """``text`` parsed as one YAML document (None when it has none) with :class:`_ConfigLoader`; a key given twice in
+    a mapping is a :class:`ConfigError` naming ``where`` (a file, or an override's key), the key and both places."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, "", where, "line" if "\n" in text.strip() else "column")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _parse_override(text: str, raw: dict[str, Any]) -> str:
     """Apply one ``section.key=value`` (or ``section.mapping.key=value``) to ``raw``; returns the key.
 
@@ -591,7 +634,7 @@ def _parse_override(text: str, raw: dict[str, Any]) -> str:
         path = f"{section}.{name}"
         raise ConfigError(f"{path}: has type {_describe(annotation)}, not a mapping", path)
     try:
-        value = yaml.safe_load(value_text)
+        value = _load_yaml(value_text, key.strip())
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{key}: cannot parse {value_text!r} as YAML ({problem})", key) from None
@@ -618,7 +661,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     raw: Any = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            raw = _load_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
         if not isinstance(raw, dict):
