@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -115,6 +116,10 @@ def _config_error(error: ValidationError, cls: type[_Model], data: Mapping[str, 
             get_origin(base) or base, _describe(info.annotation))
     choices = [str(c) for c in get_args(base)] if get_origin(base) is Literal else []
     hint = _suggest(value, choices) if isinstance(value, str) and choices else ""
+    plain = get_args(base)[0] if get_origin(base) is Annotated else base
+    if isinstance(value, str) and plain in (int, float) and _YAML11_NUMBER.match(value.strip()):
+        hint = (" (a number with a leading zero, like 0100, or with a colon, like 1:00, is not read as a number: "
+                "YAML 1.1 would make it octal 64 or base-60 60; write it in decimal without leading zeros)")
     return ConfigError(f"{path}: bad value {value!r} ({type(value).__name__}); expected {expected}{hint}", path)
 
 
@@ -571,7 +576,22 @@ def config_from_dict(data: Mapping[str, Any] | None) -> Config:
 
 
 class _ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader for config files and override values (see :func:`_load_yaml`)."""
+    """PyYAML's safe loader for config files and override values (see :func:`_load_yaml`), without YAML 1.1's octal
+    (``0100`` is 64) and base-60 (``1:00`` is 60) number forms: those stay strings, which a number field refuses."""
+
+
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_ConfigLoader.add_implicit_resolver(  # SafeLoader's, less the octal and the base-60 forms
+    _INT_TAG, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(
+    _FLOAT_TAG, re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+                           r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+# what YAML 1.1 reads as octal or base 60: such a string given for an int field gets a hint
+_YAML11_NUMBER = re.compile(r"^[-+]?(?:0[0-9_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
 
 
 def _check_duplicate_keys(node: yaml.Node, path: str, where: str, unit: str) -> None:
