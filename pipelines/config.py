@@ -268,7 +268,8 @@ class RunnerConfig(_Model):
     max_bad_steps: int = Field(3, ge=1, description="Stop after this many consecutive non-finite loss/grad-norm steps")
     max_staleness: int = Field(0, ge=0, le=1, description="1: step k+1's rollout overlaps step k's update")
     micro_batches_per_step: int = Field(1, ge=1, description="Stream each step through the stages in parts")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint interval, in steps; 0: no checkpoints")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint interval, in steps (the last step is "
+                                  "always checkpointed too); 0: no checkpoints")
     keep_checkpoints: int = Field(3, ge=0, description="Newest checkpoints kept in output_dir/checkpoints; 0: all")
     max_restarts: int = Field(2, ge=0, description="Restarts from the last good checkpoint on a lost worker; 0: stop")
     restart_timeout_s: Float = Field(300.0, gt=0, description="Seconds a restart waits for the pools to fit again")

@@ -402,7 +402,8 @@ class Runner:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward/mean']:.3f}", tok_s=f"{rec['perf/tokens_per_s']:.0f}")
-            if cfg.runner.checkpoint_every and (step + 1) % cfg.runner.checkpoint_every == 0:
+            every = cfg.runner.checkpoint_every
+            if every and ((step + 1) % every == 0 or step + 1 == total):  # and after the last step, always
                 await self.save(step, pending)
             if self.tracer is not None:
                 await self.tracer.collect()
