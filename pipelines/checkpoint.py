@@ -294,15 +294,37 @@ def latest_good(root: Path) -> Path:
                           + "\nrestore the files from a copy, or start over with --overwrite")
 
 
+def _check_output_dir(out: Path) -> None:
+    """``out`` is a directory, or can be made one: :class:`~pipelines.config.ConfigError` naming
+    ``runner.output_dir`` when it is a file, lies under a file, or its nearest existing parent is not writable."""
+    from .config import ConfigError
+
+    fix = "choose another runner.output_dir"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"runner.output_dir: {out} is a file, not a directory; {fix} (or move the file)",
+                          "runner.output_dir")
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"runner.output_dir: {out} cannot be made: {parent} is a file, not a directory; {fix}",
+                          "runner.output_dir")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "" if parent == out else f"cannot be made: {parent} "
+        raise ConfigError(f"runner.output_dir: {out} {what}is not writable by this user; {fix}", "runner.output_dir")
+
+
 def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | None:
     """Check ``out`` before anything starts; returns the checkpoint to resume from (None for a fresh run).
 
+    - ``out`` must be a directory or one that can be made (``ConfigError`` naming ``runner.output_dir`` otherwise).
     - ``resume``: the newest good checkpoint (:func:`latest_good`), or :class:`CheckpointError`.
     - a fresh run into a directory that holds checkpoints or a non-empty ``metrics.jsonl`` of an earlier run:
       :class:`CheckpointError` unless ``overwrite``, which removes our checkpoints (``step_*``, ``latest``,
       unfinished ones) and ``metrics.jsonl``, nothing else.
     """
     out = Path(out)
+    _check_output_dir(out)
     root = out / "checkpoints"
     metrics = out / "metrics.jsonl"
     if resume and overwrite:

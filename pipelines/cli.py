@@ -3,9 +3,12 @@
 ``orchestra train --help-config`` prints every config key with its type, default and description, and exits 0.
 
 User errors are printed as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2:
-a bad config, an output_dir that holds an earlier run, a missing or corrupt checkpoint (all found before torch or
-Ray is imported), and a checkpoint that does not fit the configured model or worker count (found when the
-workers load it). A run that stops because training diverged (``runner.max_bad_steps`` non-finite steps, or a step
+a bad config (a config file that is missing or a directory, a model.path or data.train_path that is not what it
+should be), an output_dir that is a file, lies under one or holds an earlier run, a missing or corrupt checkpoint
+(all found before torch or Ray is imported); a model that does not fit the task's tokenizer, fewer prompts than a
+step takes, resources.device=cuda with in-process workers and no GPU (found before any worker starts); pools the
+cluster cannot place when the job starts; and a checkpoint that does not fit the configured model or worker count
+(found when the workers load it). A run that stops because training diverged (``runner.max_bad_steps`` non-finite steps, or a step
 whose updates were all skipped) or because a worker died past ``runner.max_restarts`` prints
 ``orchestra train: ...`` with exit status 1. A traceback means a bug.
 """
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         config, overrides = None, [config, *overrides]
     try:
         cfg = load_config(config, overrides)
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
     from .checkpoint import CheckpointError, prepare_output_dir, resolve_output_dir

@@ -40,6 +40,11 @@ def check_model_fits(cfg: Config, task: TaskSpec) -> None:
     tok = task.tokenizer()
     m = cfg.model
     if m.path is None:
+        if m.vocab_size is not None and m.vocab_size < tok.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: bad value {m.vocab_size}; the task's tokenizer has {tok.vocab_size} token ids, "
+                f"all of which the model must embed: raise it to {tok.vocab_size} or more (or remove it: null takes "
+                "the tokenizer's)", "model.vocab_size")
         return
     hf = read_model_config(m.path)
     vocab = hf.get("vocab_size")

@@ -421,6 +421,14 @@ class Config(_Model):
                     f"{name}.mini_batches: bad value {section.mini_batches}; a step has only {rows} rows "
                     "(data.prompts_per_step * rollout.n)", f"{name}.mini_batches")
         self._check_model()
+        if self.data.train_path is not None:
+            train = Path(self.data.train_path).expanduser()
+            if not train.exists():
+                raise ConfigError(f"data.train_path: {train.absolute()} does not exist; set it to a .jsonl or .parquet "
+                                  "file of prompts with answers, or null for the task's own prompts", "data.train_path")
+            if not train.is_file():
+                raise ConfigError(f"data.train_path: {train.absolute()} is not a file; set it to a .jsonl or .parquet "
+                                  "file of prompts with answers", "data.train_path")
         if self.model.path is None:
             if self.model.hidden_size % self.model.num_heads:
                 raise ConfigError(
@@ -682,7 +690,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     raw: Any = {}
     if path is not None:
         try:
-            raw = _load_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: the config file does not exist; pass the path of a YAML file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: is a directory, not a config file; pass the path of a YAML file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e}); pass a readable UTF-8 YAML file") from None
+        try:
+            raw = _load_yaml(text, str(path)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
         if not isinstance(raw, dict):

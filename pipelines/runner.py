@@ -34,7 +34,7 @@ from orchestra import Batch, DataFuture
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .cluster import Cluster, build_cluster, check_model_fits, wait_for_capacity
-from .config import Config, config_to_dict, replace
+from .config import Config, ConfigError, config_to_dict, replace
 from .dapo import dapo_step
 from .data import PromptSampler
 from .grpo import grpo_step
@@ -100,8 +100,12 @@ class Runner:
         self.resume = resume or resume_from is not None
         self._resume_from: Path | None = resume_from
         self.step_fn = STEPS[cfg.algorithm.name]
-        self.task: TaskSpec = get_task(cfg)
-        check_model_fits(cfg, self.task)  # the model takes the task's tokens: before any worker starts
+        self.task: TaskSpec = _build_task(cfg)
+        # user errors found before any worker starts: the model takes the task's tokens, the prompts fill a step,
+        # the device exists
+        check_model_fits(cfg, self.task)
+        _check_records(cfg, self.task)
+        _check_device(cfg)
         self.tok = self.task.tokenizer()
         self.sampler = self._new_sampler()
         self.cluster: Cluster | None = None
@@ -144,10 +148,16 @@ class Runner:
         _seed_everything(cfg.runner.seed)
         if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
             orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
-        self.cluster = build_cluster(cfg, self.task)
+        try:
+            self.cluster = build_cluster(cfg, self.task)
+        except orc.PlacementError as e:
+            raise _unplaceable(e) from e
         failed = False
         try:
-            await self.cluster.ready()
+            try:
+                await self.cluster.ready()
+            except orc.PlacementError as e:  # the job asks for more than the cluster has: a user error
+                raise _unplaceable(e) from e
             if cfg.runner.trace:
                 self.tracer = orc.Tracer(*self.cluster.groups())
                 await self.tracer.start()
@@ -542,6 +552,52 @@ class Runner:
         self.kl_ctl = make_kl_controller(self.cfg)  # a checkpoint from before kl_target was set: start anew
         if self.kl_ctl is not None and "kl_ctl" in state:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
+
+
+def _build_task(cfg: Config) -> TaskSpec:
+    """``get_task(cfg)``; a ``data.train_path`` whose rows cannot be read (bad JSON, a missing column, an unsupported
+    file type, no rows) is a :class:`ConfigError` naming it."""
+    try:
+        return get_task(cfg)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        if not cfg.data.train_path:  # only reading the file raises these here: anything else is a bug
+            raise
+        raise ConfigError(f"data.train_path: {e}; fix the file or point data.train_path at another",
+                          "data.train_path") from e
+
+
+def _check_records(cfg: Config, task: TaskSpec) -> None:
+    """One step draws ``data.prompts_per_step`` distinct records: refuse fewer, naming where they come from."""
+    n, batch = len(task.records), cfg.data.prompts_per_step
+    if n >= batch:
+        return
+    if cfg.data.train_path:
+        source, more = f"data.train_path ({cfg.data.train_path})", "add prompts to the file"
+    elif "num_prompts" in cfg.task.params:
+        source, more = f"task.params.num_prompts of task {cfg.task.name!r}", "raise task.params.num_prompts"
+    else:
+        source, more = f"task {cfg.task.name!r}", "give the task more prompts"
+    raise ConfigError(f"data.prompts_per_step: bad value {batch}; {source} gives only {n} prompt record(s), fewer "
+                      f"than one step takes: lower data.prompts_per_step to {n} or less, or {more}",
+                      "data.prompts_per_step")
+
+
+def _check_device(cfg: Config) -> None:
+    """``resources.device=cuda`` with the workers in this process (``resources.backend=local``) needs a GPU here.
+    (On Ray the nodes' GPUs are only known once attached: placement names what is missing.)"""
+    if cfg.resources.device == "cuda" and cfg.resources.backend == "local" and not torch.cuda.is_available():
+        raise ConfigError("resources.device: cuda, but this machine has no usable CUDA GPU (torch.cuda.is_available() "
+                          "is false) and resources.backend=local runs every worker here: use resources.device=cpu, "
+                          "or install a CUDA build of torch on a GPU machine", "resources.device")
+
+
+def _unplaceable(e: BaseException) -> ConfigError:
+    """A job whose pools the cluster cannot place when it starts: a user error naming what is missing."""
+    return ConfigError(f"resources: the job's workers cannot be placed on this cluster: {e}; lower "
+                       "resources.actor_workers / rollout_workers / reward_workers, use resources.device=cpu, or "
+                       "attach to a cluster that has what is missing (RAY_ADDRESS, docs/cluster.md)", "resources")
 
 
 # keys that change where and how a run reports or recovers, not what it computes
