@@ -16,7 +16,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._common import is_correct, is_well_formed, whole_number
+from ._common import is_correct, is_well_formed, one_of, real_number, whole_number
 from .registry import register_task
 
 if TYPE_CHECKING:
@@ -100,20 +100,37 @@ def addition_reward(response_texts: Sequence[str], answers: Sequence[str], forma
     return rewards
 
 
-@register_task("addition", params=PARAMS)
+def check_addition_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``task.params`` of the addition task, checked strictly (``ValueError`` naming the key: a whole number stays
+    whole, a bool is not a number, ranges hold, ``format_bonus + digit_credit < 1``) and with defaults filled in."""
+    num_digits = whole_number(params, "num_digits", 2, lo=1, hi=9)
+    min_carries = whole_number(params, "min_carries", 0)
+    if not 0 <= min_carries <= num_digits:
+        raise ValueError(f"min_carries must be in [0, num_digits={num_digits}], got {min_carries}")
+    p = {"num_digits": num_digits, "min_carries": min_carries,
+         "num_prompts": whole_number(params, "num_prompts", 4096, lo=1),
+         "seed": whole_number(params, "seed", 1234, lo=0),
+         "format_bonus": real_number(params, "format_bonus", 0.1, lo=0, hi=1, hi_open=True),
+         "digit_credit": real_number(params, "digit_credit", 0.0, lo=0, hi=1, hi_open=True),
+         "warm_start_steps": whole_number(params, "warm_start_steps", 0, lo=0),
+         "warm_start_answers": one_of(params, "warm_start_answers", "random", ("random", "correct")),
+         "warm_start_lr": real_number(params, "warm_start_lr", None, lo=0, lo_open=True)}
+    addition_reward([], [], format_bonus=p["format_bonus"], digit_credit=p["digit_credit"])  # their sum < 1
+    return p
+
+
+@register_task("addition", params=PARAMS, check=check_addition_params)
 def build_addition(params: Mapping[str, Any]) -> TaskSpec:
     """The addition task from ``task.params``: ``num_digits`` (2), ``min_carries`` (0), ``num_prompts`` (4096)
     generated from ``seed`` (1234), reward ``format_bonus`` (0.1) and ``digit_credit`` (0), ``warm_start_steps``
     (0)."""
     from ..taskspec import TaskSpec
 
-    gen = {"num_digits": int(params.get("num_digits", 2)), "min_carries": int(params.get("min_carries", 0))}
-    records = make_addition_task(int(params.get("num_prompts", 4096)), seed=int(params.get("seed", 1234)), **gen)
-    kwargs = {"format_bonus": float(params.get("format_bonus", 0.1)),
-              "digit_credit": float(params.get("digit_credit", 0.0))}
-    addition_reward([], [], **kwargs)  # checks the reward knobs now, not on the reward workers
+    p = check_addition_params(params)
+    gen = {"num_digits": p["num_digits"], "min_carries": p["min_carries"]}
+    records = make_addition_task(p["num_prompts"], seed=p["seed"], **gen)
+    kwargs = {"format_bonus": p["format_bonus"], "digit_credit": p["digit_credit"]}
     pool = tuple(sorted({r["answer"] for r in make_addition_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="addition", records=records, reward_fn=addition_reward, reward_kwargs=kwargs,
-                    warm_start_steps=whole_number(params, "warm_start_steps", 0), answer_pool=pool,
-                    warm_start_answers=str(params.get("warm_start_answers", "random")),
-                    warm_start_lr=None if params.get("warm_start_lr") is None else float(params["warm_start_lr"]))
+                    warm_start_steps=p["warm_start_steps"], answer_pool=pool,
+                    warm_start_answers=p["warm_start_answers"], warm_start_lr=p["warm_start_lr"])

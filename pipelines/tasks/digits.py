@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._common import is_correct, is_well_formed, whole_number, write_jsonl
+from ._common import is_correct, is_well_formed, one_of, real_number, whole_number, write_jsonl
 from .registry import register_task
 
 if TYPE_CHECKING:
@@ -90,10 +90,12 @@ def digit_reward(
     ``response_texts`` must be decoded completions with special tokens removed
     and cut at the first ``<eos>``.  With ``format_bonus > 0`` a wrong but
     well-formed answer (a bare integer) gets ``format_bonus`` (reward shaping);
-    the headline metric should still be :func:`digit_accuracy`.
+    the headline metric should still be :func:`digit_accuracy`. ``format_bonus`` must be in [0, 1), so only the
+    exact answer reaches 1 (``reward/solved`` counts rewards >= 1).
     """
     if len(response_texts) != len(answers):
         raise ValueError(f"{len(response_texts)} responses but {len(answers)} answers")
+    real_number({"format_bonus": format_bonus}, "format_bonus", 0.0, lo=0, hi=1, hi_open=True)  # < the exact 1.0
     rewards = []
     for text, ans in zip(response_texts, answers):
         if is_correct(text, ans):
@@ -112,19 +114,41 @@ def digit_accuracy(response_texts: Sequence[str], answers: Sequence[str]) -> flo
     return sum(map(is_correct, response_texts, answers)) / len(answers)
 
 
-@register_task("digits", params=PARAMS)
+_OPS = ("+", "-", "*")
+
+
+def check_digit_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``task.params`` of the digits task, checked strictly (``ValueError`` naming the key: a whole number stays
+    whole, a bool is not a number, ranges hold) and with defaults filled in."""
+    max_operand = whole_number(params, "max_operand", 9, lo=0)
+    ops = params.get("ops", ["+"])  # a list of operators, or a string of them ('+-')
+    if not isinstance(ops, list | tuple | str) or not ops or any(op not in _OPS for op in ops):
+        raise ValueError(f"ops must be a list of {', '.join(map(repr, _OPS))} (or a string of them), got {ops!r}")
+    p = {"max_operand": max_operand,
+         "min_operand": whole_number(params, "min_operand", 0, lo=0),
+         "ops": tuple(ops),
+         "modulo": None if params.get("modulo") is None else whole_number(params, "modulo", 0, lo=1),
+         "num_prompts": whole_number(params, "num_prompts", 4096, lo=1),
+         "seed": whole_number(params, "seed", 1234, lo=0),
+         "format_bonus": real_number(params, "format_bonus", 0.1, lo=0, hi=1, hi_open=True),
+         "warm_start_steps": whole_number(params, "warm_start_steps", 0, lo=0),
+         "warm_start_answers": one_of(params, "warm_start_answers", "random", ("random", "correct")),
+         "warm_start_lr": real_number(params, "warm_start_lr", None, lo=0, lo_open=True)}
+    if p["min_operand"] > max_operand:
+        raise ValueError(f"min_operand must be <= max_operand ({max_operand}), got {p['min_operand']}")
+    return p
+
+
+@register_task("digits", params=PARAMS, check=check_digit_params)
 def build_digits(params: Mapping[str, Any]) -> TaskSpec:
     """The digits task from ``task.params``: operands/ops/modulo (see :func:`make_digit_task`), ``num_prompts``
-    (4096) generated from ``seed`` (1234), ``format_bonus`` (0.1) and ``warm_start_steps`` (0)."""
+    (4096) generated from ``seed`` (1234), ``format_bonus`` (0.1, in [0, 1)) and ``warm_start_steps`` (0)."""
     from ..taskspec import TaskSpec
 
-    gen = {k: params[k] for k in ("max_operand", "min_operand", "ops", "modulo") if k in params}
-    if "ops" in gen:
-        gen["ops"] = tuple(gen["ops"])
-    records = make_digit_task(int(params.get("num_prompts", 4096)), seed=int(params.get("seed", 1234)), **gen)
+    p = check_digit_params(params)
+    gen = {k: p[k] for k in ("max_operand", "min_operand", "ops", "modulo")}
+    records = make_digit_task(p["num_prompts"], seed=p["seed"], **gen)
     pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="digits", records=records, reward_fn=digit_reward,
-                    reward_kwargs={"format_bonus": float(params.get("format_bonus", 0.1))},
-                    warm_start_steps=whole_number(params, "warm_start_steps", 0), answer_pool=pool,
-                    warm_start_answers=str(params.get("warm_start_answers", "random")),
-                    warm_start_lr=None if params.get("warm_start_lr") is None else float(params["warm_start_lr"]))
+                    reward_kwargs={"format_bonus": p["format_bonus"]}, warm_start_steps=p["warm_start_steps"],
+                    answer_pool=pool, warm_start_answers=p["warm_start_answers"], warm_start_lr=p["warm_start_lr"])

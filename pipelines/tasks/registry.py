@@ -27,6 +27,7 @@ class TaskEntry:
     name: str
     build: TaskBuilder
     params: frozenset[str]
+    check: Callable[[Mapping[str, Any]], Any] | None = None  # checks the values of task.params (torch-free)
 
 
 class UnknownTaskError(ValueError):
@@ -37,10 +38,11 @@ _REGISTRY: dict[str, TaskEntry] = {}
 
 
 def register_task(name: str, build: TaskBuilder | None = None, *, params: Iterable[str] = (),
-                  overwrite: bool = False) -> Any:
+                  check: Callable[[Mapping[str, Any]], Any] | None = None, overwrite: bool = False) -> Any:
     """Register ``build`` as task ``name`` (``task.name`` in a config); ``params`` are the ``task.params`` keys it
-    takes (others are a config error). Use as a decorator, ``@register_task("mytask", params=("seed",))``, or call
-    it with the builder. Registering a taken name raises unless ``overwrite=True``."""
+    takes (others are a config error) and ``check(params)`` (optional, torch-free) raises ``ValueError`` naming a
+    key whose value is wrong, when the config is loaded. Use as a decorator, ``@register_task("mytask",
+    params=("seed",))``, or call it with the builder. Registering a taken name raises unless ``overwrite=True``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_task: the name must be a non-empty string, got {name!r}")
 
@@ -50,7 +52,9 @@ def register_task(name: str, build: TaskBuilder | None = None, *, params: Iterab
         if name in _REGISTRY and not overwrite and _REGISTRY[name].build is not fn:
             raise ValueError(f"register_task: a task named {name!r} is already registered "
                              f"({_REGISTRY[name].build.__module__}); pick another name or pass overwrite=True")
-        _REGISTRY[name] = TaskEntry(name=name, build=fn, params=frozenset(params))
+        if check is not None and not callable(check):
+            raise TypeError(f"register_task({name!r}): check must be callable, got {type(check).__name__}")
+        _REGISTRY[name] = TaskEntry(name=name, build=fn, params=frozenset(params), check=check)
         return fn
 
     return add if build is None else add(build)
@@ -74,8 +78,11 @@ def get_task_entry(name: str) -> TaskEntry:
 
 
 def check_task_params(name: str, params: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` naming the unknown ``task.params`` keys for task ``name`` and the allowed ones."""
+    """Raise ``ValueError`` naming the unknown ``task.params`` keys for task ``name`` and the allowed ones, or (the
+    task's ``check``) a key whose value is wrong."""
     entry = get_task_entry(name)
     unknown = set(params) - entry.params
     if unknown:
         raise ValueError(f"unknown key(s) {sorted(unknown)} for task {name!r}; allowed: {sorted(entry.params)}")
+    if entry.check is not None:
+        entry.check(params)
