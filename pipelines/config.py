@@ -420,6 +420,11 @@ class Config(_Model):
                 raise ConfigError(
                     f"{name}.mini_batches: bad value {section.mini_batches}; a step has only {rows} rows "
                     "(data.prompts_per_step * rollout.n)", f"{name}.mini_batches")
+        for path, value in (("runner.output_dir", self.runner.output_dir), ("model.path", self.model.path),
+                            ("data.train_path", self.data.train_path)):
+            if value is not None and not value.strip():
+                raise ConfigError(f"{path}: bad value {value!r}; an empty path would mean the working directory: "
+                                  f"give a path" + (" (or null)" if path != "runner.output_dir" else ""), path)
         self._check_model()
         if self.data.train_path is not None:
             train = Path(self.data.train_path).expanduser()
@@ -642,10 +647,25 @@ def _load_yaml(text: str, where: str) -> Any:
         loader.dispose()
 
 
+def _string_value(text: str, where: str, nullable: bool) -> str | None:
+    """The value of a ``str`` key's override: the text as typed (surrounding blanks dropped), so ``runs/exp #3``
+    keeps its `` #3`` (YAML would read a comment) and ``007`` its zeros; a quoted text is unquoted as YAML does,
+    and ``null`` is None for a key that takes null."""
+    value = text.strip()
+    if nullable and value in ("null", "Null", "NULL"):
+        return None
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        parsed = _load_yaml(value, where)
+        if isinstance(parsed, str):
+            return parsed
+    return value
+
+
 def _parse_override(text: str, raw: dict[str, Any]) -> str:
     """Apply one ``section.key=value`` (or ``section.mapping.key=value``) to ``raw``; returns the key.
 
-    The value is parsed with YAML scalar rules, except that a ``str`` field keeps the text as is.
+    The value is parsed with YAML scalar rules, except that a ``str`` field keeps the text as typed (see
+    :func:`_string_value`).
     """
     key, sep, value_text = text.partition("=")
     parts = key.strip().split(".")
@@ -663,12 +683,13 @@ def _parse_override(text: str, raw: dict[str, Any]) -> str:
         path = f"{section}.{name}"
         raise ConfigError(f"{path}: has type {_describe(annotation)}, not a mapping", path)
     try:
-        value = _load_yaml(value_text, key.strip())
+        if tp is str and len(parts) == 2:
+            value = _string_value(value_text, key.strip(), nullable=_optional(annotation)[1])
+        else:
+            value = _load_yaml(value_text, key.strip())
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{key}: cannot parse {value_text!r} as YAML ({problem})", key) from None
-    if tp is str and value is not None and not isinstance(value, str):
-        value = value_text.strip()
     target = raw
     for i, part in enumerate(parts[:-1]):
         if target.get(part) is None:
