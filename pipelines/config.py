@@ -11,6 +11,7 @@ Defaults describe a tiny CPU run of the GRPO digit task (``examples/grpo_single_
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import re
 import types
@@ -275,7 +276,8 @@ class RunnerConfig(_Model):
     restart_timeout_s: Float = Field(300.0, gt=0, description="Seconds a restart waits for the pools to fit again")
     output_dir: str = Field("outputs/run", description="Directory of metrics, checkpoints, config.json and traces")
     metrics: bool = Field(True, description="Write metrics.jsonl in output_dir")
-    tensorboard: bool = Field(False, description="Also write TensorBoard events to output_dir/tensorboard")
+    tensorboard: bool = Field(False, description="Also write TensorBoard events to output_dir/tensorboard "
+                              "(needs the tensorboard package: pip install tensorboard)")
     plot: bool = Field(False, description="PNG curves of the metrics at the end (needs matplotlib)")
     trace: bool = Field(False, description="Perfetto / Chrome timeline trace of every stage")
 
@@ -426,6 +428,10 @@ class Config(_Model):
                 raise ConfigError(f"{path}: bad value {value!r}; an empty path would mean the working directory: "
                                   f"give a path" + (" (or null)" if path != "runner.output_dir" else ""), path)
         self._check_model()
+        if self.runner.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("runner.tensorboard: true, but the tensorboard package is not installed "
+                              "(torch.utils.tensorboard writes its events with it): pip install tensorboard, or set "
+                              "runner.tensorboard=false", "runner.tensorboard")
         if self.data.train_path is not None:
             train = Path(self.data.train_path).expanduser()
             if not train.exists():

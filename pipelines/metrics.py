@@ -1,4 +1,5 @@
-"""Where step metrics go: ``metrics.jsonl`` (always), TensorBoard (when installed and asked for), a PNG plot."""
+"""Where step metrics go: ``metrics.jsonl`` (always), TensorBoard (when asked for; it needs the tensorboard package),
+a PNG plot."""
 
 from __future__ import annotations
 
@@ -83,13 +84,13 @@ class MetricsSink:
             else:
                 self.truncate(truncate_after)
         self._tb = None
-        if tensorboard:
+        if tensorboard:  # the config refuses runner.tensorboard=true without the package; never no events silently
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed: JSONL only
-                self._tb = None
-            else:
-                self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+            except ImportError as e:
+                raise ImportError(f"runner.tensorboard=true needs the tensorboard package ({e}): pip install "
+                                  "tensorboard, or set runner.tensorboard=false") from e
+            self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.enabled:
