@@ -10,7 +10,11 @@ step takes, resources.device=cuda with in-process workers and no GPU (found befo
 cluster cannot place when the job starts; and a checkpoint that does not fit the configured model or worker count
 (found when the workers load it). A run that stops because training diverged (``runner.max_bad_steps`` non-finite steps, or a step
 whose updates were all skipped) or because a worker died past ``runner.max_restarts`` prints
-``orchestra train: ...`` with exit status 1. A traceback means a bug.
+``orchestra train: ...`` with exit status 1. SIGINT (Ctrl-C) and SIGTERM cancel the run cleanly (its cleanup runs:
+metrics.jsonl holds whole lines, the trace is saved with runner.trace, the cluster shuts down; a second signal ends
+the process at once) and print ``orchestra train: interrupted (SIGTERM) at step N; resume with --resume``, N being
+the first step not finished, with exit status 128 + the signal: 130 for SIGINT, 143 for SIGTERM. A traceback means
+a bug.
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from orchestra import WorkerDiedError
 
+        from .runner import RunInterrupted  # (imported with run(): torch stays out of the checks before it)
+
+        if isinstance(e, RunInterrupted):  # SIGINT / SIGTERM: the run was cancelled and cleaned up
+            print(f"orchestra train: {e}", file=sys.stderr)
+            return e.exit_code
         if not isinstance(e, WorkerDiedError):
             raise
         # a worker or node died and runner.max_restarts was used up (or is 0): not a bug, not a user error

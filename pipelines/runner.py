@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ from .ppo import ppo_step
 from .stage import StepContext
 from .taskspec import TaskSpec, get_task, prompt_batch
 
-__all__ = ["Runner", "STEPS"]
+__all__ = ["RunInterrupted", "Runner", "STEPS", "run"]
 
 log = logging.getLogger("orchestra")
 
@@ -118,6 +120,7 @@ class Runner:
         self.kl_ctl = make_kl_controller(cfg)  # adaptive KL coefficient (algorithm.kl_target); saved in checkpoints
         self.restarts: list[dict[str, Any]] = []  # the restart events of this run (also in metrics.jsonl)
         self._step = 0  # the step running now (a restart event names it)
+        self._next = 0  # the first step whose metrics are not recorded yet (an interrupted run names it)
         self._noticed = 0.0  # when the last death was seen (unix time)
         self._rebuilt: _Rebuilt | None = None  # the last restart's rebuild (its phases, for its event)
         # a checkpoint written while the next step's prompts were already drawn (max_staleness=1): the sampler state
@@ -129,6 +132,11 @@ class Runner:
     def current_step(self) -> int:
         """The step running now (or about to): the one a restart event names when a worker dies."""
         return self._step
+
+    @property
+    def next_step(self) -> int:
+        """The first step whose metrics are not recorded yet: where a run that is stopped now stopped."""
+        return max(self._next, self.start_step)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
@@ -408,6 +416,7 @@ class Runner:
             rec = self._record(step, cur, metrics, ctx)
             sink.write(rec)
             self.history.append(rec)
+            self._next = step + 1
             self.guard.check(step, metrics)  # after the step's metrics are written, so the bad step is on record
             if bar is not None:
                 bar.update(1)
@@ -660,7 +669,89 @@ def _progress(total: int, start: int, desc: str = "train") -> Any:
     return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True)
 
 
+class RunInterrupted(Exception):
+    """The run was ended by SIGINT or SIGTERM (:func:`run`): cancelled, its cleanup done. ``step``: the first step
+    not finished (None: before the cluster started); ``exit_code``: 128 + the signal number (130, 143)."""
+
+    def __init__(self, signum: int, step: int | None, checkpointed: bool) -> None:
+        self.signum, self.step, self.checkpointed = signum, step, checkpointed
+        self.signal_name = signal.Signals(signum).name
+        where = "" if step is None else f" at step {step}"
+        then = ("resume with --resume" if checkpointed else
+                "no checkpoint was written yet, so --resume has nothing to continue from (runner.checkpoint_every)")
+        super().__init__(f"interrupted ({self.signal_name}){where}; {then}")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by a signal: 128 + its number."""
+        return 128 + self.signum
+
+
+class _SignalStop:
+    """SIGINT and SIGTERM cancel the run's task, once: the run's finally blocks then run as for any cancellation
+    (metrics closed, trace saved, cluster shut down) and :class:`RunInterrupted` is raised. A second signal ends the
+    process at once, with the signal's default action. Before the task runs, a signal raises it directly."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.runner: Runner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._done = False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        """The Python-level handler of both signals (runs in the main thread, which runs the event loop)."""
+        if self.signum is not None:  # asked twice: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._done:  # the run is over; nothing left to cancel
+            return
+        self.signum = signum
+        if self._task is None:  # not running yet
+            raise self._interrupted()
+        self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def _interrupted(self) -> RunInterrupted:
+        r = self.runner
+        step = r.next_step if r is not None and r.cluster is not None else None
+        checkpointed = r is not None and bool(ckpt.committed(r.out / "checkpoints"))
+        return RunInterrupted(self.signum, step, checkpointed)
+
+    async def guard(self, work: Coroutine[Any, Any, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Await ``work`` as the cancellable task; a signal turns its end into :class:`RunInterrupted`."""
+        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+        try:
+            if self.signum is not None:
+                work.close()
+                raise self._interrupted()
+            return await work
+        except asyncio.CancelledError:
+            if self.signum is None:
+                raise
+            self._task.uncancel()
+            raise self._interrupted() from None
+        except Exception as e:  # a failure while the run was being stopped is part of stopping it
+            if self.signum is None or isinstance(e, RunInterrupted):
+                raise
+            raise self._interrupted() from e
+        finally:
+            self._done = True
+
+
 def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
         resume_from: Path | None = None) -> list[dict[str, Any]]:
-    """Run a job from synchronous code (the CLI): uvloop when available. Arguments as for :class:`Runner`."""
-    return orc.run(Runner(cfg, resume=resume, overwrite=overwrite, progress=progress, resume_from=resume_from).run())
+    """Run a job from synchronous code (the CLI): uvloop when available. Arguments as for :class:`Runner`.
+    SIGINT and SIGTERM (handled when called from the main thread) cancel the run cleanly and raise
+    :class:`RunInterrupted`."""
+    stop = _SignalStop()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, stop.handler) for sig in stop.SIGNALS} if main_thread else {}
+    try:
+        stop.runner = Runner(cfg, resume=resume, overwrite=overwrite, progress=progress, resume_from=resume_from)
+        return orc.run(stop.guard(stop.runner.run()))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
