@@ -254,7 +254,8 @@ class AlgorithmConfig(_Model):
                             "(> 0.2 x prompts_per_step x rollout.n)")
     overlong_buffer: int | None = Field(None, ge=1, description="DAPO overlong penalty on the last this-many tokens "
                                         "of rollout.max_new_tokens; null: off")
-    overlong_penalty: Float = Field(1.0, ge=0, description="Score penalty at rollout.max_new_tokens (linear from 0)")
+    overlong_penalty: Float = Field(1.0, ge=0, description="Score penalty at rollout.max_new_tokens (linear from 0); "
+                                   "needs overlong_buffer")
     dynamic_sampling_max_rounds: int = Field(3, ge=0, description="DAPO: extra sampling rounds to replace dropped "
                                              "groups")
 
@@ -397,6 +398,13 @@ class Config(_Model):
                 raise ConfigError(f"task.params: {e}", "task.params.warm_start_steps") from None
             if warm > 0 and alg.kl_coef > 0:
                 raise ConfigError(warm_start_with_kl(warm, alg.kl_coef), "task.params.warm_start_steps")
+        default_penalty = AlgorithmConfig.model_fields["overlong_penalty"].default
+        if alg.overlong_buffer is None and alg.overlong_penalty != default_penalty:  # (a saved config holds the default)
+            raise ConfigError(
+                f"algorithm.overlong_penalty: set to {alg.overlong_penalty:g}, but algorithm.overlong_buffer is null, "
+                "so no overlong penalty is applied: set algorithm.overlong_buffer (the last this-many tokens of "
+                "rollout.max_new_tokens are penalized) or remove algorithm.overlong_penalty",
+                "algorithm.overlong_penalty")
         if alg.overlong_buffer is not None:
             if not critic_free or estimator == "reinforce_pp":
                 raise ConfigError(
@@ -725,9 +733,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: cannot read the config file ({e}); pass a readable UTF-8 YAML file") from None
         try:
-            raw = _load_yaml(text, str(path)) or {}
+            raw = _load_yaml(text, str(path))
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if raw is None:  # a truncated or wrong file must not run the default job
+            raise ConfigError(f"{path}: the config file holds no settings (it is empty or only comments); write the "
+                              "job's sections in it (an empty mapping, {}, for all defaults), or omit the file")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     origins: dict[str, str] = {}
