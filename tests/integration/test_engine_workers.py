@@ -152,7 +152,7 @@ async def test_errors_say_what_to_change(groups):
     with pytest.raises(Exception, match="answer_key"):
         await reward.score(Batch.from_dict({"responses": torch.ones(2, 3, dtype=torch.long),
                                             "response_mask": torch.ones(2, 3, dtype=torch.long)}))
-    g = actor.generate(prompts(3), n=1)  # 3 rows -> shards of 2 and 1: only rank 1 is short, both must fail
-    with pytest.raises(Exception, match="mini_batches=2"):
-        await actor.update_actor(g, pg_loss, mini_batches=2)
+    g = actor.generate(prompts(3), n=1)  # mini-batches are global slices: 3 rows cannot make 4, on either rank
+    with pytest.raises(Exception, match="3 rows over 2 data-parallel rank.*mini_batches=4"):
+        await actor.update_actor(g, pg_loss, mini_batches=4)
     assert len(await actor.compute_log_prob(g)) == 3  # no rank was left waiting in a collective
