@@ -123,7 +123,8 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
 def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,
            what: str, **train_kw: Any) -> dict[str, float]:
     """``ppo_epochs`` passes over ``mini_batches`` global mini-batches (``_mini_batches``: the same rows whatever
-    the DP size), one optimizer step each; metrics averaged over the steps."""
+    the DP size), one optimizer step each; metrics averaged over the steps, except ``tokens`` and ``rows``: the
+    update's response tokens and rows, each counted once."""
     if ppo_epochs < 1:
         raise ValueError(f"{what}: ppo_epochs must be >= 1, got {ppo_epochs}")
     if not callable(loss_fn):
@@ -141,7 +142,11 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     for k in dict.fromkeys(k for s in steps for k in s):  # a skipped step may lack the loss_fn metrics
         vals = [s[k] for s in steps if k in s]
         out[f"{prefix}/{k}"] = vals[-1] if k in ("step", "lr") else float(statistics.fmean(vals))
-    out[f"{prefix}/tokens"] = float(sum(s.get("tokens", 0.0) for s in steps))
+    # the update's rows and response tokens, each counted once (one epoch's mini-batches), not once per pass
+    one_pass = steps[:len(pieces)]
+    out[f"{prefix}/tokens"] = float(sum(s.get("tokens", 0.0) for s in one_pass))
+    if any("rows" in s for s in one_pass):
+        out[f"{prefix}/rows"] = float(sum(s.get("rows", 0.0) for s in one_pass))
     out[f"{prefix}/skipped"] = float(sum(s.get("skipped", 0.0) for s in steps))
     out[f"{prefix}/optimizer_steps"] = float(len(steps))
     out[f"{prefix}/train_step_seconds"] = float(statistics.fmean(seconds))

@@ -121,6 +121,7 @@ class Runner:
         self.restarts: list[dict[str, Any]] = []  # the restart events of this run (also in metrics.jsonl)
         self._step = 0  # the step running now (a restart event names it)
         self._next = 0  # the first step whose metrics are not recorded yet (an interrupted run names it)
+        self._last_record: float | None = None  # when the last step was recorded in this loop (perf/step_s)
         self._noticed = 0.0  # when the last death was seen (unix time)
         self._rebuilt: _Rebuilt | None = None  # the last restart's rebuild (its phases, for its event)
         # a checkpoint written while the next step's prompts were already drawn (max_staleness=1): the sampler state
@@ -397,6 +398,7 @@ class Runner:
         total = cfg.runner.total_steps
         pending: _Launched | None = None
         self._state_time.setdefault(self.start_step - 1, time.time())
+        self._last_record = None  # a first step, or the first after a restart: timed from its rollout's launch
         for step in range(self.start_step, total):
             self._step = step
             cur = pending if pending is not None and pending.step == step else self._launch(step)
@@ -462,11 +464,17 @@ class Runner:
         self.rollout_version = self.actor_version
 
     def _record(self, step: int, cur: _Launched, metrics: dict[str, float], ctx: StepContext) -> dict[str, Any]:
-        elapsed = time.time() - cur.started
+        """The step's line of metrics.jsonl. ``perf/step_s``: wall time since the previous step was recorded (the
+        first step of a run, or after a restart: since its rollout was launched) — with ``max_staleness=1`` a
+        rollout is launched during the step before, so counting from the launch made overlapped steps look longer;
+        ``perf/tokens_per_s``: the update's response tokens (``actor/tokens``, each counted once) per step_s."""
+        now = time.time()
+        elapsed = now - (cur.started if self._last_record is None else self._last_record)
+        self._last_record = now
         tokens = metrics.get("actor/tokens", 0.0)
         return {"step": step, **{k: float(v) for k, v in metrics.items()}, **ctx.timings,
                 "perf/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                "staleness": self.actor_version - 1 - cur.version, "time": time.time()}
+                "staleness": self.actor_version - 1 - cur.version, "time": now}
 
     async def _warm_start(self) -> None:
         """The task's supervised warm start before RL (``TaskSpec.warm_start_batch``), at its own constant rate."""

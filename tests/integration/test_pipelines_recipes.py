@@ -33,8 +33,8 @@ async def test_dapo_example_samples_until_the_batch_is_full(tmp_path):
         assert 1 <= h["dynamic_sampling/rounds"] <= 4  # the first round and at most 3 extra
         # a full batch of kept groups, or the bound was hit and said so
         assert trained == 8 or (h["dynamic_sampling/bound_hit"] == 1 and trained == kept)
-        # actor/rows is per mini-batch (4 of them): n=4 rows a group
-        assert 4 * h["actor/rows"] == 4 * (trained + h["dynamic_sampling/filler_groups"])
+        # actor/rows counts the update's rows once (over its 4 mini-batches): n=4 rows a group
+        assert h["actor/rows"] == 4 * (trained + h["dynamic_sampling/filler_groups"])
         assert h["actor/optimizer_steps"] == 16 and "reward/overlong_penalty" in h
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "dynamic_sampling/keep_rate" in recs[-1]
@@ -46,8 +46,8 @@ async def test_remax_example_on_the_addition_task(tmp_path):
                                             "rollout.max_new_tokens=4", "rollout.n=2"])
     assert [h["step"] for h in hist] == [0, 1]
     for h in hist:
-        # 8 prompts x 2 samples in 4 mini-batches
-        assert 0.0 <= h["reward/greedy_mean"] <= 1.0 and h["actor/rows"] == 4
+        # 8 prompts x 2 samples (in 4 mini-batches: actor/rows counts the update's rows once)
+        assert 0.0 <= h["reward/greedy_mean"] <= 1.0 and h["actor/rows"] == 16
         assert "time/greedy_reward" in h and h["actor/weights_version"] == h["step"] + 1
 
 
