@@ -26,6 +26,19 @@ import sys
 __all__ = ["main"]
 
 
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` once the interrupted run's own cleanup is done, without the interpreter's
+    teardown: an in-process rank's thread that was inside a collective when the run was cancelled cannot be joined,
+    and C++ teardown of such a thread aborts the process (SIGABRT), which would turn the documented 130/143 into a
+    crash. Output and logs are flushed first."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``orchestra`` command."""
     p = argparse.ArgumentParser(prog="orchestra", description="orchestra: async RL post-training on Ray")
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(e, RunInterrupted):  # SIGINT / SIGTERM: the run was cancelled and cleaned up
             print(f"orchestra train: {e}", file=sys.stderr)
-            return e.exit_code
+            _exit_now(e.exit_code)
         if not isinstance(e, WorkerDiedError):
             raise
         # a worker or node died and runner.max_restarts was used up (or is 0): not a bug, not a user error
