@@ -88,10 +88,12 @@ def _balanced_sizes(n: int, parts: int) -> list[int]:
 
 
 def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str) -> list[Batch]:
-    """This rank's rows of each global mini-batch: mini-batch i is the i-th balanced slice (``Batch.chunk``) of the
-    update's rows in global order, whatever the DP size. Rank r holds the r-th contiguous block of those rows (as
-    ``dispatch.shard`` gives them), so its part of mini-batch i may be some rows, all of them or none (collective
-    when ``mini_batches > 1`` on several ranks: the ranks exchange their row counts)."""
+    """This rank's rows of each global mini-batch: mini-batch i holds the update's rows whose global index is i
+    modulo ``mini_batches``, whatever the DP size. Rank r holds the r-th contiguous block of the rows (as
+    ``dispatch.shard`` gives them), so every rank holds about 1/DP of every mini-batch and all ranks work on each
+    optimizer step (contiguous global slices would leave a mini-batch on one rank while the others wait: the main
+    job's update took 1.9x as long). A rank holding fewer rows than ``mini_batches`` has none of some mini-batches
+    (collective when ``mini_batches > 1`` on several ranks: the ranks exchange their row counts)."""
     import torch.distributed as dist
 
     if mini_batches < 1:
@@ -111,13 +113,7 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
                          f"than mini_batches={mini_batches}; lower mini_batches or pass more rows (every mini-batch "
                          f"needs a row)")
     start = sum(sizes[: engine.dp_rank])
-    stop = start + len(batch)
-    local, lo = [], 0
-    for size in _balanced_sizes(total, mini_batches):
-        hi = lo + size
-        local.append(max(0, min(hi, stop) - max(lo, start)))
-        lo = hi
-    return batch.split(local)
+    return [batch[torch.arange((i - start) % mini_batches, len(batch), mini_batches)] for i in range(mini_batches)]
 
 
 def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,

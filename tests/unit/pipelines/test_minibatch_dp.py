@@ -1,6 +1,6 @@
 """With ``mini_batches > 1`` the update is the same on 1 and 2 data-parallel ranks: optimizer step i trains on
-the i-th balanced slice of the *global* rows whatever the DP size, so a rank may hold part of a mini-batch, all of
-it or none (docs/algorithms.md, "The objective is always the whole mini-batch's loss")."""
+the *global* rows whose index is i modulo the number of mini-batches, whatever the DP size, so every rank holds part
+of every mini-batch (docs/algorithms.md, "The objective is always the whole mini-batch's loss")."""
 
 import pytest
 import torch
@@ -12,8 +12,8 @@ from pipelines.objectives import PolicyLoss
 
 pytestmark = pytest.mark.timeout(300)  # a bound on a hang; a spawn takes a while on a loaded 2-core box
 
-# 11 rows in 3 mini-batches: global rows {0-3}, {4-7}, {8-10}. On 2 ranks (rows 0-5 and 6-10) rank 1 holds none of
-# mini-batch 0, both hold part of mini-batch 1, rank 0 holds none of mini-batch 2. Row 3 has no response token.
+# 11 rows in 3 mini-batches: global rows {0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8}. On 2 ranks (rows 0-5 and 6-10) each
+# rank holds 2 or 1 rows of each. Row 3 has no response token.
 ROWS, MINI_BATCHES, EPOCHS = 11, 3, 2
 LOSS = PolicyLoss(agg="seq-mean-token-mean", entropy_coef=0.01, kl_coef=0.1)
 
@@ -41,29 +41,17 @@ def test_mini_batches_are_the_same_global_rows_on_any_dp_size():
         assert _rel(state[k], v) < 1e-5, f"{k}: DP=2 weights differ from DP=1 by {_rel(state[k], v):.2e}"
 
 
-def test_one_rank_mini_batches_are_batch_chunk():
-    """On one rank the mini-batches are ``Batch.chunk``'s pieces, as before (the DP=1 update is unchanged)."""
+def test_mini_batches_take_every_kth_row_and_every_rank_works_on_each():
+    """On one rank, mini-batch i is rows i, i + k, i + 2k, ... (k mini-batches); a rank holding a block of the rows
+    takes the same global rows from it, so it holds part of every mini-batch (no rank idles through an optimizer
+    step, as with contiguous global slices)."""
     from engines.fsdp import FSDPEngine
-    from engines.workers import _balanced_sizes, _mini_batches
+    from engines.workers import _mini_batches
     from orchestra import Batch
 
-    for n in range(1, 12):
-        for parts in range(1, n + 1):
-            b = Batch.from_dict({"x": torch.arange(n)})
-            assert _balanced_sizes(n, parts) == [len(p) for p in b.chunk(parts)]
     eng = FSDPEngine(lambda: torch.nn.Linear(2, 1), model_kind="value")
     b = Batch.from_dict({"x": torch.arange(10)})
-    assert [p["x"].tolist() for p in _mini_batches(eng, b, 4, "update")] == [p["x"].tolist() for p in b.chunk(4)]
+    assert [p["x"].tolist() for p in _mini_batches(eng, b, 4, "update")] == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match=r"update: the update has 3 rows over 1 data-parallel rank\(s\), fewer than "
                                          r"mini_batches=4"):
         _mini_batches(eng, Batch.from_dict({"x": torch.arange(3)}), 4, "update")
-
-
-def test_train_step_refuses_a_batch_without_rows_on_every_rank():
-    from engines.fsdp import EngineConfig, FSDPEngine
-    from pipelines_testutils import policy_model
-
-    eng = FSDPEngine(policy_model, EngineConfig(), model_kind="causal_lm")
-    empty = {k: v[:0] for k, v in policy_batch(B=4).items()}
-    with pytest.raises(ValueError, match="train_step: the batch has no rows on any rank"):
-        eng.train_step(empty, LOSS)
