@@ -371,12 +371,12 @@ class Invocation:
         if spec is None:  # broadcast: every rank reads everything
             if len(comps) == 1 and not isinstance(comps[0], Batch):
                 slots = await comps[0].slot_refs()
-                if forwarded_as(comps[0].spec.dispatch, comps[0].plan) == "per_rank":  # each rank's outputs apart
+                kind = forwarded_as(comps[0].spec.dispatch, comps[0].plan)
+                if kind == "per_rank":  # each rank's outputs apart
                     return {0: (slots, Layout("per_rank"), guards)}
                 # rows, or the plain values await gives: the slot boundaries let a rank rebuild await's list
-                return {0: ([[o for s in slots for o in s]], Layout(
-                    "whole", slots=tuple(len(s) for s in slots),
-                    one=forwarded_as(comps[0].spec.dispatch, comps[0].plan) == "one"), guards)}
+                return {0: ([[o for s in slots for o in s]],
+                            Layout("whole", slots=tuple(len(s) for s in slots), one=kind == "one"), guards)}
             return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"), guards)}
         D = spec.dp_size
         slot_lists = []

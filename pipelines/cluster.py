@@ -14,7 +14,7 @@ from orchestra import ResourcePool, WorkerGroup
 
 from .config import ActorConfig, Config, ConfigError, CriticConfig, model_dir, model_positions, read_model_config
 from .join import join
-from .taskspec import TaskSpec
+from .taskspec import TaskSpec, longest_prompt
 from .advantage_worker import AdvantageWorker
 
 __all__ = ["Cluster", "build_cluster", "capacity_problems", "check_model_fits", "engine_config", "model_overrides",
@@ -54,14 +54,7 @@ def check_model_fits(cfg: Config, task: TaskSpec) -> None:
             f"{tok.vocab_size} token ids, all of which the model must embed: use a model over the task's tokenizer",
             "model.path")
     positions = model_positions(hf)
-    longest = 0
-    for i, r in enumerate(task.records):
-        try:
-            longest = max(longest, len(tok.encode(r["prompt"], add_bos=True)))
-        except ValueError as e:  # a character the task's tokenizer does not know: the rollout would fail on it
-            where = f"data.train_path ({cfg.data.train_path})" if cfg.data.train_path else f"task {cfg.task.name!r}"
-            raise ConfigError(f"{where}: prompt {i} cannot be tokenized by the task's tokenizer ({e})",
-                              "data.train_path" if cfg.data.train_path else "task.name") from None
+    longest = longest_prompt(cfg, task)
     if longest + cfg.rollout.max_new_tokens > positions:
         raise ConfigError(
             f"rollout.max_new_tokens: bad value {cfg.rollout.max_new_tokens}; the task's longest prompt is {longest} "

@@ -120,19 +120,26 @@ def get_task(cfg: Config) -> TaskSpec:
     return spec
 
 
-def _check_positions(cfg: Config, spec: TaskSpec) -> None:
-    """The tiny model's ``model.max_seq_len`` positions must hold the longest prompt (bos included) plus
-    ``rollout.max_new_tokens``: a rotary model runs past its positions without an error, so a setting too small
-    would be accepted and mean nothing."""
+def longest_prompt(cfg: Config, spec: TaskSpec) -> int:
+    """Tokens of the task's longest prompt, bos included; a prompt the task's tokenizer cannot encode is a
+    ConfigError naming it (the rollout would fail on it)."""
     tok = spec.tokenizer()
     longest = 0
     for i, r in enumerate(spec.records):
         try:
             longest = max(longest, len(tok.encode(r["prompt"], add_bos=True)))
-        except ValueError as e:  # a character the task's tokenizer does not know: the rollout would fail on it
+        except ValueError as e:
             where = f"data.train_path ({cfg.data.train_path})" if cfg.data.train_path else f"task {cfg.task.name!r}"
             raise ConfigError(f"{where}: prompt {i} cannot be tokenized by the task's tokenizer ({e})",
                               "data.train_path" if cfg.data.train_path else "task.name") from None
+    return longest
+
+
+def _check_positions(cfg: Config, spec: TaskSpec) -> None:
+    """The tiny model's ``model.max_seq_len`` positions must hold the longest prompt (bos included) plus
+    ``rollout.max_new_tokens``: a rotary model runs past its positions without an error, so a setting too small
+    would be accepted and mean nothing."""
+    longest = longest_prompt(cfg, spec)
     need = longest + cfg.rollout.max_new_tokens
     if need > cfg.model.max_seq_len:
         raise ConfigError(
