@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
 import orchestra as orc
@@ -49,13 +48,7 @@ def rows(n: int) -> Batch:
     return Batch.from_dict({"x": torch.arange(n)})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_ray() -> Iterator[None]:
-    """Nothing here may start Ray (it would cost seconds and belong to the slow tier)."""
-    before = ray.is_initialized()
-    yield
-    if not before:
-        assert not ray.is_initialized(), "a test of the in-process backend started Ray"
+pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,8 @@ wait is in tests/integration/test_testing_plugin.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
-import ray
 
 import orchestra as orc
 from orchestra import ResourcePool, Worker, WorkerGroup, endpoint
@@ -36,13 +34,7 @@ def group(ranks: int) -> WorkerGroup:
     return WorkerGroup(ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.01, backend="local"), Plain)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_ray() -> Iterator[None]:
-    """Nothing here may start Ray (it would cost seconds and belong to the slow tier)."""
-    before = ray.is_initialized()
-    yield
-    if not before:
-        assert not ray.is_initialized(), "a test of the in-process backend started Ray"
+pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
 
 # -- kill_rank -------------------------------------------------------------------------------------------------------
