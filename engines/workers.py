@@ -81,12 +81,6 @@ def _rows_of(batch: Batch, what: str) -> None:
         raise ValueError(f"{what}: this rank got an empty shard; pass at least as many rows as the data-parallel size")
 
 
-def _balanced_sizes(n: int, parts: int) -> list[int]:
-    """Row counts of ``Batch.chunk(parts)`` on ``n`` rows: sizes differ by at most one, larger first."""
-    q, r = divmod(n, parts)
-    return [q + 1] * r + [q] * (parts - r)
-
-
 def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str) -> list[Batch]:
     """This rank's rows of each global mini-batch: mini-batch i holds the update's rows whose global index is i
     modulo ``mini_batches``, whatever the DP size. Rank r holds the r-th contiguous block of the rows (as
