@@ -640,16 +640,12 @@ class FSDPEngine:
             ranges, tok, units, scale_units = [], [], [], {sc: [] for sc in scales}
         counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges)),
                                *[sum(scale_units[sc]) for sc in scales]], dtype=torch.float64, device=self.device)
-        n_local = torch.tensor([len(ranges), 0 if problem is None else self._rank + 1], dtype=torch.int64,
-                               device=self.device)
         if self._world > 1:
             dist.all_reduce(counts)
-            dist.all_reduce(n_local, op=dist.ReduceOp.MAX)
-        self._raise_refused(problem, int(n_local[1].item()), "train_step")
+        n_global = self._global_micro_count(len(ranges), problem, "train_step")
         total_units, total_tokens, total_rows, total_micro, *scale_totals = counts.tolist()
         weights_by_scale = {loss_scale: (units, total_units),
                             **{sc: (scale_units[sc], t) for sc, t in zip(scales, scale_totals)}}
-        n_global = int(n_local[0].item())
         if total_rows == 0:
             raise ValueError("train_step: the batch has no rows on any rank; pass at least one row (a rank may hold "
                              "none as long as another rank holds some)")
