@@ -5,14 +5,19 @@
 - :func:`spawn` runs a function on N local ranks with ``torch.multiprocessing`` and returns the
   per-rank results (through ``torch.save`` files in a private temporary directory, so tensors survive the
   child's exit; read back with ``weights_only=True``, which loads tensors and plain containers and never runs
-  code, whoever wrote the file).
+  code, whoever wrote the file). Ranks are forked from a fork server that imported torch, transformers and the
+  engines once (:data:`PRELOAD`), so a spawn costs no interpreter start-up and no imports per rank.
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
 import socket
+import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "init_distributed", "free_port", "spawn"]
+log = logging.getLogger("orchestra")
+
+__all__ = ["default_device", "init_distributed", "free_port", "spawn", "PRELOAD"]
+
+#: what the fork server imports once, so that ranks forked from it do not (``__main__`` is multiprocessing's default)
+PRELOAD = ("__main__", "engines._dist", "engines.fsdp", "engines.models")
+_server_lock = threading.Lock()
+_server_key: list[Any] = []  # [(environment, sys.path)] the fork server started with, once this process started it
+#: environment variables that change between calls and that no import reads (pytest sets this one for each test):
+#: they do not make a spawn start fresh interpreters; a child still gets their current value
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def default_device() -> torch.device:
@@ -84,7 +99,10 @@ def _spawn_entry(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     threads: int,
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the parent's environment when it called spawn (a fork server's child starts with the server's)
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -105,6 +123,24 @@ def _spawn_entry(
         raise
 
 
+def _start_method() -> str:
+    """``forkserver`` while this process's environment and ``sys.path`` are the ones the fork server started with
+    (so that a rank sees what a fresh interpreter started now would, down to what the preloaded modules read when
+    they were imported); ``spawn`` otherwise (a fresh interpreter per rank, as before the fork server)."""
+    env, path = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}, list(sys.path)
+    with _server_lock:
+        if not _server_key:
+            multiprocessing.set_forkserver_preload(list(PRELOAD))  # ignored if the server already runs
+            _server_key.append((env, path))
+        server_env, server_path = _server_key[0]
+    if (env, path) == (server_env, server_path):
+        return "forkserver"
+    changed = sorted(k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k))
+    log.info("spawn: %s changed since the fork server started; ranks start as fresh interpreters",
+             ", ".join(changed) if changed else "sys.path")
+    return "spawn"
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -118,17 +154,23 @@ def spawn(
     create its engine (which joins the group) and return tensors, numbers, strings, None and
     dicts/lists/tuples of them (what ``torch.load(weights_only=True)`` reads back; other objects
     fail to load with an error naming them). A child's exception is re-raised here with its traceback.
+
+    Children are forked from multiprocessing's fork server, which this process starts on its first spawn with
+    :data:`PRELOAD` imported (a few seconds, once; the server lives as long as this process). Nothing of this
+    process's own state reaches a child. When the environment or ``sys.path`` has changed since the server started,
+    children start as fresh interpreters instead (``spawn``), so a child always sees this process's environment.
     """
     import torch.multiprocessing as mp
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="engines_spawn_") as out_dir:
         try:
-            mp.spawn(
+            mp.start_processes(
                 _spawn_entry,
-                args=(world_size, port, out_dir, fn, args, threads),
+                args=(world_size, port, out_dir, fn, args, threads, dict(os.environ)),
                 nprocs=world_size,
                 join=True,
+                start_method=_start_method(),
             )
         except Exception as exc:
             errors = []

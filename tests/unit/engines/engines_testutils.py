@@ -167,3 +167,16 @@ def assert_states_close(state, ref_state, rel: float = 1e-5) -> None:
             continue
         err = rel_err(state[k], v)
         assert err < rel, f"{k}: relative error {err:.2e} >= {rel:.0e}"
+
+
+def process_report_worker(rank: int, world: int, names: list[str]) -> dict[str, str]:
+    """What a spawned rank sees of how it started: its start method, the named environment variables, and whether
+    a module attribute the parent set (``engines._dist.parent_only``) reached it."""
+    import multiprocessing
+    import os
+
+    import engines._dist as dist_mod
+
+    return {"start_method": multiprocessing.get_start_method(), "rank": os.environ["RANK"],
+            "parent_only": str(getattr(dist_mod, "parent_only", "")),
+            **{f"env:{n}": os.environ.get(n, "") for n in names}}
