@@ -1,57 +1,66 @@
 """``engines._dist.spawn`` forks ranks from a fork server that imported torch and the engines once, instead of
-starting an interpreter per rank; a rank still sees the caller's environment at the call and nothing else of the
-caller. The checks run in a fresh interpreter of their own, so that the fork server they see is one they started."""
+starting an interpreter per rank. A rank sees the caller's environment as it was at the call, and nothing else of
+the caller; once the environment (other than what pytest changes per test) or ``sys.path`` differs from the one
+the server started with, ranks start as fresh interpreters, so that what the preloaded modules read when they were
+imported is never stale."""
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
+from engines_testutils import process_report_worker
+
+import engines._dist as dist_mod
+from engines._dist import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
-_SCRIPT = textwrap.dedent("""
-    import json, logging, os, sys
-    import engines._dist as d
-    logging.basicConfig(level=logging.INFO)
-    from engines_testutils import process_report_worker
-
-    def run():
-        return d.spawn(process_report_worker, 2, ["ORC_SPAWN_PROBE", "PYTEST_CURRENT_TEST"])
-
-    d.parent_only = "set in the parent"  # module state of the caller: must not reach a rank
-    out = {"first": run()}
-    os.environ["PYTEST_CURRENT_TEST"] = "another test"  # changes between tests; no import reads it
-    out["volatile"] = run()
-    os.environ["ORC_SPAWN_PROBE"] = "changed"  # any other change: ranks start as fresh interpreters
-    out["changed"] = run()
-    del os.environ["ORC_SPAWN_PROBE"]
-    out["back"] = run()
-    print(json.dumps(out))
-""")
+_NAMES = ["ORC_SPAWN_PROBE", "PYTEST_CURRENT_TEST"]
 
 
-@pytest.mark.slow  # a fresh interpreter and a fork server
-def test_ranks_fork_from_the_server_with_the_callers_environment_and_nothing_else():
-    here = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k not in ("ORC_SPAWN_PROBE", "PYTEST_CURRENT_TEST")}
-    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[2]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for run in out.values():
-        assert [r["rank"] for r in run] == ["0", "1"]
-        assert all(r["parent_only"] == "" for r in run), run
-    assert [r["start_method"] for r in out["first"]] == ["forkserver"] * 2
-    assert [r["env:ORC_SPAWN_PROBE"] for r in out["first"]] == ["", ""]
-    # a variable pytest changes per test keeps the fork server, and the rank sees its value at the call
-    assert [(r["start_method"], r["env:PYTEST_CURRENT_TEST"]) for r in out["volatile"]] == [("forkserver", "another test")] * 2
-    # another change: fresh interpreters, which see it; once it is undone, the fork server again
-    assert [(r["start_method"], r["env:ORC_SPAWN_PROBE"]) for r in out["changed"]] == [("spawn", "changed")] * 2
-    assert [(r["start_method"], r["env:ORC_SPAWN_PROBE"]) for r in out["back"]] == [("forkserver", "")] * 2
-    assert "spawn: ORC_SPAWN_PROBE changed since the fork server started" in proc.stderr
+def _server_started_here(monkeypatch) -> None:
+    """Pretend the fork server started with this process's environment and sys.path as they are now."""
+    env = {k: v for k, v in os.environ.items() if k not in dist_mod.VOLATILE_ENV}
+    monkeypatch.setattr(dist_mod, "_server_key", [(env, list(sys.path))])
+
+
+def test_the_fork_server_is_used_while_the_environment_and_path_are_the_ones_it_started_with(monkeypatch, caplog):
+    monkeypatch.delenv("ORC_SPAWN_PROBE", raising=False)
+    _server_started_here(monkeypatch)
+    assert dist_mod._start_method() == "forkserver"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")  # pytest changes it per test; no import reads it
+    assert dist_mod._start_method() == "forkserver"
+    caplog.set_level(logging.INFO, logger="orchestra")
+    with monkeypatch.context() as m:
+        m.setenv("ORC_SPAWN_PROBE", "changed")
+        assert dist_mod._start_method() == "spawn"
+    assert "spawn: ORC_SPAWN_PROBE changed since the fork server started" in caplog.text
+    assert dist_mod._start_method() == "forkserver"  # undone: the server again
+    with monkeypatch.context() as m:
+        m.setattr(sys, "path", [*sys.path, "/somewhere/else"])
+        assert dist_mod._start_method() == "spawn"
+    assert "spawn: sys.path changed since the fork server started" in caplog.text
+
+
+@pytest.mark.slow  # forks ranks (and starts the fork server if no earlier test did)
+def test_forked_ranks_see_the_callers_environment_at_the_call_and_none_of_its_state(monkeypatch):
+    monkeypatch.setattr(dist_mod, "parent_only", "set in the parent", raising=False)  # must not reach a rank
+    monkeypatch.delenv("ORC_SPAWN_PROBE", raising=False)
+    ranks = spawn(process_report_worker, 2, _NAMES)
+    assert [r["rank"] for r in ranks] == ["0", "1"]
+    # the suite leaves the environment as the server found it, so this is a fork; a stale value of the variable
+    # pytest sets per test would show that a forked rank kept the server's environment
+    assert [r["start_method"] for r in ranks] == ["forkserver"] * 2
+    assert [r["env:PYTEST_CURRENT_TEST"] for r in ranks] == [os.environ["PYTEST_CURRENT_TEST"]] * 2
+    assert [r["parent_only"] for r in ranks] == ["", ""]
+
+
+@pytest.mark.slow  # fresh interpreters
+def test_a_changed_environment_gives_fresh_ranks_that_see_it(monkeypatch):
+    monkeypatch.setattr(dist_mod, "parent_only", "set in the parent", raising=False)
+    monkeypatch.setenv("ORC_SPAWN_PROBE", "changed")
+    ranks = spawn(process_report_worker, 1, _NAMES)
+    assert [(r["start_method"], r["env:ORC_SPAWN_PROBE"], r["parent_only"]) for r in ranks] == [("spawn", "changed", "")]
