@@ -76,14 +76,16 @@ async def test_closes_its_group_while_a_call_runs(make_group, orc_sequencer):
 '''
 
 
-def test_make_group_reports_failures_nobody_awaited_in_groups_the_test_closed_itself(tmp_path):
+def test_make_group_reports_failures_nobody_awaited_in_groups_the_test_closed_itself(local_user_run):
     """A failed call nobody awaited fails the test although the test closed (or shut down) the group itself (was:
     such tests passed); a call still running when the test closes its group is ended by that close and fails
     nothing."""
-    code, out = run_pytest(tmp_path, {"workers.py": WORKERS, "test_hidden.py": HIDDEN}, "--orc-backend=local")
+    code, out = local_user_run
     assert code == 1, out
-    assert "2 failed, 1 passed" in out, out
+    assert "3 failed, 1 passed" in out, out  # with test_on_death.py's one failure
     assert "PASSED test_hidden.py::test_closes_its_group_while_a_call_runs" in out, out
+    assert "FAILED test_hidden.py::test_closes_its_group_after_a_failure_nobody_awaited" in out, out
+    assert "FAILED test_hidden.py::test_shuts_its_group_down_after_a_failure_nobody_awaited" in out, out
     assert "calls failed and nothing awaited them: ['closed_async.boom: WorkerError" in out, out
     assert "calls failed and nothing awaited them: ['closed_sync.boom: WorkerError" in out, out
 
@@ -104,12 +106,19 @@ async def test_on_death_callback_fails(make_group):
 '''
 
 
-def test_make_group_fails_a_test_whose_on_death_callback_raised(tmp_path):
+@pytest.fixture(scope="module")
+def local_user_run(tmp_path_factory) -> tuple[int, str]:
+    """One in-process pytest run over both user files above (one interpreter start for the two tests below)."""
+    return run_pytest(tmp_path_factory.mktemp("user"), {"workers.py": WORKERS, "test_hidden.py": HIDDEN,
+                                                        "test_on_death.py": ON_DEATH}, "--orc-backend=local")
+
+
+def test_make_group_fails_a_test_whose_on_death_callback_raised(local_user_run):
     """An ``on_death`` callback that raised fails the test, naming the callback, the death and the error (was: only
     logged, and the test passed)."""
-    code, out = run_pytest(tmp_path, {"workers.py": WORKERS, "test_on_death.py": ON_DEATH}, "--orc-backend=local")
+    code, out = local_user_run
     assert code == 1, out
-    assert "1 failed" in out, out
+    assert "FAILED test_on_death.py::test_on_death_callback_fails" in out, out
     assert "on_death callbacks of its groups raised" in out, out
     assert ("  - test_on_death_callback_fails.<locals>.my_callback (told rank 0 of 'watched' died) raised "
             "AssertionError: my callback's assertion failed") in out, out
