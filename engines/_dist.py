@@ -126,7 +126,11 @@ def _spawn_entry(
 def _start_method() -> str:
     """``forkserver`` while this process's environment and ``sys.path`` are the ones the fork server started with
     (so that a rank sees what a fresh interpreter started now would, down to what the preloaded modules read when
-    they were imported); ``spawn`` otherwise (a fresh interpreter per rank, as before the fork server)."""
+    they were imported); ``spawn`` otherwise (a fresh interpreter per rank, as before the fork server). Always
+    ``spawn`` where CUDA is available: importing the engines may initialize CUDA's driver in the server, and a
+    process forked after that cannot use CUDA."""
+    if torch.cuda.is_available():
+        return "spawn"
     env, path = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}, list(sys.path)
     with _server_lock:
         if not _server_key:
@@ -156,9 +160,11 @@ def spawn(
     fail to load with an error naming them). A child's exception is re-raised here with its traceback.
 
     Children are forked from multiprocessing's fork server, which this process starts on its first spawn with
-    :data:`PRELOAD` imported (a few seconds, once; the server lives as long as this process). Nothing of this
+    :data:`PRELOAD` imported (a few seconds, once; the server lives as long as this process; a process that already
+    runs a fork server of its own forks from that one). Nothing of this
     process's own state reaches a child. When the environment or ``sys.path`` has changed since the server started,
-    children start as fresh interpreters instead (``spawn``), so a child always sees this process's environment.
+    children start as fresh interpreters instead (``spawn``), so a child always sees this process's environment;
+    so they do on machines with CUDA (a fork after CUDA's driver is initialized is not safe).
     """
     import torch.multiprocessing as mp
 

@@ -45,6 +45,14 @@ def test_the_fork_server_is_used_while_the_environment_and_path_are_the_ones_it_
     assert "spawn: sys.path changed since the fork server started" in caplog.text
 
 
+def test_ranks_start_fresh_where_cuda_is_available(monkeypatch):
+    """Importing the engines may initialize CUDA's driver in the fork server; a process forked after that cannot use
+    CUDA, so with CUDA every rank starts as a fresh interpreter."""
+    _server_started_here(monkeypatch)
+    monkeypatch.setattr(dist_mod.torch.cuda, "is_available", lambda: True)
+    assert dist_mod._start_method() == "spawn"
+
+
 @pytest.mark.slow  # forks ranks (and starts the fork server if no earlier test did)
 def test_forked_ranks_see_the_callers_environment_at_the_call_and_none_of_its_state(monkeypatch):
     monkeypatch.setattr(dist_mod, "parent_only", "set in the parent", raising=False)  # must not reach a rank
