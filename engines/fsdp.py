@@ -513,6 +513,27 @@ class FSDPEngine:
         self._raise_refused(problem, int(t[1].item()), what)
         return int(t[0].item())
 
+    def _agree_on_loss(self, failure: BaseException | None, micro: int) -> None:
+        """After each micro-batch's loss (collective, before its backward): if ``loss_fn`` raised on any rank, every
+        rank stops here, the failing ones with their own error and the others with one naming them, gradients
+        cleared and the step not taken. Without it, a rank whose loss raised left its peers waiting in the
+        backward's gradient collectives for ever."""
+        failed_on = torch.zeros(self._world, dtype=torch.int64, device=self.device)
+        failed_on[self._rank] = failure is not None
+        if self._world > 1:
+            dist.all_reduce(failed_on)
+        ranks = [r for r, f in enumerate(failed_on.tolist()) if f]
+        if not ranks:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.config.accumulate_without_sync and self._world > 1:
+            self.model.set_requires_gradient_sync(True)
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"train_step: loss_fn raised on rank(s) {ranks} in micro-batch {micro} (their errors say "
+                           f"what); rank {self._rank} stopped with them before the backward, and no rank took the "
+                           f"step")
+
     def _check_outputs_for(self, loss_fn: LossFn, with_entropy: bool) -> None:
         """``loss_fn.required_outputs`` (optional) names the outputs it reads: refuse, before any collective, a
         call that will not compute one of them (the same on every rank: the arguments are the same)."""
@@ -679,17 +700,28 @@ class FSDPEngine:
                 mb = _filler_row(data)
             outputs = self._forward(mb, temperature, with_entropy and self.model_kind == "causal_lm")
             if not real:  # keep collectives in step with ranks that have more micro-batches
+                self._agree_on_loss(None, i)
                 dummy = sum(v.sum() for v in outputs.values()) * 0.0
                 dummy.backward()
                 continue
-            loss, metrics = loss_fn(outputs, mb)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
-            w = units[i] / total_units if total_units > 0 else 0.0
+            failure: BaseException | None = None
+            try:
+                loss, metrics = loss_fn(outputs, mb)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
+                if not loss.requires_grad:
+                    raise ValueError("train_step: loss_fn returned a loss that does not depend on the model's "
+                                     "outputs (requires_grad is False); build it from the outputs it is given, and "
+                                     "do not call train_step under torch.no_grad")
+                w = units[i] / total_units if total_units > 0 else 0.0
+                values = {k: float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
+                          for k, v in (metrics or {}).items()}
+            except Exception as e:  # noqa: BLE001 - raised below, on this rank and (named) on the others
+                failure = e
+            self._agree_on_loss(failure, i)  # every rank, before any backward collective
             (loss * (w * self._world)).backward()
             metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
-            for k, v in (metrics or {}).items():
-                fv = float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
+            for k, fv in values.items():
                 mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]
                 metric_sums[k] = metric_sums.get(k, 0.0) + (mu[i] / mtotal if mtotal > 0 else 0.0) * fv
         if cfg.accumulate_without_sync and self._world > 1:

@@ -90,3 +90,51 @@ def bad_mask_on_one_rank_worker(rank: int, world: int) -> dict[str, str]:
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+class _RaisesOnRank:
+    """A token-mean loss that raises (or returns a loss detached from the outputs) on one rank, in one micro-batch."""
+
+    def __init__(self, rank: int, micro: int, how: str) -> None:
+        self.rank, self.micro, self.how, self.calls = rank, micro, how, 0
+
+    def __call__(self, outputs, mb):
+        import torch.distributed as dist
+
+        i, self.calls = self.calls, self.calls + 1
+        if dist.get_rank() == self.rank and i == self.micro:
+            if self.how == "raise":
+                raise ArithmeticError("my loss failed here")
+            return outputs["log_probs"].detach().sum(), {}
+        return masked_token_mean_loss(outputs, mb)
+
+
+def loss_fails_on_one_rank_worker(rank: int, world: int, how: str) -> dict[str, object]:
+    """Rank 1's loss fails in its second micro-batch: every rank's train_step must raise at once (the process
+    group's 60 s timeout is what a rank waiting in a collective would hit instead), nothing trained; then a good
+    step on the same engine equals that step on a fresh engine (nothing of the failed step is left)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    batch = make_batch(B=6, seed=rank)
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    before = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    out: dict[str, object] = {}
+    try:
+        eng.train_step(batch, _RaisesOnRank(1, 1, how))
+        out["error"] = ""
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["step_after_failure"] = eng.global_step
+    out["unchanged"] = all(torch.equal(v.detach(), before[k]) for k, v in eng.model.state_dict().items())
+    good = eng.train_step(batch, masked_token_mean_loss)
+    fresh = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2)).train_step(batch, masked_token_mean_loss)
+    out["good"] = torch.tensor([good["loss"], good["grad_norm"]])
+    out["fresh"] = torch.tensor([fresh["loss"], fresh["grad_norm"]])
+    return out
