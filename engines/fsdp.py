@@ -27,6 +27,12 @@ sum over the micro-batches that report it, divided by the mini-batch's units).
 Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches so that every
 rank issues the same FSDP collectives (a batch need not split evenly over ranks); a rank with no rows at all
 (a global mini-batch whose rows other ranks hold) runs them on one filler row.
+
+Failures stay collective: a batch a rank refuses (a missing column, a mask that is not 0/1) is refused on every
+rank before any forward, and a ``loss_fn`` that raises on one rank (or returns a loss detached from the outputs)
+stops every rank after that micro-batch's forward and before its backward: one all-reduce of a per-rank flag per
+micro-batch. The failing rank raises its own error, the others one naming it; gradients are cleared and no
+optimizer step is taken, so the engine is as it was before the call.
 """
 
 from __future__ import annotations
