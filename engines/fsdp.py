@@ -643,7 +643,9 @@ class FSDPEngine:
         metrics, grad_norm (before clipping), lr, tokens, rows, micro_batches, step, skipped
         (1.0 when the gradient was not finite and the update was skipped). A batch with no response token on any
         rank is not trained on: no forward, no optimizer step (no momentum or weight decay), the schedule does not
-        advance; it returns loss 0, grad_norm 0, skipped 1 (no loss_fn metrics) and rank 0 logs a warning.
+        advance; it returns loss 0, grad_norm 0, skipped 1 (no loss_fn metrics) and rank 0 logs a warning. A
+        ``loss_fn`` that raises on any rank (or returns a loss with ``requires_grad`` False) makes every rank raise
+        before that micro-batch's backward, with no step taken (module docstring).
         """
         self._check_ready("train_step")
         _check_temperature(temperature, "train_step")
