@@ -28,8 +28,9 @@ Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches
 rank issues the same FSDP collectives (a batch need not split evenly over ranks); a rank with no rows at all
 (a global mini-batch whose rows other ranks hold) runs them on one filler row.
 
-Failures stay collective: a batch a rank refuses (a missing column, a mask that is not 0/1) is refused on every
-rank before any forward, and a ``loss_fn`` that raises on one rank (or returns a loss detached from the outputs)
+Failures stay collective: a batch a rank refuses (a missing column, a mask that is not 0/1, a token id outside the
+model's vocabulary; for ``compute_log_prob`` / ``compute_values`` also an empty batch) is refused on every rank
+before any forward, and a ``loss_fn`` that raises on one rank (or returns a loss detached from the outputs)
 stops every rank after that micro-batch's forward and before its backward: one all-reduce of a per-rank flag per
 micro-batch. The failing rank raises its own error, the others one naming it; gradients are cleared and no
 optimizer step is taken, so the engine is as it was before the call.
@@ -301,6 +302,24 @@ def _mask_problem(mask: torch.Tensor, what: str, rank: int) -> _Problem | None:
                                 f"and put token weights into the loss")
 
 
+def _token_problem(data: Mapping[str, torch.Tensor], vocab: int | None, what: str, rank: int) -> _Problem | None:
+    """Token ids must index the model's embedding (0 <= id < vocab): a bad id would fail in the forward of one rank
+    while the others wait for it in FSDP's all-gathers (on CUDA it is a device-side assert)."""
+    if vocab is None:
+        return None
+    for name in ("input_ids", "prompts", "responses"):
+        ids = data.get(name)
+        if ids is None or ids.numel() == 0 or ids.is_floating_point():
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            return _Problem(ValueError, f"{what}: column {name!r} on rank {rank} holds token ids outside the model's "
+                                        f"vocabulary [0, {vocab}): {sorted(set(bad[:5].tolist()))} at "
+                                        f"{int(bad.numel())} position(s); check the tokenizer matches the model")
+    return None
+
+
 COLUMN_SHAPES = ("tokens", "rows|tokens")
 """Shapes a loss may declare for a column in ``required_columns``: ``[rows, response_len]``, or that or ``[rows]``."""
 
@@ -519,6 +538,27 @@ class FSDPEngine:
         self._raise_refused(problem, int(t[1].item()), what)
         return int(t[0].item())
 
+    def _vocab_size(self) -> int | None:
+        """Rows of the model's input embedding (None for a model without one)."""
+        get = getattr(self.model, "get_input_embeddings", None)
+        emb = get() if callable(get) else None
+        n = getattr(emb, "num_embeddings", None)
+        return int(n) if n is not None else None
+
+    def _inference_problem(self, data: Mapping[str, torch.Tensor], rows: int, what: str) -> _Problem | None:
+        """Why this rank refuses a compute_log_prob / compute_values batch (None: it does not)."""
+        if rows < 1:
+            return _Problem(ValueError, f"{what}: empty batch on rank {self._rank}; every rank needs at least one row")
+        try:
+            model_inputs(data, what)
+        except (KeyError, ValueError) as e:
+            return _Problem(type(e), f"{e.args[0] if e.args else e} (rank {self._rank})")
+        if "response_mask" in data:
+            problem = _mask_problem(data["response_mask"], what, self._rank)
+            if problem is not None:
+                return problem
+        return _token_problem(data, self._vocab_size(), what, self._rank)
+
     def _agree_on_loss(self, failure: BaseException | None, micro: int) -> None:
         """After each micro-batch's loss (collective, before its backward): if ``loss_fn`` raised on any rank, every
         rank stops here, the failing ones with their own error and the others with one naming them, gradients
@@ -570,14 +610,14 @@ class FSDPEngine:
         self._check_ready(what)
         _check_temperature(temperature, what)
         rows = batch_rows(batch)
-        if rows < 1:
-            raise ValueError(f"{what}: empty batch on rank {self._rank}; every rank needs at least one row")
         keys = ["prompts", "responses", "input_ids", "attention_mask", "response_mask"]
         data = tensor_dict(batch, self.device, keys)
         self.model.eval()
         size = self.config.forward_micro_batch_size or self.config.micro_batch_size
-        ranges = self._micro_ranges(rows, size)
-        problem = _mask_problem(data["response_mask"], what, self._rank) if "response_mask" in data else None
+        ranges = self._micro_ranges(rows, size) if rows > 0 else []
+        # refused on every rank (``_global_micro_count``), so that no rank goes on alone into the forward's
+        # collectives: an empty batch, missing or inconsistent model inputs, a mask that is not 0/1, bad token ids
+        problem = self._inference_problem(data, rows, what)
         n_global = self._global_micro_count(len(ranges), problem, what)
         parts: list[dict[str, torch.Tensor]] = []
         for i in range(n_global):
@@ -658,7 +698,8 @@ class FSDPEngine:
         metric_scales: dict[str, str] = dict(getattr(loss_fn, "metric_scales", None) or {})
         scales = sorted({*metric_scales.values()} - {loss_scale})
         # a refused batch still enters the two all-reduces below (with zero counts), so that every rank raises
-        problem = _train_batch_problem(batch, data, rows, loss_fn, self._rank)
+        problem = (_train_batch_problem(batch, data, rows, loss_fn, self._rank)
+                   or _token_problem(data, self._vocab_size(), "train_step", self._rank))
         if problem is None:
             ranges = self._micro_ranges(rows, cfg.micro_batch_size)
             tok = [float(data["response_mask"][s:e].sum().item()) for s, e in ranges]

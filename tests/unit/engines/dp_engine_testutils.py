@@ -138,3 +138,38 @@ def loss_fails_on_one_rank_worker(rank: int, world: int, how: str) -> dict[str, 
     out["good"] = torch.tensor([good["loss"], good["grad_norm"]])
     out["fresh"] = torch.tensor([fresh["loss"], fresh["grad_norm"]])
     return out
+
+
+def refused_on_one_rank_worker(rank: int, world: int) -> dict[str, str]:
+    """Rank 1's batch is bad in one way per call (a token id past the vocabulary, an empty batch, no responses),
+    rank 0's is fine: each call must raise on *every* rank at once (the process group's 60 s timeout is what a rank
+    left waiting in a collective would hit instead). The messages, per call."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import VOCAB, make_batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    good = make_batch(B=3, seed=rank)
+    past = {**good, "responses": good["responses"].clone(), "input_ids": good["input_ids"].clone()}
+    past["responses"][0, 0] = VOCAB
+    past["input_ids"][0, good["prompts"].shape[1]] = VOCAB
+    empty = {k: v[:0] for k, v in good.items()}
+    no_responses = {k: v for k, v in good.items() if k != "responses"}
+    calls = {"train_step past the vocabulary": lambda b: eng.train_step(b, masked_token_mean_loss),
+             "compute_log_prob past the vocabulary": eng.compute_log_prob,
+             "compute_log_prob of an empty batch": eng.compute_log_prob,
+             "compute_log_prob without responses": eng.compute_log_prob}
+    bad = dict(zip(calls, (past, past, empty, no_responses)))
+    out = {}
+    for name, call in calls.items():
+        try:
+            call(bad[name] if rank == 1 else good)
+            out[name] = "accepted"
+        except (KeyError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e.args[0] if e.args else e}"
+    out["after"] = "ok" if eng.compute_log_prob(good) is not None else "?"  # still in step
+    return out
