@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("orchestra")
 
-__all__ = ["default_device", "init_distributed", "free_port", "spawn", "PRELOAD"]
+__all__ = ["default_device", "init_distributed", "free_port", "spawn", "PRELOAD", "VOLATILE_ENV"]
 
 #: what the fork server imports once, so that ranks forked from it do not (``__main__`` is multiprocessing's default)
 PRELOAD = ("__main__", "engines._dist", "engines.fsdp", "engines.models")
@@ -161,10 +161,11 @@ def spawn(
 
     Children are forked from multiprocessing's fork server, which this process starts on its first spawn with
     :data:`PRELOAD` imported (a few seconds, once; the server lives as long as this process; a process that already
-    runs a fork server of its own forks from that one). Nothing of this
-    process's own state reaches a child. When the environment or ``sys.path`` has changed since the server started,
-    children start as fresh interpreters instead (``spawn``), so a child always sees this process's environment;
-    so they do on machines with CUDA (a fork after CUDA's driver is initialized is not safe).
+    runs a fork server of its own forks from that one). Nothing of this process's own state reaches a child, and a
+    child gets this process's environment as it is at the call. When the environment (but for
+    :data:`VOLATILE_ENV`) or ``sys.path`` has changed since the server started, children start as fresh
+    interpreters instead (``spawn``), so that no preloaded module read a stale value; so they do on machines with
+    CUDA (a fork after CUDA's driver is initialized is not safe).
     """
     import torch.multiprocessing as mp
 
