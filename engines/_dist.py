@@ -32,7 +32,7 @@ __all__ = ["default_device", "init_distributed", "free_port", "spawn", "PRELOAD"
 #: what the fork server imports once, so that ranks forked from it do not (``__main__`` is multiprocessing's default)
 PRELOAD = ("__main__", "engines._dist", "engines.fsdp", "engines.models")
 _server_lock = threading.Lock()
-_server_key: list[Any] = []  # [(environment, sys.path)] the fork server started with, once this process started it
+_server_key: list[Any] = []  # [(environment, sys.path)] the fork server started with; [None]: one ran before ours
 #: environment variables that change between calls and that no import reads (pytest sets this one for each test):
 #: they do not make a spawn start fresh interpreters; a child still gets their current value
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
@@ -103,6 +103,7 @@ def _spawn_entry(
 ) -> None:
     os.environ.clear()  # the parent's environment when it called spawn (a fork server's child starts with the server's)
     os.environ.update(env)
+    _fresh_random_state()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -123,6 +124,26 @@ def _spawn_entry(
         raise
 
 
+def _fresh_random_state() -> None:
+    """Seed torch's, numpy's and Python's global generators from fresh entropy, as a new interpreter does: ranks
+    forked from one server would otherwise all draw the same numbers. (String hashing keeps the server's seed.)"""
+    import random
+
+    import numpy as np
+
+    random.seed()
+    np.random.seed()
+    torch.seed()
+
+
+def _server_running_elsewhere() -> bool:
+    """Whether multiprocessing's fork server already runs, started by something else before this module's first
+    spawn (its environment and preloads are then unknown here)."""
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
+
+
 def _start_method() -> str:
     """``forkserver`` while this process's environment and ``sys.path`` are the ones the fork server started with
     (so that a rank sees what a fresh interpreter started now would, down to what the preloaded modules read when
@@ -134,8 +155,15 @@ def _start_method() -> str:
     env, path = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}, list(sys.path)
     with _server_lock:
         if not _server_key:
-            multiprocessing.set_forkserver_preload(list(PRELOAD))  # ignored if the server already runs
-            _server_key.append((env, path))
+            if _server_running_elsewhere():
+                _server_key.append(None)
+            else:
+                multiprocessing.set_forkserver_preload(list(PRELOAD))
+                _server_key.append((env, path))
+        if _server_key[0] is None:
+            log.info("spawn: a fork server this module did not start already runs; ranks start as fresh "
+                     "interpreters")
+            return "spawn"
         server_env, server_path = _server_key[0]
     if (env, path) == (server_env, server_path):
         return "forkserver"
@@ -160,12 +188,13 @@ def spawn(
     fail to load with an error naming them). A child's exception is re-raised here with its traceback.
 
     Children are forked from multiprocessing's fork server, which this process starts on its first spawn with
-    :data:`PRELOAD` imported (a few seconds, once; the server lives as long as this process; a process that already
-    runs a fork server of its own forks from that one). Nothing of this process's own state reaches a child, and a
-    child gets this process's environment as it is at the call. When the environment (but for
-    :data:`VOLATILE_ENV`) or ``sys.path`` has changed since the server started, children start as fresh
-    interpreters instead (``spawn``), so that no preloaded module read a stale value; so they do on machines with
-    CUDA (a fork after CUDA's driver is initialized is not safe).
+    :data:`PRELOAD` imported (a few seconds, once; the server lives as long as this process). Nothing of this
+    process's own state reaches a child; a child gets this process's environment as it is at the call, and its
+    random generators are seeded afresh, as in a new interpreter. Children start as fresh interpreters instead
+    (``spawn``) when the environment (but for :data:`VOLATILE_ENV`) or ``sys.path`` has changed since the server
+    started (so that no preloaded module read a stale value), when a fork server this module did not start
+    already runs (its environment is unknown), and on machines with CUDA (a fork after CUDA's driver is
+    initialized is not safe).
     """
     import torch.multiprocessing as mp
 
@@ -187,7 +216,8 @@ def spawn(
                     rec = torch.load(p, weights_only=True)
                     if not rec["ok"]:
                         errors.append(f"--- rank {r} ---\n{rec['error']}")
-            raise RuntimeError("spawned rank failed:\n" + "\n".join(errors)) from exc
+            detail = "\n".join(errors) or f"no rank reported an error (one died: {exc})"
+            raise RuntimeError("spawned rank failed:\n" + detail) from exc
         results = []
         for r in range(world_size):
             rec = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)

@@ -309,7 +309,12 @@ def _token_problem(data: Mapping[str, torch.Tensor], vocab: int | None, what: st
         return None
     for name in ("input_ids", "prompts", "responses"):
         ids = data.get(name)
-        if ids is None or ids.numel() == 0 or ids.is_floating_point():
+        if ids is None:
+            continue
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            return _Problem(ValueError, f"{what}: column {name!r} on rank {rank} holds {ids.dtype} values; token ids "
+                                        f"must be integers (torch.long)")
+        if ids.numel() == 0:
             continue
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
@@ -318,6 +323,27 @@ def _token_problem(data: Mapping[str, torch.Tensor], vocab: int | None, what: st
                                         f"vocabulary [0, {vocab}): {sorted(set(bad[:5].tolist()))} at "
                                         f"{int(bad.numel())} position(s); check the tokenizer matches the model")
     return None
+
+
+def _metric_value(name: str, v: Any) -> float:
+    """A loss_fn metric as a float: a number or a one-element tensor."""
+    try:
+        return float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
+    except (TypeError, ValueError, RuntimeError) as e:
+        shape = f" of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else ""
+        raise ValueError(f"train_step: loss_fn's metric {name!r} must be a number or a one-element tensor, got "
+                         f"{type(v).__name__}{shape} ({e})") from e
+
+
+def _lr_problem(lr: float | None, rank: int) -> _Problem | None:
+    """An explicit ``lr`` must be a finite number > 0 (refused on every rank, like a bad batch)."""
+    if lr is None:
+        return None
+    try:
+        ok = math.isfinite(lr) and lr > 0
+    except TypeError:
+        ok = False
+    return None if ok else _Problem(ValueError, f"train_step: lr must be a finite number > 0, got {lr!r} (rank {rank})")
 
 
 COLUMN_SHAPES = ("tokens", "rows|tokens")
@@ -545,25 +571,46 @@ class FSDPEngine:
         n = getattr(emb, "num_embeddings", None)
         return int(n) if n is not None else None
 
-    def _inference_problem(self, data: Mapping[str, torch.Tensor], rows: int, what: str) -> _Problem | None:
+    def _inference_problem(self, batch: Mapping[str, Any], data: Mapping[str, torch.Tensor], rows: int,
+                           what: str) -> _Problem | None:
         """Why this rank refuses a compute_log_prob / compute_values batch (None: it does not)."""
         if rows < 1:
             return _Problem(ValueError, f"{what}: empty batch on rank {self._rank}; every rank needs at least one row")
+        for name in ("prompts", "responses", "input_ids", "attention_mask", "response_mask"):
+            v = data.get(name, batch.get(name) if hasattr(batch, "get") else None)
+            if isinstance(v, torch.Tensor) and (v.dim() != 2 or v.shape[0] != rows):
+                return _Problem(ValueError, f"{what}: column {name!r} has shape {tuple(v.shape)} on rank "
+                                            f"{self._rank}; it must be [rows, length] with rows = {rows}")
+        problem = _token_problem(data, self._vocab_size(), what, self._rank)
+        if problem is not None:
+            return problem
         try:
-            model_inputs(data, what)
+            _, _, R = model_inputs(data, what)
         except (KeyError, ValueError) as e:
             return _Problem(type(e), f"{e.args[0] if e.args else e} (rank {self._rank})")
         if "response_mask" in data:
-            problem = _mask_problem(data["response_mask"], what, self._rank)
-            if problem is not None:
-                return problem
-        return _token_problem(data, self._vocab_size(), what, self._rank)
+            if tuple(data["response_mask"].shape) != (rows, R):
+                return _Problem(ValueError, f"{what}: column 'response_mask' has shape "
+                                            f"{tuple(data['response_mask'].shape)} on rank {self._rank}; it must be "
+                                            f"[rows, response_len] = {(rows, R)}")
+            return _mask_problem(data["response_mask"], what, self._rank)
+        return None
 
-    def _agree_on_loss(self, failure: BaseException | None, micro: int) -> None:
-        """After each micro-batch's loss (collective, before its backward): if ``loss_fn`` raised on any rank, every
-        rank stops here, the failing ones with their own error and the others with one naming them, gradients
-        cleared and the step not taken. Without it, a rank whose loss raised left its peers waiting in the
-        backward's gradient collectives for ever."""
+    def _read_batch(self, batch: Any, keys: list[str] | None, what: str
+                    ) -> tuple[int, dict[str, torch.Tensor], _Problem | None]:
+        """(rows, tensors on the device, a problem if the batch cannot be read at all): read so that an unreadable
+        batch is refused on every rank, not raised by this one alone."""
+        try:
+            return batch_rows(batch), tensor_dict(batch, self.device, keys), None
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            return 0, {}, _Problem(ValueError, f"{what}: rank {self._rank} cannot read its batch ({type(e).__name__}: "
+                                               f"{e}); pass a mapping of tensors with one row per sample")
+
+    def _agree_on_loss(self, failure: BaseException | None, micro: int, data: Mapping[str, torch.Tensor]) -> None:
+        """After each micro-batch's loss (collective, before its backward): if ``loss_fn`` failed on any rank, every
+        rank stops here, the failing ones with their own error and the others with one naming them, with the
+        gradients of the step's earlier micro-batches dropped and no step taken. Without it, a rank whose loss
+        raised left its peers waiting in the backward's gradient collectives for ever."""
         failed_on = torch.zeros(self._world, dtype=torch.int64, device=self.device)
         failed_on[self._rank] = failure is not None
         if self._world > 1:
@@ -571,9 +618,13 @@ class FSDPEngine:
         ranks = [r for r, f in enumerate(failed_on.tolist()) if f]
         if not ranks:
             return
-        self.optimizer.zero_grad(set_to_none=True)
         if self.config.accumulate_without_sync and self._world > 1:
+            # the earlier micro-batches' gradients wait unreduced inside FSDP (not in .grad, which zero_grad
+            # clears): one synced zero-weighted backward on every rank reduces them into .grad, dropped below
             self.model.set_requires_gradient_sync(True)
+            flush = self._forward(_filler_row(data), 1.0, False)
+            (sum(v.sum() for v in flush.values()) * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
         if failure is not None:
             raise failure
         raise RuntimeError(f"train_step: loss_fn raised on rank(s) {ranks} in micro-batch {micro} (their errors say "
@@ -609,15 +660,14 @@ class FSDPEngine:
     def _inference(self, batch: Mapping[str, Any], temperature: float, with_entropy: bool, what: str) -> TensorDict:
         self._check_ready(what)
         _check_temperature(temperature, what)
-        rows = batch_rows(batch)
         keys = ["prompts", "responses", "input_ids", "attention_mask", "response_mask"]
-        data = tensor_dict(batch, self.device, keys)
+        rows, data, unreadable = self._read_batch(batch, keys, what)
         self.model.eval()
         size = self.config.forward_micro_batch_size or self.config.micro_batch_size
-        ranges = self._micro_ranges(rows, size) if rows > 0 else []
+        ranges = self._micro_ranges(rows, size) if rows > 0 and unreadable is None else []
         # refused on every rank (``_global_micro_count``), so that no rank goes on alone into the forward's
         # collectives: an empty batch, missing or inconsistent model inputs, a mask that is not 0/1, bad token ids
-        problem = self._inference_problem(data, rows, what)
+        problem = unreadable or self._inference_problem(batch, data, rows, what)
         n_global = self._global_micro_count(len(ranges), problem, what)
         parts: list[dict[str, torch.Tensor]] = []
         for i in range(n_global):
@@ -691,14 +741,14 @@ class FSDPEngine:
         _check_temperature(temperature, "train_step")
         self._check_outputs_for(loss_fn, with_entropy)
         cfg = self.config
-        rows = batch_rows(batch)  # may be 0: a rank that holds none of a global mini-batch's rows still takes part
-        data = tensor_dict(batch, self.device)
+        rows, data, unreadable = self._read_batch(batch, None, "train_step")  # rows may be 0: see the docstring
         loss_scale = getattr(loss_fn, "loss_scale", None) or cfg.loss_scale
         # a metric is weighted by the units it is a mean over: the loss's, or those loss_fn.metric_scales names
         metric_scales: dict[str, str] = dict(getattr(loss_fn, "metric_scales", None) or {})
         scales = sorted({*metric_scales.values()} - {loss_scale})
         # a refused batch still enters the two all-reduces below (with zero counts), so that every rank raises
-        problem = (_train_batch_problem(batch, data, rows, loss_fn, self._rank)
+        problem = (unreadable or _lr_problem(lr, self._rank)
+                   or _train_batch_problem(batch, data, rows, loss_fn, self._rank)
                    or _token_problem(data, self._vocab_size(), "train_step", self._rank))
         if problem is None:
             ranges = self._micro_ranges(rows, cfg.micro_batch_size)
@@ -726,8 +776,6 @@ class FSDPEngine:
             if not (math.isfinite(lr) and lr >= 0):  # EngineConfig's checks make this unreachable; never step with it
                 raise ValueError(f"train_step: the LR schedule gives lr={lr} at step {self.global_step}; check "
                                  f"EngineConfig.lr and min_lr_ratio (config: {self.config})")
-        elif not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"train_step: lr must be a finite number > 0, got {lr}")
         if total_tokens == 0:  # every rank knows it from the all-reduce: all return here, no collective is left
             log.log(logging.WARNING if self._rank == 0 else logging.DEBUG,
                     "train_step: the batch has no response token on any rank (response_mask is 0 everywhere in "
@@ -749,7 +797,7 @@ class FSDPEngine:
                 mb = _filler_row(data)
             outputs = self._forward(mb, temperature, with_entropy and self.model_kind == "causal_lm")
             if not real:  # keep collectives in step with ranks that have more micro-batches
-                self._agree_on_loss(None, i)
+                self._agree_on_loss(None, i, data)
                 dummy = sum(v.sum() for v in outputs.values()) * 0.0
                 dummy.backward()
                 continue
@@ -763,12 +811,14 @@ class FSDPEngine:
                                      "outputs (requires_grad is False); build it from the outputs it is given, and "
                                      "do not call train_step under torch.no_grad")
                 w = units[i] / total_units if total_units > 0 else 0.0
-                values = {k: float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
-                          for k, v in (metrics or {}).items()}
+                values = {k: _metric_value(k, v) for k, v in (metrics or {}).items()}
             except Exception as e:  # noqa: BLE001 - raised below, on this rank and (named) on the others
                 failure = e
-            self._agree_on_loss(failure, i)  # every rank, before any backward collective
-            (loss * (w * self._world)).backward()
+            self._agree_on_loss(failure, i, data)  # every rank, before any backward collective
+            # the zero-weighted term makes every rank's backward reach every parameter, so that FSDP's gradient
+            # collectives pair up even where the loss does not depend on the model (a constant zero loss)
+            main = outputs["values"] if self.model_kind == "value" else outputs["log_probs"]
+            (loss * (w * self._world) + main.sum() * 0.0).backward()
             metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
             for k, fv in values.items():
                 mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]

@@ -105,14 +105,18 @@ class _RaisesOnRank:
         if dist.get_rank() == self.rank and i == self.micro:
             if self.how == "raise":
                 raise ArithmeticError("my loss failed here")
+            if self.how == "zero":  # a constant zero loss for this micro-batch: legal, it trains nothing
+                return torch.zeros((), requires_grad=True), {}
             return outputs["log_probs"].detach().sum(), {}
         return masked_token_mean_loss(outputs, mb)
 
 
-def loss_fails_on_one_rank_worker(rank: int, world: int, how: str) -> dict[str, object]:
-    """Rank 1's loss fails in its second micro-batch: every rank's train_step must raise at once (the process
+def loss_fails_on_one_rank_worker(rank: int, world: int, how: str, accumulate: bool = False,
+                                  micro: int = 1) -> dict[str, object]:
+    """Rank 1's loss fails in micro-batch ``micro``: every rank's train_step must raise at once (the process
     group's 60 s timeout is what a rank waiting in a collective would hit instead), nothing trained; then a good
-    step on the same engine equals that step on a fresh engine (nothing of the failed step is left)."""
+    step on the same engine equals that step on a fresh engine (nothing of the failed step is left). ``how="zero"``:
+    rank 1 returns a constant zero loss there instead, which is legal: the step must complete on every rank."""
     import datetime
 
     import torch
@@ -123,18 +127,20 @@ def loss_fails_on_one_rank_worker(rank: int, world: int, how: str) -> dict[str, 
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     batch = make_batch(B=6, seed=rank)
-    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    cfg = EngineConfig(micro_batch_size=2, accumulate_without_sync=accumulate)
+    eng = FSDPEngine(model_factory(0), cfg)
     before = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
     out: dict[str, object] = {}
     try:
-        eng.train_step(batch, _RaisesOnRank(1, 1, how))
+        got = eng.train_step(batch, _RaisesOnRank(1, micro, how))
         out["error"] = ""
+        out["failed_step_loss"] = torch.tensor([got["loss"], got["grad_norm"]])
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
         out["error"] = f"{type(e).__name__}: {e}"
     out["step_after_failure"] = eng.global_step
     out["unchanged"] = all(torch.equal(v.detach(), before[k]) for k, v in eng.model.state_dict().items())
     good = eng.train_step(batch, masked_token_mean_loss)
-    fresh = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2)).train_step(batch, masked_token_mean_loss)
+    fresh = FSDPEngine(model_factory(0), cfg).train_step(batch, masked_token_mean_loss)
     out["good"] = torch.tensor([good["loss"], good["grad_norm"]])
     out["fresh"] = torch.tensor([fresh["loss"], fresh["grad_norm"]])
     return out
@@ -159,15 +165,26 @@ def refused_on_one_rank_worker(rank: int, world: int) -> dict[str, str]:
     past["input_ids"][0, good["prompts"].shape[1]] = VOCAB
     empty = {k: v[:0] for k, v in good.items()}
     no_responses = {k: v for k, v in good.items() if k != "responses"}
-    calls = {"train_step past the vocabulary": lambda b: eng.train_step(b, masked_token_mean_loss),
-             "compute_log_prob past the vocabulary": eng.compute_log_prob,
-             "compute_log_prob of an empty batch": eng.compute_log_prob,
-             "compute_log_prob without responses": eng.compute_log_prob}
-    bad = dict(zip(calls, (past, past, empty, no_responses)))
+    float_ids = {**good, "input_ids": good["input_ids"].float()}
+    flat_responses = {**good, "responses": good["responses"][0]}
+    short_mask = {**good, "response_mask": good["response_mask"][:, :-1]}
+    train = lambda b: eng.train_step(b, masked_token_mean_loss)  # noqa: E731
+    calls = {"train_step past the vocabulary": (train, past),
+             "compute_log_prob past the vocabulary": (eng.compute_log_prob, past),
+             "compute_log_prob of an empty batch": (eng.compute_log_prob, empty),
+             "compute_log_prob without responses": (eng.compute_log_prob, no_responses),
+             "compute_log_prob of float ids": (eng.compute_log_prob, float_ids),
+             "train_step of float ids": (train, float_ids),
+             "compute_log_prob of 1-D responses": (eng.compute_log_prob, flat_responses),
+             "compute_log_prob of a short mask": (eng.compute_log_prob, short_mask),
+             "compute_log_prob of no batch": (eng.compute_log_prob, {}),
+             "train_step of no batch": (train, {}),
+             "train_step at lr nan": (lambda b: eng.train_step(b, masked_token_mean_loss,
+                                                               lr=float("nan") if rank == 1 else 1e-4), good)}
     out = {}
-    for name, call in calls.items():
+    for name, (call, bad) in calls.items():
         try:
-            call(bad[name] if rank == 1 else good)
+            call(bad if rank == 1 else good)
             out[name] = "accepted"
         except (KeyError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e.args[0] if e.args else e}"

@@ -170,13 +170,26 @@ def assert_states_close(state, ref_state, rel: float = 1e-5) -> None:
 
 
 def process_report_worker(rank: int, world: int, names: list[str]) -> dict[str, str]:
-    """What a spawned rank sees of how it started: its start method, the named environment variables, and whether
-    a module attribute the parent set (``engines._dist.parent_only``) reached it."""
+    """What a spawned rank sees of how it started: its start method, the named environment variables, whether a
+    module attribute the parent set (``engines._dist.parent_only``) reached it, and a draw from each global random
+    generator (torch, numpy, Python)."""
     import multiprocessing
     import os
 
     import engines._dist as dist_mod
 
+    import random
+
+    import numpy as np
+
     return {"start_method": multiprocessing.get_start_method(), "rank": os.environ["RANK"],
             "parent_only": str(getattr(dist_mod, "parent_only", "")),
+            "draws": f"{torch.rand(1).item()} {np.random.rand()} {random.random()}",
             **{f"env:{n}": os.environ.get(n, "") for n in names}}
+
+
+def dies_without_a_word(rank: int, world: int) -> None:
+    """A rank that ends its process at once: no result file, no traceback."""
+    import os
+
+    os._exit(3)

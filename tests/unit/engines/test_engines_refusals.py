@@ -1,6 +1,7 @@
 """A batch one rank must refuse is refused on every rank before any collective: token ids outside the model's
-vocabulary (train_step and compute_log_prob), and for compute_log_prob an empty batch or missing model inputs
-(was: the refusing rank raised alone, in its forward or before the first all-reduce, and the other ranks waited for
+vocabulary or not integers, a batch that is not a mapping of tensors, an explicit lr that is not a finite number > 0
+(train_step), and for compute_log_prob an empty batch, missing model inputs or columns of the wrong shape (was: the
+refusing rank raised alone, in its forward, before the first all-reduce or after it, and the other ranks waited for
 it until the process group timed out)."""
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ def test_a_batch_refused_on_one_rank_stops_every_rank():
     expect = {"train_step past the vocabulary": "holds token ids outside the model's vocabulary",
               "compute_log_prob past the vocabulary": "holds token ids outside the model's vocabulary",
               "compute_log_prob of an empty batch": "empty batch on rank 1",
-              "compute_log_prob without responses": "batch needs 'responses'"}
+              "compute_log_prob without responses": "batch needs 'responses'",
+              "compute_log_prob of float ids": "column 'input_ids' on rank 1 holds torch.float32 values",
+              "train_step of float ids": "column 'input_ids' on rank 1 holds torch.float32 values",
+              "compute_log_prob of 1-D responses": "column 'responses' has shape (8,) on rank 1",
+              "compute_log_prob of a short mask": "column 'response_mask' has shape (3, 7) on rank 1",
+              "compute_log_prob of no batch": "rank 1 cannot read its batch",
+              "train_step of no batch": "rank 1 cannot read its batch",
+              "train_step at lr nan": "lr must be a finite number > 0, got nan (rank 1)"}
     for call, text in expect.items():
         assert text in r1[call] and "rank 1" in r1[call], (call, r1[call])
         assert "rank 1 refused its batch" in r0[call], (call, r0[call])

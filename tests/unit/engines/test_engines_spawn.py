@@ -11,7 +11,7 @@ import os
 import sys
 
 import pytest
-from engines_testutils import process_report_worker
+from engines_testutils import dies_without_a_word, process_report_worker
 
 import engines._dist as dist_mod
 from engines._dist import spawn
@@ -53,6 +53,17 @@ def test_ranks_start_fresh_where_cuda_is_available(monkeypatch):
     assert dist_mod._start_method() == "spawn"
 
 
+def test_a_fork_server_something_else_started_gives_fresh_interpreters(monkeypatch, caplog):
+    """Its environment and preloads are unknown here, so nothing is forked from it."""
+    monkeypatch.setattr(dist_mod, "_server_key", [])
+    monkeypatch.setattr(dist_mod, "_server_running_elsewhere", lambda: True)
+    caplog.set_level(logging.INFO, logger="orchestra")
+    assert dist_mod._start_method() == "spawn"
+    assert dist_mod._server_key == [None]
+    assert "a fork server this module did not start already runs" in caplog.text
+    assert dist_mod._start_method() == "spawn"
+
+
 @pytest.mark.slow  # forks ranks (and starts the fork server if no earlier test did)
 def test_forked_ranks_see_the_callers_environment_at_the_call_and_none_of_its_state(monkeypatch):
     monkeypatch.setattr(dist_mod, "parent_only", "set in the parent", raising=False)  # must not reach a rank
@@ -64,6 +75,16 @@ def test_forked_ranks_see_the_callers_environment_at_the_call_and_none_of_its_st
     assert [r["start_method"] for r in ranks] == ["forkserver"] * 2
     assert [r["env:PYTEST_CURRENT_TEST"] for r in ranks] == [os.environ["PYTEST_CURRENT_TEST"]] * 2
     assert [r["parent_only"] for r in ranks] == ["", ""]
+    # each rank's global generators are seeded afresh, as in a new interpreter: no two ranks, or calls, draw alike
+    again = spawn(process_report_worker, 2, _NAMES)
+    per_generator = list(zip(*(r["draws"].split() for r in ranks + again)))  # (torch, numpy, Python) draws
+    assert [len(set(d)) for d in per_generator] == [4, 4, 4], per_generator
+
+
+@pytest.mark.slow  # forks a rank
+def test_a_rank_that_dies_without_a_report_is_named_with_how_it_ended():
+    with pytest.raises(RuntimeError, match=r"spawned rank failed:\n.*no rank reported an error \(one died: .*exit code 3"):
+        spawn(dies_without_a_word, 1)
 
 
 @pytest.mark.slow  # fresh interpreters
