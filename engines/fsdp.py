@@ -28,12 +28,20 @@ Ranks with fewer micro-batches than others run zero-weighted dummy micro-batches
 rank issues the same FSDP collectives (a batch need not split evenly over ranks); a rank with no rows at all
 (a global mini-batch whose rows other ranks hold) runs them on one filler row.
 
-Failures stay collective: a batch a rank refuses (a missing column, a mask that is not 0/1, a token id outside the
-model's vocabulary; for ``compute_log_prob`` / ``compute_values`` also an empty batch) is refused on every rank
-before any forward, and a ``loss_fn`` that raises on one rank (or returns a loss detached from the outputs)
-stops every rank after that micro-batch's forward and before its backward: one all-reduce of a per-rank flag per
-micro-batch. The failing rank raises its own error, the others one naming it; gradients are cleared and no
-optimizer step is taken, so the engine is as it was before the call.
+Failures stay collective: a batch a rank refuses is refused on every rank before any forward (a batch that is
+not a mapping of tensors, a missing or misshapen column, a mask that is not 0/1, token ids that are not integers or
+lie outside the model's vocabulary, an explicit ``lr`` that is not a finite number > 0; for ``compute_log_prob`` /
+``compute_values`` also an empty batch). A ``loss_fn`` that raises on one rank (or returns a non-scalar, a loss
+detached from the outputs, or a metric that is not a number) stops every rank after that micro-batch's forward and
+before its backward: one all-reduce of a per-rank flag per micro-batch. The failing rank raises its own error, the
+others one naming it; the gradients of the step's earlier micro-batches are dropped (under
+``accumulate_without_sync`` FSDP holds them unreduced, so one synced zero-weighted backward on a filler row reduces
+them first) and no optimizer step is taken, so the engine is as it was before the call. Every backward also carries
+a zero-weighted term of the main output, so it reaches every parameter on every rank and FSDP's gradient
+collectives pair up even where a loss does not depend on the model (a constant zero loss for a micro-batch is legal
+and trains nothing). What this cannot catch: an error raised inside the backward itself on one rank (for instance
+autograd's "modified by an inplace operation", when a loss wrote into a tensor the backward needs), or inside the
+model's forward; the other ranks then wait in a collective until the process group times out.
 """
 
 from __future__ import annotations
