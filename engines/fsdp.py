@@ -379,6 +379,11 @@ def _train_batch_problem(batch: Mapping[str, Any], data: Mapping[str, torch.Tens
                         f"train_step: batch needs 'responses' [rows, response_len] (rank {rank} got "
                         + (f"keys {sorted(data)})" if had is None else f"shape {had} for {rows} rows)"))
     R = data["responses"].shape[1]
+    for name in ("prompts", "input_ids", "attention_mask"):  # present, but dropped from ``data`` for its rows
+        had = shape_of(name)
+        if name not in data and had is not None:
+            return _Problem(ValueError, f"train_step: column {name!r} has shape {had} on rank {rank}; it must be "
+                                        f"[rows, length] with rows = {rows}")
     try:
         model_inputs(data, "train_step")
     except (KeyError, ValueError) as e:

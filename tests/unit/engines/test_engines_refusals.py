@@ -32,6 +32,18 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_column_ids_and_voca
     assert engine.global_step == 0
 
 
+@pytest.mark.parametrize("call", ["train_step", "compute_log_prob"])
+def test_a_model_input_with_the_wrong_row_count_is_named_not_reported_missing(call):
+    engine = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=4))
+    batch = make_batch(B=4)
+    batch["attention_mask"] = batch["attention_mask"][:3]
+    run = {"train_step": lambda: engine.train_step(batch, lambda o, mb: (o["log_probs"].sum(), {})),
+           "compute_log_prob": lambda: engine.compute_log_prob(batch)}[call]
+    with pytest.raises(ValueError, match=rf"{call}: column 'attention_mask' has shape \(3, 14\) on rank 0; it must "
+                                         rf"be \[rows, length\] with rows = 4"):
+        run()
+
+
 @pytest.mark.slow  # spawns ranks
 def test_a_batch_refused_on_one_rank_stops_every_rank():
     r0, r1 = spawn(refused_on_one_rank_worker, 2)
