@@ -310,6 +310,19 @@ def _mask_problem(mask: torch.Tensor, what: str, rank: int) -> _Problem | None:
                                 f"and put token weights into the loss")
 
 
+def _column_shape_problem(batch: Mapping[str, Any], data: Mapping[str, torch.Tensor], rows: int,
+                          names: tuple[str, ...], what: str, rank: int) -> _Problem | None:
+    """Each of the named columns the caller passed must be ``[rows, length]``. Read from ``batch`` as well as
+    ``data``: ``tensor_dict`` drops a tensor whose first dimension is not ``rows``, which would otherwise be
+    reported as missing."""
+    for name in names:
+        v = data.get(name, batch.get(name) if hasattr(batch, "get") else None)
+        if isinstance(v, torch.Tensor) and (v.dim() != 2 or v.shape[0] != rows):
+            return _Problem(ValueError, f"{what}: column {name!r} has shape {tuple(v.shape)} on rank {rank}; it must "
+                                        f"be [rows, length] with rows = {rows}")
+    return None
+
+
 def _token_problem(data: Mapping[str, torch.Tensor], vocab: int | None, what: str, rank: int) -> _Problem | None:
     """Token ids must index the model's embedding (0 <= id < vocab): a bad id would fail in the forward of one rank
     while the others wait for it in FSDP's all-gathers (on CUDA it is a device-side assert)."""
@@ -379,11 +392,9 @@ def _train_batch_problem(batch: Mapping[str, Any], data: Mapping[str, torch.Tens
                         f"train_step: batch needs 'responses' [rows, response_len] (rank {rank} got "
                         + (f"keys {sorted(data)})" if had is None else f"shape {had} for {rows} rows)"))
     R = data["responses"].shape[1]
-    for name in ("prompts", "input_ids", "attention_mask"):  # present, but dropped from ``data`` for its rows
-        had = shape_of(name)
-        if name not in data and had is not None:
-            return _Problem(ValueError, f"train_step: column {name!r} has shape {had} on rank {rank}; it must be "
-                                        f"[rows, length] with rows = {rows}")
+    problem = _column_shape_problem(batch, data, rows, ("prompts", "input_ids", "attention_mask"), "train_step", rank)
+    if problem is not None:
+        return problem
     try:
         model_inputs(data, "train_step")
     except (KeyError, ValueError) as e:
@@ -589,12 +600,9 @@ class FSDPEngine:
         """Why this rank refuses a compute_log_prob / compute_values batch (None: it does not)."""
         if rows < 1:
             return _Problem(ValueError, f"{what}: empty batch on rank {self._rank}; every rank needs at least one row")
-        for name in ("prompts", "responses", "input_ids", "attention_mask", "response_mask"):
-            v = data.get(name, batch.get(name) if hasattr(batch, "get") else None)
-            if isinstance(v, torch.Tensor) and (v.dim() != 2 or v.shape[0] != rows):
-                return _Problem(ValueError, f"{what}: column {name!r} has shape {tuple(v.shape)} on rank "
-                                            f"{self._rank}; it must be [rows, length] with rows = {rows}")
-        problem = _token_problem(data, self._vocab_size(), what, self._rank)
+        problem = (_column_shape_problem(batch, data, rows, ("prompts", "responses", "input_ids", "attention_mask",
+                                                             "response_mask"), what, self._rank)
+                   or _token_problem(data, self._vocab_size(), what, self._rank))
         if problem is not None:
             return problem
         try:
