@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import contextlib
-import functools
-import io
 import itertools
 import logging
 import os
@@ -46,18 +43,16 @@ import uuid
 from typing import Any
 
 import ray
-from ray import cloudpickle
 
 from . import _backend
+from ._frame import FRAME_BYTES, NeedsRay, dumps_frame, loads_frame
 
 __all__ = ["Channel", "ChannelReply", "NeedsRay", "dumps_frame", "loads_frame", "recv_frame", "send_frame", "FRAME_BYTES",
            "enabled", "threshold"]
 
 log = logging.getLogger("orchestra")
 
-FRAME_BYTES = 1 << 20  # a call's frame, or a reply's value, larger than this takes the general path
 _LEN = struct.Struct("!I")
-_PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers
 _ids = itertools.count()
 _PREFIX = uuid.uuid4().hex[:8]
 
@@ -87,84 +82,6 @@ def threshold() -> int:
         raise ValueError(f"ORCHESTRA_FAST_PATH_AFTER={raw!r}: set it to a whole number of calls of at least 1 "
                          f"(default 4), or set ORCHESTRA_FAST_PATH=0 to turn the fast path off")
     return n
-
-
-class NeedsRay(Exception):
-    """A frame holds an ObjectRef (only Ray may carry one: it tracks who holds it) or is too large for a frame."""
-
-
-def _refuse(obj: Any) -> Any:
-    raise NeedsRay(type(obj).__name__)
-
-
-@functools.cache
-def _table() -> dict:
-    """copyreg's reductions plus a refusal of ObjectRefs: a plain dict, so the C pickler looks types up in C.
-    (In-process objects need no entry: they hold locks or threads and fail to pickle, which ``_preflight`` then
-    reports.) Built on first use, after torch and the like registered theirs."""
-    import copyreg
-
-    return {**copyreg.dispatch_table, ray.ObjectRef: _refuse}
-
-
-def _by_value_modules() -> Any:
-    """Modules registered with ``cloudpickle.register_pickle_by_value``: their objects must travel by value."""
-    return getattr(getattr(cloudpickle, "cloudpickle", cloudpickle), "_PICKLE_BY_VALUE_MODULES", ())
-
-
-class _CloudPickler(cloudpickle.CloudPickler):
-    """The fallback for what the C pickler cannot do by reference (lambdas, local classes), as Ray would."""
-
-    dispatch_table = collections.ChainMap({ray.ObjectRef: _refuse}, cloudpickle.CloudPickler.dispatch_table)
-
-
-def dumps_frame(obj: Any) -> bytes:
-    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than FRAME_BYTES. Out-of-band buffers
-    (numpy arrays) travel after the pickle, so that ``loads_frame`` hands them out read-only, as Ray does."""
-    buf, buffers = io.BytesIO(), []
-    by_value = bool(_by_value_modules())
-    if not by_value:
-        try:
-            p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
-            p.dispatch_table = _table()
-            p.dump(obj)
-        except NeedsRay:
-            raise
-        except (pickle.PicklingError, AttributeError, TypeError):
-            by_value = True
-        else:
-            # the C pickler names __main__'s classes and functions by reference; a rank cannot import the driver
-            # script (or a notebook), so those go by value, as Ray's cloudpickle sends them
-            by_value = b"__main__" in buf.getvalue()
-    if by_value:
-        buf, buffers = io.BytesIO(), []
-        _CloudPickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append).dump(obj)
-    raws = [b.raw() for b in buffers]
-    size = buf.tell() + sum(r.nbytes for r in raws)
-    if size > FRAME_BYTES:
-        raise NeedsRay(f"{size} bytes")
-    if not raws:
-        return _PLAIN + buf.getvalue()
-    head = struct.pack(f"!cIQ{len(raws)}Q", _OUT_OF_BAND, len(raws), buf.tell(), *(r.nbytes for r in raws))
-    return b"".join([head, buf.getvalue(), *raws])
-
-
-def loads_frame(data: bytes) -> Any:
-    """The object ``dumps_frame`` pickled; its out-of-band buffers are read-only views of ``data`` (a numpy array
-    arrives read-only, as from Ray's object store)."""
-    view = memoryview(data)
-    if view[:1] == _PLAIN:
-        return pickle.loads(view[1:])
-    n, body = struct.unpack_from("!IQ", data, 1)
-    sizes = struct.unpack_from(f"!{n}Q", data, 13)
-    at = 13 + 8 * n
-    main = view[at:at + body]
-    at += body
-    buffers = []
-    for size in sizes:
-        buffers.append(view[at:at + size])
-        at += size
-    return pickle.loads(main, buffers=buffers)
 
 
 def send_frame(sock: socket.socket, body: bytes) -> None:

@@ -24,11 +24,11 @@ from typing import Any
 
 import ray
 
-from . import _backend, _channel
+from . import _backend, _channel, _frame
 from ._batch import Batch, balanced_sizes
 from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerError
-from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Output, PartInfo, Source, Span,
-                    overlapping, rank_value, reader_cuts, row_range)
+from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
+                    Output, PartInfo, Source, Span, overlapping, rank_value, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 __all__ = ["Host"]
@@ -115,6 +115,16 @@ def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     except (ray.exceptions.RayError, _backend.RankDied, _backend.TaskFailed, OrchestraError) as e:
         raise WorkerError(f"an upstream call this one reads from failed: {type(e).__name__}",
                           exc_type=UPSTREAM_FAILED) from None
+
+
+def _unframe(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A Ray call's arguments: unpickled from its frame when the controller sent one (see ``orchestra._frame``);
+    the call's positional arguments are then the values Ray resolved for the refs given as arguments."""
+    blob = kwargs.pop(FRAME_KWARG, None)
+    if blob is None:
+        return args, kwargs
+    a, kw = _frame.loads_call(blob, kwargs.pop(FRAME_REFS_KWARG, ()), args)  # args: the resolved top-level refs
+    return tuple(a), kw
 
 
 def _rows_in(args: tuple, kwargs: dict) -> int:
@@ -444,6 +454,7 @@ class Host:
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
         """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
         try:
+            args, kwargs = _unframe(args, kwargs)
             spec, fn, ctx, counters = self._begin(role, name)
             private = not kwargs.pop(SHARED_KWARG, False)
             readers, given = kwargs.pop(STORE_KWARG, ((), None))
@@ -481,6 +492,7 @@ class Host:
     def _call_stream(self, role: str, name: str, args: tuple, kwargs: dict) -> Iterator[Output]:
         """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists."""
         try:
+            args, kwargs = _unframe(args, kwargs)
             spec, fn, ctx, counters = self._begin(role, name)
             private = not kwargs.pop(SHARED_KWARG, False)
             kwargs.pop(STORE_KWARG, None)  # a stream's parts are cut as they come: no row positions to align to

@@ -25,7 +25,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from . import _backend, _channel, _replies, _stats
+from . import _backend, _channel, _frame, _replies, _stats
 from ._batch import Batch, balanced_sizes
 from ._errors import (
     UPSTREAM_FAILED,
@@ -37,7 +37,7 @@ from ._errors import (
     WorkerDiedError,
     WorkerError,
 )
-from ._wire import (INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Layout, Output, PartInfo, Source,
+from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Layout, Output, PartInfo, Source,
                     Span, rank_value)
 from .dispatch import Plan, check_final, forwarded_as
 
@@ -174,8 +174,7 @@ class Invocation:
                 and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
             try:
                 self._bind_collect(plan)
-                self._send(plan, _per_rank_calls(plan, _describe_batches(plan), self.shared.reader_sizes()), None,
-                           checked=False)
+                self._send(plan, _per_rank_calls(plan, _describe_batches(plan), self.shared.reader_sizes()), None)
             except BaseException as e:
                 self._fail_submit(e)
                 shared.live.discard(self)  # nothing was sent: no call of this group is left running
@@ -273,26 +272,28 @@ class Invocation:
 
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
-        """Every rank's (args, kwargs, refs), each checked to serialize, before any rank is sent anything."""
-        calls = _per_rank_calls(plan, described, self.shared.reader_sizes())
-        _preflight(plan, calls)
-        return calls
+        """Every rank's (args, kwargs, refs); ``_send`` serializes them all before any rank is sent anything."""
+        return _per_rank_calls(plan, described, self.shared.reader_sizes())
 
-    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any, checked: bool = True) -> None:
-        """Send every rank its call: over the group's fast-path channel when the call qualifies (see
-        ``orchestra._channel``), else as Ray actor calls. ``checked``: ``calls`` already passed ``_preflight``."""
+    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any) -> None:
+        """Send every rank its call, each rank's arguments pickled once, into one frame, before any rank is sent
+        anything (``_encode``): over the group's fast-path channel when the call qualifies (see
+        ``orchestra._channel``), else as Ray actor calls that carry the frame."""
         hosts = self.shared.hosts
         meth = self.target._method_name(self.spec.name)
         collectors = set(plan.shard.collectors if plan.shard is not None else
                          plan.collectors if plan.collectors is not None else plan.ranks)
-        frames = None
-        if tg is None and not self.spec.streaming and not any(calls[r][2] for r in plan.ranks):
-            frames = self._frames(plan, calls)
-        channel = self.shared.fast_channel() if frames is not None else None
+        encoded = self._encode(plan, calls)
+        qualifies = (encoded is not None and tg is None and not self.spec.streaming
+                     and not any(refs or top for _, refs, top in encoded.values()) and self.shared.may_use_fast_path())
+        channel = self.shared.fast_channel() if qualifies else None
         if channel is not None:
+            role, name = self.target._role, self.spec.name
             slots = []
             for r in plan.ranks:
-                call_id, frame = frames[r]
+                call_id = _channel.Channel.new_id()
+                blob = encoded[r][0] or _frame.NO_ARGUMENTS
+                frame = pickle.dumps((call_id, role, name, blob), protocol=pickle.HIGHEST_PROTOCOL)
                 reply = channel.call(r, frame, call_id)
                 slot = self._slot(r, r in collectors)
                 slot.call_refs.append(reply)
@@ -301,14 +302,17 @@ class Invocation:
                 slots.append(slot)
             self._set_slots(_row_order(plan, slots))
             return
-        if frames is None:  # a Ray call: check it (frames were the check otherwise), hand the compute lanes back
-            if not checked:
-                _preflight(plan, calls)
+        if not qualifies:  # a call that needs Ray: hand the compute lanes back (see _Shared.before_ray_compute)
             self.shared.before_ray_compute()
         slots = []
         for r in plan.ranks:
-            args, kwargs, refs = calls[r]
-            a, kw = _with_refs(args, kwargs, refs)
+            if encoded is not None:  # top-level refs stay arguments of the Ray call: Ray resolves them to values
+                blob, refs, a = encoded[r]
+                kw = ({} if blob is None else {FRAME_KWARG: blob, FRAME_REFS_KWARG: refs} if refs
+                      else {FRAME_KWARG: blob})
+            else:
+                args, kwargs, refs = calls[r]
+                a, kw = _with_refs(args, kwargs, refs)
             slot = self._slot(r, r in collectors)
             if self.spec.streaming:
                 gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
@@ -324,29 +328,49 @@ class Invocation:
                 slot.finish()
         self._set_slots(_row_order(plan, slots))
 
-    def _frames(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[str, bytes]] | None:
-        """Every rank's fast-path frame, pickled before any is sent (this is the call's serialization check; ranks
-        given the same arguments share one pickle); None when the call needs Ray (an ObjectRef in its arguments,
-        or a frame too large). A value that cannot be pickled raises ``_preflight``'s DispatchError."""
-        if not self.shared.may_use_fast_path():
+    def _encode(self, plan: Plan,
+                calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[bytes, list, tuple]] | None:
+        """Every rank's (frame, the ObjectRefs lifted out of it, the refs given as arguments themselves, which Ray
+        resolves to values before the call), pickled before any rank is sent anything: this is the call's
+        serialization check (ranks given the same arguments share one pickle). None when the call takes
+        Ray's per-argument path (in-process ranks, or a frame over ``FRAME_BYTES``), after ``_preflight`` checked
+        it. A value that cannot be pickled raises ``_preflight``'s DispatchError, naming rank, argument and column."""
+        if not plan.group.pool.backend.own_process:
+            _preflight(plan, calls)
             return None
-        frames, blobs = {}, {}
-        role, name = self.target._role, self.spec.name
+        out: dict[int, tuple[bytes, list, tuple]] = {}
+        done: dict[tuple, tuple[bytes, list, tuple]] = {}
+        kept = []  # the argument objects stay alive while their ids key ``done``
         try:
             for r in plan.ranks:
-                args, kwargs, _ = calls[r]
-                key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in kwargs.items()))
-                blob = blobs.get(key)
-                if blob is None:
-                    blob = blobs[key] = _channel.dumps_frame((args, kwargs))
-                call_id = _channel.Channel.new_id()
-                frames[r] = (call_id, pickle.dumps((call_id, role, name, blob), protocol=pickle.HIGHEST_PROTOCOL))
-        except _channel.NeedsRay:
+                args, kwargs, refs = calls[r]
+                a, kw = _with_refs(args, kwargs, refs)
+                if not a and not kw:  # nothing to pickle: the Ray call carries no argument at all
+                    out[r] = (None, [], ())
+                    continue
+                kept.append((a, kw))
+                key = (tuple(map(id, a)), tuple((k, id(v)) for k, v in kw.items()))
+                enc = done.get(key)
+                if enc is None:
+                    top: list[Any] = []
+
+                    def lift(v: Any) -> Any:
+                        if isinstance(v, ray.ObjectRef):
+                            top.append(v)
+                            return _frame.Resolved(len(top) - 1)
+                        return v
+
+                    framed = ([lift(v) for v in a], {k: lift(v) for k, v in kw.items()})
+                    blob, nested = _frame.dumps_call(framed)
+                    enc = done[key] = (blob, nested, tuple(top))
+                out[r] = enc
+        except _frame.NeedsRay:  # too large for a frame: Ray serializes it argument by argument
+            _preflight(plan, calls)
             return None
         except Exception:
             _preflight(plan, calls)  # names the rank, argument and column
             raise
-        return frames
+        return out
 
     async def _describe_all(self, plan: Plan) -> dict[int, Any]:
         """Descriptors of every data argument (awaiting upstream submissions, never their payloads); large

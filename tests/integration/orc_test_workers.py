@@ -20,6 +20,19 @@ def _pass(seq: Sequencer, positions: list[int]) -> None:
             pass
 
 
+class Counted:
+    """A value that counts how often this process pickled it (``Counted.pickled``)."""
+
+    pickled = 0
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        Counted.pickled += 1
+        return Counted, (self.value,)
+
+
 def _allreduce_rows(batch: Batch) -> Batch:
     import torch.distributed as dist
 
@@ -85,6 +98,14 @@ class Scorer(Worker):
     @endpoint(D.broadcast())
     def get_scale(self) -> float:
         return self.scale
+
+    @endpoint(D.broadcast())
+    def tag_of(self, tag: Counted) -> int:
+        return tag.value
+
+    @endpoint(D.shard())
+    def tagged(self, batch: Batch, tag: Counted) -> Batch:
+        return Batch.from_dict({"x": batch["x"], "tag": torch.full((len(batch),), tag.value)})
 
     @endpoint(D.broadcast())
     def rank_info(self) -> dict:

@@ -15,6 +15,8 @@ import torch
 import orchestra as orc
 from orchestra import Batch
 
+from orc_test_workers import Counted
+
 
 def xs(n: int) -> Batch:
     return Batch.from_dict({"x": torch.arange(n)})
@@ -34,6 +36,24 @@ async def test_unserializable_rows_for_one_rank_run_on_no_rank(scorers):
     # a collective endpoint after the rejected call still pairs up on every rank
     out = await g4.allreduce_rows.options(timeout=60)(xs(8))
     assert out["total"].tolist() == [8] * 8
+
+
+async def test_a_calls_arguments_are_pickled_once_for_the_check_and_the_send(scorers):
+    """The bytes checked before any rank is sent anything are the bytes the ranks unpickle: one pickle of an argument
+    that every rank is given, and one per rank when each rank's call differs (it reads its own parts)."""
+    g4 = scorers[4]
+    on = g4.fast_path
+    g4.fast_path = False  # the general path: Ray carries each rank's frame
+    try:
+        Counted.pickled = 0
+        assert await g4.tag_of(Counted(7)) == [7, 7, 7, 7]
+        assert Counted.pickled == 1  # was 5: a check, then Ray's own pickle for each of the 4 ranks
+        Counted.pickled = 0
+        out = await g4.tagged(g4.echo(xs(8)), Counted(3))  # a future: each rank's frame names its own parts
+        assert out["tag"].tolist() == [3] * 8 and out["x"].tolist() == list(range(8))
+        assert Counted.pickled == 4
+    finally:
+        g4.fast_path = on
 
 
 async def test_controller_writes_into_an_awaited_result_stay_private(scorers):

@@ -1,0 +1,176 @@
+"""One pickle per call and rank: the codec of the fast path's socket frames and of the general path's Ray calls.
+
+A call's arguments for one rank are pickled once, by the C pickler, into one ``bytes`` frame — before any rank is
+sent anything, so the frame is also the call's serialization check. Ray then carries that one bytes object (cheap:
+no per-argument cloudpickle pass, no second pickling), and the rank unpickles it once.
+
+ObjectRefs cannot hide inside a frame: Ray must see every ref a call carries, to keep the objects alive while the
+rank reads them. ``dumps_call`` lifts them out into a list that travels next to the frame as a Ray argument (nested,
+so Ray neither fetches them before the call nor lets a failed upstream stall the rank's queue); ``loads_call`` puts
+them back. A ref given as an argument itself is one Ray resolves to its value before the call: the caller leaves it
+a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame, which ``loads_call`` replaces by that
+value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs with ``NeedsRay``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import pickle
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray import cloudpickle
+
+__all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "Resolved", "dumps_frame", "loads_frame", "dumps_call", "loads_call"]
+
+FRAME_BYTES = 1 << 20  # a frame larger than this is not made: the call takes Ray's own per-argument path
+_PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers
+NO_ARGUMENTS = _PLAIN + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)  # the frame of a call with none
+
+
+class NeedsRay(Exception):
+    """A frame holds an ObjectRef (only Ray may carry one: it tracks who holds it) or is too large for a frame."""
+
+
+def _refuse(obj: Any) -> Any:
+    raise NeedsRay(type(obj).__name__)
+
+
+@functools.cache
+def _table() -> dict:
+    """copyreg's reductions plus a refusal of ObjectRefs: a plain dict, so the C pickler looks types up in C.
+    (In-process objects need no entry: they hold locks or threads and fail to pickle, which ``_preflight`` then
+    reports.) Built on first use, after torch and the like registered theirs."""
+    import copyreg
+
+    return {**copyreg.dispatch_table, ray.ObjectRef: _refuse}
+
+
+def _by_value_modules() -> Any:
+    """Modules registered with ``cloudpickle.register_pickle_by_value``: their objects must travel by value."""
+    return getattr(getattr(cloudpickle, "cloudpickle", cloudpickle), "_PICKLE_BY_VALUE_MODULES", ())
+
+
+def _pickle(obj: Any, on_ref: Callable[[Any], Any]) -> tuple[io.BytesIO, list[pickle.PickleBuffer]]:
+    """``obj`` pickled by the C pickler (cloudpickle where it cannot: lambdas, local classes, ``__main__``'s
+    objects, modules registered by value), ObjectRefs reduced by ``on_ref``; out-of-band buffers apart."""
+    buf, buffers = io.BytesIO(), []
+    by_value = bool(_by_value_modules())
+    table = _table() if on_ref is _refuse else {**_table(), ray.ObjectRef: on_ref}
+    if not by_value:
+        try:
+            p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
+            p.dispatch_table = table
+            p.dump(obj)
+        except NeedsRay:
+            raise
+        except (pickle.PicklingError, AttributeError, TypeError):
+            by_value = True
+        else:
+            # the C pickler names __main__'s classes and functions by reference; a rank cannot import the driver
+            # script (or a notebook), so those go by value, as Ray's cloudpickle sends them
+            by_value = b"__main__" in buf.getvalue()
+    if by_value:
+        buf, buffers = io.BytesIO(), []
+        _CloudPickler(buf, on_ref, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    return buf, buffers
+
+
+class _CloudPickler(cloudpickle.CloudPickler):
+    """The fallback for what the C pickler cannot name (lambdas, local classes), as Ray would send it; ObjectRefs
+    still go to ``on_ref``. (The pickler reads its dispatch table when made: it is set before.)"""
+
+    def __init__(self, file: io.BytesIO, on_ref: Callable[[Any], Any], **kwargs: Any) -> None:
+        self.dispatch_table = collections.ChainMap({ray.ObjectRef: on_ref}, cloudpickle.CloudPickler.dispatch_table)
+        super().__init__(file, **kwargs)
+
+
+def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int) -> bytes:
+    raws = [b.raw() for b in buffers]
+    size = buf.tell() + sum(r.nbytes for r in raws)
+    if size > limit:
+        raise NeedsRay(f"{size} bytes")
+    if not raws:
+        return _PLAIN + buf.getvalue()
+    head = struct.pack(f"!cIQ{len(raws)}Q", _OUT_OF_BAND, len(raws), buf.tell(), *(r.nbytes for r in raws))
+    return b"".join([head, buf.getvalue(), *raws])
+
+
+def dumps_frame(obj: Any, limit: int = FRAME_BYTES) -> bytes:
+    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than ``limit``. Out-of-band buffers
+    (numpy arrays) travel after the pickle, so that ``loads_frame`` hands them out read-only, as Ray does."""
+    return _framed(*_pickle(obj, _refuse), limit)
+
+
+def loads_frame(data: bytes) -> Any:
+    """The object ``dumps_frame`` pickled; its out-of-band buffers are read-only views of ``data`` (a numpy array
+    arrives read-only, as from Ray's object store)."""
+    view = memoryview(data)
+    if view[:1] == _PLAIN:
+        return pickle.loads(view[1:])
+    n, body = struct.unpack_from("!IQ", data, 1)
+    sizes = struct.unpack_from(f"!{n}Q", data, 13)
+    at = 13 + 8 * n
+    main = view[at:at + body]
+    at += body
+    buffers = []
+    for size in sizes:
+        buffers.append(view[at:at + size])
+        at += size
+    return pickle.loads(main, buffers=buffers)
+
+
+_loading = threading.local()  # the refs and resolved values of the call being unpickled on this thread
+
+
+def _ref_at(i: int) -> Any:
+    """Unpickling a call's frame: the ``i``-th ref that travelled next to it."""
+    return _loading.refs[i]
+
+
+def _value_at(i: int) -> Any:
+    """Unpickling a call's frame: the value Ray resolved for the ``i``-th top-level ref argument."""
+    return _loading.values[i]
+
+
+class Resolved:
+    """In a frame, the place of the ``i``-th ref given as a top-level argument: the rank gets its value."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
+        return _value_at, (self.i,)
+
+
+def dumps_call(obj: Any, limit: int = FRAME_BYTES) -> tuple[bytes, list[Any]]:
+    """A frame of ``obj`` for a Ray call, and the ObjectRefs it holds, lifted out in order (each distinct ref once):
+    Ray carries the list, so it knows every ref the call holds. NeedsRay when the frame is larger than ``limit``."""
+    refs: list[Any] = []
+    index: dict[Any, int] = {}
+
+    def lift(ref: Any) -> tuple[Callable[[int], Any], tuple[int]]:
+        i = index.get(ref)
+        if i is None:
+            i = index[ref] = len(refs)
+            refs.append(ref)
+        return _ref_at, (i,)
+
+    return _framed(*_pickle(obj, lift), limit), refs
+
+
+def loads_call(data: bytes, refs: list[Any], values: tuple = ()) -> Any:
+    """The object ``dumps_call`` pickled, with ``refs`` (as Ray delivered them) back in their places, and ``values``
+    (what Ray resolved the top-level ref arguments to) in the places of their ``Resolved``."""
+    _loading.refs, _loading.values = refs, values
+    try:
+        return loads_frame(data)
+    finally:
+        _loading.refs = _loading.values = None

@@ -1,0 +1,88 @@
+"""The frame codec (``orchestra._frame``): one pickle per call and rank, with every ObjectRef lifted out for Ray to
+carry, so that a call's arguments are serialized once — the bytes checked before any rank is sent anything are the
+bytes the ranks unpickle. Ray-free: refs here are made from random ids and never resolved."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from orchestra import Batch
+from orchestra import _frame
+
+
+def ref() -> ray.ObjectRef:
+    return ray.ObjectRef(os.urandom(28))
+
+
+def test_refs_are_lifted_out_in_order_once_each_and_put_back_in_their_places():
+    r1, r2 = ref(), ref()
+    obj = ([r1, "a"], {"k": [r2, r1], "n": 3})
+    blob, refs = _frame.dumps_call(obj)
+    assert refs == [r1, r2]  # first-seen order, each distinct ref once
+    assert r1.binary() not in blob and r2.binary() not in blob  # the frame itself holds no ref
+    args, kwargs = _frame.loads_call(blob, ["R1", "R2"])
+    assert args == ["R1", "a"] and kwargs == {"k": ["R2", "R1"], "n": 3}
+
+
+def test_a_resolved_placeholder_becomes_the_value_ray_resolved():
+    blob, refs = _frame.dumps_call(([_frame.Resolved(1), _frame.Resolved(0)], {"b": _frame.Resolved(0)}))
+    assert refs == []
+    assert _frame.loads_call(blob, [], ("v0", "v1")) == (["v1", "v0"], {"b": "v0"})
+
+
+def test_a_socket_frame_refuses_a_ref_and_any_frame_over_its_limit():
+    with pytest.raises(_frame.NeedsRay):
+        _frame.dumps_frame({"x": [ref()]})
+    with pytest.raises(_frame.NeedsRay):
+        _frame.dumps_call(b"x" * 2048, limit=1024)
+    with pytest.raises(_frame.NeedsRay):
+        _frame.dumps_frame(np.zeros(2048, dtype=np.uint8), limit=1024)  # out-of-band buffers count too
+
+
+def test_arrays_travel_out_of_band_and_arrive_read_only_as_from_rays_store():
+    arr = np.arange(1000, dtype=np.float32)
+    blob, _ = _frame.dumps_call({"a": arr})
+    got = _frame.loads_call(blob, [])["a"]
+    assert np.array_equal(got, arr) and not got.flags.writeable
+    batch = Batch.from_dict({"x": torch.arange(6), "s": ["a", "b", "c", "d", "e", "f"]})
+    back = _frame.loads_call(_frame.dumps_call(batch)[0], [])
+    assert torch.equal(back["x"], batch["x"]) and list(back.non_tensors["s"]) == ["a", "b", "c", "d", "e", "f"]
+
+
+def test_what_the_c_pickler_cannot_name_goes_by_value_and_still_lifts_its_refs():
+    r = ref()
+    captured = [r, 5]
+    fn = lambda: captured  # noqa: E731 - a lambda is what cloudpickle must carry by value
+
+    blob, refs = _frame.dumps_call((fn,))
+    assert refs == [r]
+    (back,) = _frame.loads_call(blob, ["R"])
+    assert back() == ["R", 5]
+
+
+def test_loads_on_two_threads_keep_their_own_refs():
+    blob, _ = _frame.dumps_call([ref()])
+    seen: dict[int, list] = {}
+    barrier = threading.Barrier(2)
+
+    def load(i: int) -> None:
+        barrier.wait()
+        seen[i] = [_frame.loads_call(blob, [f"R{i}"])[0] for _ in range(2000)]
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(seen[0]) == {"R0"} and set(seen[1]) == {"R1"}
+
+
+def test_a_value_that_cannot_be_pickled_raises_instead_of_being_dropped():
+    with pytest.raises(TypeError):
+        _frame.dumps_call({"lock": threading.Lock()})
