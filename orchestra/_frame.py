@@ -26,7 +26,8 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
-__all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "Resolved", "dumps_frame", "loads_frame", "dumps_call", "loads_call"]
+__all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "Resolved", "dumps_frame", "loads_frame", "dumps_call",
+           "loads_call"]
 
 FRAME_BYTES = 1 << 20  # a frame larger than this is not made: the call takes Ray's own per-argument path
 _PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers

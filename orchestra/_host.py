@@ -123,8 +123,7 @@ def _unframe(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     blob = kwargs.pop(FRAME_KWARG, None)
     if blob is None:
         return args, kwargs
-    a, kw = _frame.loads_call(blob, kwargs.pop(FRAME_REFS_KWARG, ()), args)  # args: the resolved top-level refs
-    return tuple(a), kw
+    return _frame.loads_call(blob, kwargs.pop(FRAME_REFS_KWARG, ()), args)  # args: the resolved top-level refs
 
 
 def _rows_in(args: tuple, kwargs: dict) -> int:
@@ -419,23 +418,23 @@ class Host:
                 call_id, role, name, blob = pickle.loads(body)
                 self._fast_call = call_id
                 try:
-                    args, kwargs = _channel.loads_frame(blob)
+                    args, kwargs = _frame.loads_frame(blob)
                     kind, value = "ok", self._call(role, name, args, kwargs)
                 except BaseException as e:  # noqa: BLE001 - every error goes back to the controller as the reply
                     kind, value = "err", e if isinstance(e, WorkerError) else self._error(e, role, name)
                 finally:
                     self._fast_call = None
                 try:
-                    payload = _channel.dumps_frame(value)
-                except _channel.NeedsRay:  # holds refs (a large Batch's parts) or is too large: handed over by Ray
+                    payload = _frame.dumps_frame(value)
+                except _frame.NeedsRay:  # holds refs (a large Batch's parts) or is too large: handed over by Ray
                     if kind == "err":  # an error too large for a frame: cut down, it stays an error
-                        payload = _channel.dumps_frame(_shrunk(value))
+                        payload = _frame.dumps_frame(_shrunk(value))
                     else:
                         with self._kept_lock:
                             self._kept[call_id] = value
                         kind, payload = "kept", b""
                 except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
-                    kind, payload = "err", _channel.dumps_frame(_shrunk(self._error(e, role, name)))
+                    kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
                 _channel.send_frame(sock, pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
                 served += 1
         finally:

@@ -37,8 +37,8 @@ from ._errors import (
     WorkerDiedError,
     WorkerError,
 )
-from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg, Layout, Output, PartInfo, Source,
-                    Span, rank_value)
+from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
+                    Layout, Output, PartInfo, Source, Span, rank_value)
 from .dispatch import Plan, check_final, forwarded_as
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
@@ -285,7 +285,8 @@ class Invocation:
                          plan.collectors if plan.collectors is not None else plan.ranks)
         encoded = self._encode(plan, calls)
         qualifies = (encoded is not None and tg is None and not self.spec.streaming
-                     and not any(refs or top for _, refs, top in encoded.values()) and self.shared.may_use_fast_path())
+                     and not any(refs or top for _, refs, top in encoded.values())
+                     and self.shared.may_use_fast_path())
         channel = self.shared.fast_channel() if qualifies else None
         if channel is not None:
             role, name = self.target._role, self.spec.name
@@ -306,13 +307,7 @@ class Invocation:
             self.shared.before_ray_compute()
         slots = []
         for r in plan.ranks:
-            if encoded is not None:  # top-level refs stay arguments of the Ray call: Ray resolves them to values
-                blob, refs, a = encoded[r]
-                kw = ({} if blob is None else {FRAME_KWARG: blob, FRAME_REFS_KWARG: refs} if refs
-                      else {FRAME_KWARG: blob})
-            else:
-                args, kwargs, refs = calls[r]
-                a, kw = _with_refs(args, kwargs, refs)
+            a, kw = _ray_args(encoded, calls, r)
             slot = self._slot(r, r in collectors)
             if self.spec.streaming:
                 gen = getattr(hosts[r], meth).options(num_returns="streaming").remote(*a, **kw)
@@ -329,7 +324,7 @@ class Invocation:
         self._set_slots(_row_order(plan, slots))
 
     def _encode(self, plan: Plan,
-                calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[bytes, list, tuple]] | None:
+                calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[bytes | None, list, tuple]] | None:
         """Every rank's (frame, the ObjectRefs lifted out of it, the refs given as arguments themselves, which Ray
         resolves to values before the call), pickled before any rank is sent anything: this is the call's
         serialization check (ranks given the same arguments share one pickle). None when the call takes
@@ -338,12 +333,11 @@ class Invocation:
         if not plan.group.pool.backend.own_process:
             _preflight(plan, calls)
             return None
-        out: dict[int, tuple[bytes, list, tuple]] = {}
+        out: dict[int, tuple[bytes | None, list, tuple]] = {}
         done: dict[tuple, tuple[bytes, list, tuple]] = {}
         kept = []  # the argument objects stay alive while their ids key ``done``
         try:
-            for r in plan.ranks:
-                args, kwargs, refs = calls[r]
+            for r, (args, kwargs, refs) in calls.items():
                 a, kw = _with_refs(args, kwargs, refs)
                 if not a and not kw:  # nothing to pickle: the Ray call carries no argument at all
                     out[r] = (None, [], ())
@@ -352,17 +346,7 @@ class Invocation:
                 key = (tuple(map(id, a)), tuple((k, id(v)) for k, v in kw.items()))
                 enc = done.get(key)
                 if enc is None:
-                    top: list[Any] = []
-
-                    def lift(v: Any) -> Any:
-                        if isinstance(v, ray.ObjectRef):
-                            top.append(v)
-                            return _frame.Resolved(len(top) - 1)
-                        return v
-
-                    framed = ([lift(v) for v in a], {k: lift(v) for k, v in kw.items()})
-                    blob, nested = _frame.dumps_call(framed)
-                    enc = done[key] = (blob, nested, tuple(top))
+                    enc = done[key] = _frame_of(a, kw)
                 out[r] = enc
         except _frame.NeedsRay:  # too large for a frame: Ray serializes it argument by argument
             _preflight(plan, calls)
@@ -523,12 +507,12 @@ class Invocation:
                             args = tuple(darg if x is src else x for x in args)
                             kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
                             calls[r] = (args, kwargs, refs)
-                        _preflight(plan, calls)
                         if self._written is not None:
                             self._written.check(self.where())
+                        encoded = self._encode(plan, calls)
                         self.shared.before_ray_compute()
-                        for r, (args, kwargs, refs_) in calls.items():
-                            a, kw = _with_refs(args, kwargs, refs_)
+                        for r in calls:
+                            a, kw = _ray_args(encoded, calls, r)
                             ref = getattr(hosts[r], meth).remote(*a, **kw)
                             slot = out_slots[i] if r in shard.collectors else side_of[r]
                             slot.call_refs.append(ref)
@@ -926,6 +910,34 @@ async def _forwardable(ref: Any) -> Any:
     if isinstance(ref, _channel.ChannelReply):
         return await ref.forwardable()
     return ref
+
+
+def _frame_of(args: tuple, kwargs: dict) -> tuple[bytes, list, tuple]:
+    """One rank's Ray call as (frame, the refs lifted out of it, the refs given as arguments themselves): those stay
+    top-level arguments of the Ray call, which Ray resolves to their values; the frame holds their places."""
+    top: list[Any] = []
+
+    def lift(v: Any) -> Any:
+        if isinstance(v, ray.ObjectRef):
+            top.append(v)
+            return _frame.Resolved(len(top) - 1)
+        return v
+
+    blob, nested = _frame.dumps_call((tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}))
+    return blob, nested, tuple(top)
+
+
+def _ray_args(encoded: dict[int, tuple[bytes | None, list, tuple]] | None, calls: dict[int, tuple[tuple, dict, list]],
+              r: int) -> tuple[tuple, dict]:
+    """What rank ``r``'s Ray call carries: its frame (and the refs lifted out of it), with the refs given as arguments
+    themselves as the only positional arguments (Ray resolves them); its arguments as they are without a frame."""
+    if encoded is None:
+        args, kwargs, refs = calls[r]
+        return _with_refs(args, kwargs, refs)
+    blob, refs, top = encoded[r]
+    if blob is None:
+        return top, {}
+    return top, ({FRAME_KWARG: blob, FRAME_REFS_KWARG: refs} if refs else {FRAME_KWARG: blob})
 
 
 def _with_refs(args: tuple, kwargs: dict, refs: list) -> tuple[tuple, dict]:

@@ -18,7 +18,7 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, WorkerGroup
-from orchestra import _channel
+from orchestra import _channel, _frame
 from orchestra._wire import INLINE_BYTES
 from orchestra.testing import kill_rank
 
@@ -84,8 +84,8 @@ async def test_a_fast_result_forwards_into_the_next_call_small_and_large(g):
     assert g._shared.channel is not None  # the big call itself went the fast way
     assert await g.rows(big) == [n * (n - 1) // 2] * 2
     await _open(g)
-    vals = await g.big_value(_channel.FRAME_BYTES // 8)  # a plain value over a frame: handed over by Ray too
-    assert len(vals[0]) == _channel.FRAME_BYTES // 8 and vals[1][-1] == _channel.FRAME_BYTES // 8 - 1
+    vals = await g.big_value(_frame.FRAME_BYTES // 8)  # a plain value over a frame: handed over by Ray too
+    assert len(vals[0]) == _frame.FRAME_BYTES // 8 and vals[1][-1] == _frame.FRAME_BYTES // 8 - 1
 
 
 async def test_a_result_that_cannot_be_pickled_fails_that_call_only(g):
@@ -154,7 +154,7 @@ async def test_an_objectref_or_a_large_argument_takes_ray(g):
     assert await g.echo(ref) == [{"via": "ray"}] * 2  # Ray resolves a top-level ref, as on the general path
     assert g._shared.channel is None
     await _open(g)
-    big = list(range(_channel.FRAME_BYTES // 4))
+    big = list(range(_frame.FRAME_BYTES // 4))
     assert len((await g.echo(big))[0]) == len(big)
     assert g._shared.channel is None
 
@@ -321,7 +321,7 @@ def test_a_second_event_loop_releases_the_channel_and_calls_still_work():
 async def test_an_error_too_large_for_a_frame_is_still_an_error(g):
     await _open(g)
     with pytest.raises(orc.WorkerError) as e:
-        await g.fail_big(1, 2 * _channel.FRAME_BYTES)  # it came back as rank 1's *value* once
+        await g.fail_big(1, 2 * _frame.FRAME_BYTES)  # it came back as rank 1's *value* once
     assert (e.value.rank, e.value.endpoint, e.value.exc_type) == (1, "fail_big", "ValueError")
     assert "more characters cut" in e.value.message
 
