@@ -8,8 +8,8 @@ reply back on the same socket: no Ray task, no ObjectRef, one pickle each way.
 
 When it applies (decided by ``_Shared.transport`` in ``_group.py``): a Ray group whose ranks all run on the
 controller's node, for a call that takes the send-now path (no DataFuture argument, data arguments under
-``INLINE_BYTES``, not streaming, nothing to wait for) and whose arguments hold no ObjectRef and pickle to at most
-``FRAME_BYTES`` (``orchestra._frame``: the frame codec, which the general path's Ray calls use too), after
+``INLINE_BYTES``, not streaming, nothing to wait for) and whose arguments hold no ObjectRef or actor handle and pickle
+to at most ``FRAME_BYTES`` (``orchestra._frame``: the frame codec, which the general path's Ray calls use too), after
 ``ORCHESTRA_FAST_PATH_AFTER`` such calls in a row (default 4). Any other call first releases the channel
 (``release``): the rank's loop returns after the frames already written, and the Ray call queued behind it runs next,
 so every rank still sees the group's calls in the order they were made. A reply holding a Batch of

@@ -4,8 +4,8 @@ A call's arguments for one rank are pickled once, by the C pickler, into one ``b
 sent anything, so the frame is also the call's serialization check. Ray then carries that one bytes object (cheap:
 no per-argument cloudpickle pass, no second pickling), and the rank unpickles it once.
 
-ObjectRefs cannot hide inside a frame: Ray must see every ref a call carries, to keep the objects alive while the
-rank reads them. ``dumps_call`` lifts them out into a list that travels next to the frame as a Ray argument (nested,
+ObjectRefs (and actor handles) cannot hide inside a frame: Ray must see every ref a call carries, to keep the objects
+(and actors) alive while the rank holds them. ``dumps_call`` lifts them out into a list that travels next to the frame as a Ray argument (nested,
 so Ray neither fetches them before the call nor lets a failed upstream stall the rank's queue); ``loads_call`` puts
 them back. A ref given as an argument itself is one Ray resolves to its value before the call: the caller leaves it
 a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame, which ``loads_call`` replaces by that
@@ -35,7 +35,8 @@ NO_ARGUMENTS = _PLAIN + pickle.dumps(((), {}), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class NeedsRay(Exception):
-    """A frame holds an ObjectRef (only Ray may carry one: it tracks who holds it) or is too large for a frame."""
+    """A frame holds an ObjectRef or an actor handle (only Ray may carry one: it tracks who holds it) or is too
+    large for a frame."""
 
 
 def _refuse(obj: Any) -> Any:
@@ -49,7 +50,13 @@ def _table() -> dict:
     reports.) Built on first use, after torch and the like registered theirs."""
     import copyreg
 
-    return {**copyreg.dispatch_table, ray.ObjectRef: _refuse}
+    return {**copyreg.dispatch_table, **dict.fromkeys(_tracked(), _refuse)}
+
+
+def _tracked() -> tuple[type, ...]:
+    """What only Ray may carry: ObjectRefs, and actor handles (Ray counts who holds one; a handle pickled out of
+    band is not counted, so its actor could be ended while a rank still holds it)."""
+    return ray.ObjectRef, ray.actor.ActorHandle
 
 
 def _by_value_modules() -> Any:
@@ -62,7 +69,7 @@ def _pickle(obj: Any, on_ref: Callable[[Any], Any]) -> tuple[io.BytesIO, list[pi
     objects, modules registered by value), ObjectRefs reduced by ``on_ref``; out-of-band buffers apart."""
     buf, buffers = io.BytesIO(), []
     by_value = bool(_by_value_modules())
-    table = _table() if on_ref is _refuse else {**_table(), ray.ObjectRef: on_ref}
+    table = _table() if on_ref is _refuse else {**_table(), **dict.fromkeys(_tracked(), on_ref)}
     if not by_value:
         try:
             p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
@@ -87,7 +94,8 @@ class _CloudPickler(cloudpickle.CloudPickler):
     still go to ``on_ref``. (The pickler reads its dispatch table when made: it is set before.)"""
 
     def __init__(self, file: io.BytesIO, on_ref: Callable[[Any], Any], **kwargs: Any) -> None:
-        self.dispatch_table = collections.ChainMap({ray.ObjectRef: on_ref}, cloudpickle.CloudPickler.dispatch_table)
+        self.dispatch_table = collections.ChainMap(dict.fromkeys(_tracked(), on_ref),
+                                                   cloudpickle.CloudPickler.dispatch_table)
         super().__init__(file, **kwargs)
 
 
@@ -152,8 +160,8 @@ class Resolved:
 
 
 def dumps_call(obj: Any, limit: int = FRAME_BYTES) -> tuple[bytes, list[Any]]:
-    """A frame of ``obj`` for a Ray call, and the ObjectRefs it holds, lifted out in order (each distinct ref once):
-    Ray carries the list, so it knows every ref the call holds. NeedsRay when the frame is larger than ``limit``."""
+    """A frame of ``obj`` for a Ray call, and the ObjectRefs and actor handles it holds, lifted out in order (each
+    distinct one once): Ray carries the list, so it knows every ref and handle the call holds. NeedsRay when the frame is larger than ``limit``."""
     refs: list[Any] = []
     index: dict[Any, int] = {}
 

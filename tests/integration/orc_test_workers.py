@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -18,6 +19,13 @@ def _pass(seq: Sequencer, positions: list[int]) -> None:
     for p in positions:
         with seq(p):
             pass
+
+
+class Pinger:
+    """A bare Ray actor class (``ray.remote(Pinger)``) whose handle the tests pass to ranks."""
+
+    def ping(self) -> str:
+        return "pong"
 
 
 class Counted:
@@ -102,6 +110,20 @@ class Scorer(Worker):
     @endpoint(D.broadcast())
     def tag_of(self, tag: Counted) -> int:
         return tag.value
+
+    @endpoint(D.broadcast())
+    def keep_handle(self, handle: Any) -> int:
+        self.kept_handle = handle
+        return self.rank
+
+    @endpoint(D.broadcast())
+    def call_kept_handle(self) -> str:
+        import ray
+
+        try:
+            return ray.get(self.kept_handle.ping.remote(), timeout=60)
+        finally:
+            self.kept_handle = None
 
     @endpoint(D.shard())
     def tagged(self, batch: Batch, tag: Counted) -> Batch:

@@ -15,7 +15,7 @@ import torch
 import orchestra as orc
 from orchestra import Batch
 
-from orc_test_workers import Counted
+from orc_test_workers import Counted, Pinger
 
 
 def xs(n: int) -> Batch:
@@ -54,6 +54,30 @@ async def test_a_calls_arguments_are_pickled_once_for_the_check_and_the_send(sco
         assert Counted.pickled == 4
     finally:
         g4.fast_path = on
+
+
+async def test_an_actor_handle_given_to_ranks_keeps_its_actor_alive_after_the_caller_drops_it(scorers):
+    """Ray counts who holds an actor handle only when Ray carries it: a handle pickled into a frame (or a socket)
+    out of band is not counted, and its actor ended once the caller's own handle was gone."""
+    import gc
+
+    import ray
+
+    g2 = scorers[2]
+    for fast in (False, True):  # the general path, and a group whose fast path may be open
+        on = g2.fast_path
+        g2.fast_path = fast
+        try:
+            if fast:
+                for _ in range(6):  # repeated small calls: the channel opens
+                    await g2.get_scale()
+            pinger = ray.remote(Pinger).options(num_cpus=0.01).remote()
+            assert await g2.keep_handle(pinger) == [0, 1]
+            del pinger
+            gc.collect()
+            assert await g2.call_kept_handle.options(timeout=120)() == ["pong", "pong"]
+        finally:
+            g2.fast_path = on
 
 
 async def test_controller_writes_into_an_awaited_result_stay_private(scorers):
