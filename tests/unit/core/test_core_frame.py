@@ -86,3 +86,34 @@ def test_loads_on_two_threads_keep_their_own_refs():
 def test_a_value_that_cannot_be_pickled_raises_instead_of_being_dropped():
     with pytest.raises(TypeError):
         _frame.dumps_call({"lock": threading.Lock()})
+
+
+class Secret:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _redacted(s: Secret) -> tuple:
+    return Secret, ("redacted",)
+
+
+def test_a_reducer_registered_with_ray_or_copyreg_at_any_time_applies_to_the_next_frame():
+    """Ray's own serializer honours ``ray.util.register_serializer`` (kept in cloudpickle's dispatch table) and
+    copyreg, read when each value is pickled; a frame must too, or a user's redaction silently stops applying."""
+    import copyreg
+
+    from ray import cloudpickle
+
+    assert _frame.loads_call(_frame.dumps_call(Secret("password"))[0], []).text == "password"  # a first dump
+    cloudpickle.CloudPickler.dispatch[Secret] = _redacted  # what ray.util.register_serializer does
+    try:
+        assert _frame.loads_call(_frame.dumps_call(Secret("password"))[0], []).text == "redacted"
+        assert _frame.loads_frame(_frame.dumps_frame(Secret("password"))).text == "redacted"
+    finally:
+        del cloudpickle.CloudPickler.dispatch[Secret]
+    copyreg.pickle(Secret, _redacted)  # registered after the first dump
+    try:
+        assert _frame.loads_call(_frame.dumps_call([Secret("password")])[0], [])[0].text == "redacted"
+    finally:
+        del copyreg.dispatch_table[Secret]
+    assert _frame.loads_call(_frame.dumps_call(Secret("password"))[0], []).text == "password"
