@@ -5,9 +5,9 @@ sent anything, so the frame is also the call's serialization check. Ray then car
 no per-argument cloudpickle pass, no second pickling), and the rank unpickles it once.
 
 ObjectRefs (and actor handles) cannot hide inside a frame: Ray must see every ref a call carries, to keep the objects
-(and actors) alive while the rank holds them. ``dumps_call`` lifts them out into a list that travels next to the frame as a Ray argument (nested,
-so Ray neither fetches them before the call nor lets a failed upstream stall the rank's queue); ``loads_call`` puts
-them back. A ref given as an argument itself is one Ray resolves to its value before the call: the caller leaves it
+(and actors) alive while the rank holds them. ``dumps_call`` lifts them out into a list that travels next to the
+frame as a Ray argument (nested, so Ray neither fetches them before the call nor lets a failed upstream stall the
+rank's queue); ``loads_call`` puts them back. A ref given as an argument itself is one Ray resolves to its value before the call: the caller leaves it
 a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame, which ``loads_call`` replaces by that
 value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs with ``NeedsRay``.
 """
