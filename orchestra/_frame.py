@@ -7,9 +7,9 @@ no per-argument cloudpickle pass, no second pickling), and the rank unpickles it
 ObjectRefs (and actor handles) cannot hide inside a frame: Ray must see every ref a call carries, to keep the objects
 (and actors) alive while the rank holds them. ``dumps_call`` lifts them out into a list that travels next to the
 frame as a Ray argument (nested, so Ray neither fetches them before the call nor lets a failed upstream stall the
-rank's queue); ``loads_call`` puts them back. A ref given as an argument itself is one Ray resolves to its value before the call: the caller leaves it
-a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame, which ``loads_call`` replaces by that
-value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs with ``NeedsRay``.
+rank's queue); ``loads_call`` puts them back. A ref given as an argument itself is one Ray resolves to its value
+before the call: the caller leaves it a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame,
+which ``loads_call`` replaces by that value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs with ``NeedsRay``.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class Resolved:
 
 def dumps_call(obj: Any, limit: int = FRAME_BYTES) -> tuple[bytes, list[Any]]:
     """A frame of ``obj`` for a Ray call, and the ObjectRefs and actor handles it holds, lifted out in order (each
-    distinct one once): Ray carries the list, so it knows every ref and handle the call holds. NeedsRay when the frame is larger than ``limit``."""
+    distinct one once): Ray carries the list, so it knows every ref and handle the call holds. NeedsRay when the
+    frame is larger than ``limit``."""
     refs: list[Any] = []
     index: dict[Any, int] = {}
 
