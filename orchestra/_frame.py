@@ -9,7 +9,8 @@ ObjectRefs (and actor handles) cannot hide inside a frame: Ray must see every re
 frame as a Ray argument (nested, so Ray neither fetches them before the call nor lets a failed upstream stall the
 rank's queue); ``loads_call`` puts them back. A ref given as an argument itself is one Ray resolves to its value
 before the call: the caller leaves it a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame,
-which ``loads_call`` replaces by that value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs with ``NeedsRay``.
+which ``loads_call`` replaces by that value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs and
+handles with ``NeedsRay``.
 """
 
 from __future__ import annotations
