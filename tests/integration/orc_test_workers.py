@@ -28,6 +28,21 @@ class Pinger:
         return "pong"
 
 
+class Secret:
+    """A value a user registers with ``ray.util.register_serializer`` to travel redacted."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def redact(s: Secret) -> str:
+    return "redacted"
+
+
+def unredact(text: str) -> Secret:
+    return Secret(text)
+
+
 class Counted:
     """A value that counts how often this process pickled it (``Counted.pickled``)."""
 
@@ -110,6 +125,10 @@ class Scorer(Worker):
     @endpoint(D.broadcast())
     def tag_of(self, tag: Counted) -> int:
         return tag.value
+
+    @endpoint(D.broadcast())
+    def text_of(self, secret: Secret) -> str:
+        return secret.text
 
     @endpoint(D.broadcast())
     def keep_handle(self, handle: Any) -> int:

@@ -15,7 +15,7 @@ import torch
 import orchestra as orc
 from orchestra import Batch
 
-from orc_test_workers import Counted, Pinger
+from orc_test_workers import Counted, Pinger, Secret, redact, unredact
 
 
 def xs(n: int) -> Batch:
@@ -78,6 +78,27 @@ async def test_an_actor_handle_given_to_ranks_keeps_its_actor_alive_after_the_ca
             assert await g2.call_kept_handle.options(timeout=120)() == ["pong", "pong"]
         finally:
             g2.fast_path = on
+
+
+async def test_a_serializer_registered_with_ray_applies_to_every_path(scorers):
+    """``ray.util.register_serializer`` decides how a value travels on Ray; a call's frame must honour it (a frozen
+    copy of the pickler's table once sent such a value as it was: here, unredacted)."""
+    import ray
+
+    g2 = scorers[2]
+    ray.util.register_serializer(Secret, serializer=redact, deserializer=unredact)
+    try:
+        for fast in (False, True):
+            on = g2.fast_path
+            g2.fast_path = fast
+            try:
+                for _ in range(6 if fast else 1):  # repeated small calls: the fast path's channel opens
+                    assert await g2.text_of(Secret("password")) == ["redacted", "redacted"]
+            finally:
+                g2.fast_path = on
+    finally:
+        ray.util.deregister_serializer(Secret)
+    assert await g2.text_of(Secret("password")) == ["password", "password"]
 
 
 async def test_controller_writes_into_an_awaited_result_stay_private(scorers):
