@@ -4,8 +4,6 @@ Awaiting an ``ObjectRef`` (``ref.future()`` / ``await ref``) costs a Ray async-g
 and a loop wake-up for every rank of every call: about 0.2 ms of controller CPU per reply here (``bench.scaling``,
 ``*_per_ref`` columns). ``batched`` hands all of one call's reply refs to a thread that waits for them with
 one ``ray.wait`` and fetches them with one ``ray.get``, then resolves every reply future in one loop callback.
-That costs less controller CPU than per-ref completion at every group size measured (1, 2, 4, 8 ranks and up),
-so every Ray call that is not a stream takes it.
 
 Replies not back within ``FAST_WINDOW_S`` (a long call: a training step, a generation) go to Ray's per-ref async
 callbacks, so a long call never holds a thread and the extra latency of a failing rank is at most the window.
@@ -27,7 +25,7 @@ __all__ = ["FAST_WINDOW_S", "MIN_BATCH", "batched", "quiesce"]
 log = logging.getLogger("orchestra")
 
 FAST_WINDOW_S = 0.05  # how long one batch waits for replies before handing the rest to per-ref callbacks
-MIN_BATCH = 1  # from 1 to 8 ranks too, one thread hop costs less than per-ref completion (bench.scaling, per_ref)
+MIN_BATCH = 8  # below this many replies the thread hop costs about what it saves (bench.scaling, per_ref columns)
 _THREADS = 8
 
 _lock = threading.Lock()

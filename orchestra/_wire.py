@@ -20,7 +20,7 @@ REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header ref
 SHARED_KWARG = "_orc_shared"  # set when a controller-made shard of the call is read by other ranks too (a mesh)
 STORE_KWARG = "_orc_store"  # a shard call's (reader DP sizes, Span of a controller-made shard or None): see reader_cuts
 FRAME_KWARG = "_orc_frame"  # a Ray call's arguments for one rank, pickled into one frame (see _frame)
-FRAME_REFS_KWARG = "_orc_frame_refs"  # the ObjectRefs lifted out of that frame, in order (Ray tracks them)
+FRAME_REFS_KWARG = "_orc_frame_refs"  # refs and actor handles lifted out of that frame, in order (Ray tracks them)
 INLINE_BYTES = 64 << 10  # controller-made shards below this travel inside the call instead of via ray.put
 
 

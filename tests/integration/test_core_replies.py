@@ -17,7 +17,7 @@ _BATCH_DONE: list[asyncio.Event] = []  # set once a batch's reply thread has han
 
 @pytest.fixture(scope="module")
 async def group(scorers):
-    # every batch is counted (4 ranks take the batched path: the threshold is 1 rank, and this keeps it so)
+    # 4 ranks take the batched path here (the default threshold is 8), and every batch is counted
     g = scorers[4]
     min_batch, batch = _replies.MIN_BATCH, _replies._batch
     _replies.MIN_BATCH = 2
