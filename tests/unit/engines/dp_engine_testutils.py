@@ -190,3 +190,73 @@ def refused_on_one_rank_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = f"{type(e).__name__}: {e.args[0] if e.args else e}"
     out["after"] = "ok" if eng.compute_log_prob(good) is not None else "?"  # still in step
     return out
+
+
+class _FailsInsideOnRank:
+    """A token-mean loss whose failure on ``rank`` comes from inside the collective work itself: ``backward`` (the
+    loss writes into a tensor its own backward needs, so autograd raises in the backward), ``interrupt`` (a
+    KeyboardInterrupt, which the loss agreement does not catch); in micro-batch 1."""
+
+    def __init__(self, rank: int, how: str) -> None:
+        self.rank, self.how, self.calls = rank, how, 0
+
+    def __call__(self, outputs, mb):
+        import torch.distributed as dist
+
+        i, self.calls = self.calls, self.calls + 1
+        loss, metrics = masked_token_mean_loss(outputs, mb)
+        if dist.get_rank() == self.rank and i == 1:
+            if self.how == "interrupt":
+                raise KeyboardInterrupt("stopped inside my loss")
+            e = outputs["log_probs"].exp()
+            loss = loss + e.sum() * 1e-3
+            e.mul_(2.0)  # exp's backward needs its output: autograd raises "modified by an inplace operation"
+        return loss, metrics
+
+
+def collective_failure_on_one_rank_worker(rank: int, world: int, where: str) -> dict[str, str]:
+    """Rank 1 fails inside the collective work of a call (``where``: "backward" or "interrupt" in train_step,
+    "forward" in train_step's or "log_prob_forward" in compute_log_prob's model forward), rank 0 does not. Every
+    rank must raise at once, rank 1 its own error, the others one naming it (the process group's 60 s timeout is
+    what a rank left waiting in a collective hits instead), and a later call on the engine must be refused at once
+    on every rank. Per rank: the error text (type: message, notes), and the later call's."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    batch = make_batch(B=6, seed=rank)
+    if rank == 1 and where in ("forward", "log_prob_forward"):
+        layer = eng.model.model.layers[0]
+        forward, calls = layer.forward, [0]
+
+        def failing(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise FloatingPointError("my model failed in its forward")
+            return forward(*a, **k)
+
+        layer.forward = failing
+    out: dict[str, str] = {}
+
+    def text(e: BaseException) -> str:
+        return f"{type(e).__name__}: {e}" + "".join(f"\nnote: {n}" for n in getattr(e, "__notes__", ()))
+
+    try:
+        if where == "log_prob_forward":
+            eng.compute_log_prob(batch)
+        else:
+            eng.train_step(batch, _FailsInsideOnRank(1, where))
+        out["error"] = ""
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result (a KeyboardInterrupt too)
+        out["error"] = text(e)
+    try:
+        eng.train_step(batch, masked_token_mean_loss)
+        out["later"] = ""
+    except BaseException as e:  # noqa: BLE001
+        out["later"] = text(e)
+    return out

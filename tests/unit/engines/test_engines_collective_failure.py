@@ -1,0 +1,34 @@
+"""An error that one rank raises inside the collective work of a call, which the ranks did not agree on (in the
+backward, in the model's forward, a KeyboardInterrupt in ``loss_fn``), stops every rank at once: the failing rank
+aborts the process groups, so that its peers' collectives fail instead of waiting for the process group's timeout
+(30 minutes on gloo by default: a hung job with no error). The failing rank raises its own error, the others an
+``EngineAbortedError`` naming it, and the engine refuses every later call (its process group is gone)."""
+
+from __future__ import annotations
+
+import pytest
+from dp_engine_testutils import collective_failure_on_one_rank_worker
+
+from engines._dist import spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+_OWN = {"backward": "RuntimeError: one of the variables needed for gradient computation has been modified by an "
+                    "inplace operation",
+        "interrupt": "KeyboardInterrupt: stopped inside my loss",
+        "forward": "FloatingPointError: my model failed in its forward",
+        "log_prob_forward": "FloatingPointError: my model failed in its forward"}
+
+
+@pytest.mark.slow  # spawns ranks
+@pytest.mark.parametrize("where", list(_OWN))
+def test_a_failure_inside_a_collective_on_one_rank_stops_every_rank_at_once(where):
+    r0, r1 = spawn(collective_failure_on_one_rank_worker, 2, where)
+    what = "compute_log_prob" if where == "log_prob_forward" else "train_step"
+    assert r1["error"].startswith(_OWN[where]), r1["error"]
+    assert f"note: {what} on rank 1: this error was raised on this rank alone" in r1["error"], r1["error"]
+    # rank 0 was waiting in a collective: it fails at once, naming rank 1 and what it raised (not the timeout)
+    assert r0["error"].startswith(f"EngineAbortedError: {what} on rank 0: rank(s) [1] failed inside the call's "
+                                  f"collective work (rank 1: {_OWN[where]}"), r0["error"]
+    for r in (r0, r1):
+        assert r["later"].startswith("EngineAbortedError: FSDPEngine.train_step: this engine can no longer be used"), r
