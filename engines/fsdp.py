@@ -39,18 +39,28 @@ others one naming it; the gradients of the step's earlier micro-batches are drop
 them first) and no optimizer step is taken, so the engine is as it was before the call. Every backward also carries
 a zero-weighted term of the main output, so it reaches every parameter on every rank and FSDP's gradient
 collectives pair up even where a loss does not depend on the model (a constant zero loss for a micro-batch is legal
-and trains nothing). What this cannot catch: an error raised inside the backward itself on one rank (for instance
-autograd's "modified by an inplace operation", when a loss wrote into a tensor the backward needs), or inside the
-model's forward; the other ranks then wait in a collective until the process group times out.
+and trains nothing).
+
+What the ranks cannot agree on beforehand stops them all the hard way: an error that one rank raises inside a
+call's collective work (inside the backward itself, e.g. autograd's "modified by an inplace operation" when a loss
+wrote into a tensor the backward needs; inside the model's forward; a ``KeyboardInterrupt`` in ``loss_fn``; a
+collective that failed). That rank leaves what it raised in the process group's store and aborts every process
+group of its process, so that its peers' collectives fail at once instead of waiting for the process group's
+timeout (30 minutes on gloo by default: a hung job with no error). It raises its own error (with a note saying so),
+the others an :class:`EngineAbortedError` naming it and what it raised. The process groups are gone, so the engine,
+and every other engine of the process, refuses later calls with an ``EngineAbortedError``: restart the ranks (a
+new process group). With one rank there is no peer to release, and nothing is aborted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -71,7 +81,7 @@ from engines._data import (
 )
 from engines._dist import init_distributed
 
-__all__ = ["EngineConfig", "FSDPEngine", "LossFn", "lr_factor"]
+__all__ = ["EngineAbortedError", "EngineConfig", "FSDPEngine", "LossFn", "lr_factor"]
 
 log = logging.getLogger("orchestra")
 
@@ -79,6 +89,15 @@ LossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tupl
 """``loss_fn(outputs, micro_batch) -> (loss, metrics)``; see the module docstring for weighting."""
 
 ModelKind = Literal["auto", "causal_lm", "value"]
+
+_FAILED_KEY = "orchestra/engine_failed/"  # + rank: what a rank raised alone inside a collective (process-group store)
+_aborted: list[str] = []  # why this process's process groups were aborted (empty: they were not)
+
+
+class EngineAbortedError(RuntimeError):
+    """A rank failed inside a call's collective work on its own, so the process groups were aborted (the other ranks'
+    collectives fail at once instead of waiting for the timeout); the engines of these processes can no longer be
+    used: restart the ranks."""
 LOSS_SCALES = ("tokens", "sequences", "rows")
 
 
@@ -484,6 +503,9 @@ class FSDPEngine:
 
         self._world = dist.get_world_size()
         self._rank = dist.get_rank()
+        # the store outlives an abort of the process groups (a rank that hosts it keeps serving its peers' reads)
+        self._store = dist.distributed_c10d._get_default_store() if self._world > 1 else None
+        self._agreed: BaseException | None = None  # the error every rank raises by agreement (no abort needed)
         self.mesh = init_device_mesh(self.device.type, (self._world,), mesh_dim_names=("dp",))
         mp_on = cfg.mixed_precision if cfg.mixed_precision is not None else self.device.type == "cuda"
         kw: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": cfg.reshard_after_forward}
@@ -539,8 +561,79 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ forward
     def _check_ready(self, what: str) -> None:
+        if _aborted:
+            raise EngineAbortedError(f"FSDPEngine.{what}: this engine can no longer be used: {_aborted[0]}. Restart "
+                                     f"its ranks (new processes, a new process group)")
         if self._offloaded:
             raise RuntimeError(f"FSDPEngine.{what}: the engine is offloaded to CPU; call onload() first")
+
+    def _agree(self, error: BaseException) -> BaseException:
+        """``error`` is raised on every rank by agreement (after a collective that told each rank): no abort."""
+        self._agreed = error
+        return error
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Around a call's collective work: an error this rank raises that the ranks did not agree on aborts the
+        process groups, so that no peer waits for ever in a collective (module docstring)."""
+        self._agreed = None
+        try:
+            yield
+        except BaseException as e:
+            if e is self._agreed or self._world == 1:
+                raise
+            raised = self._abort(what, e)
+            if raised is e:
+                raise
+            raise raised from e
+
+    def _abort(self, what: str, error: BaseException) -> BaseException:
+        """Abort this process's process groups after ``error`` in ``what``; return what this rank raises: its own
+        error (noted) when no peer failed first, else an EngineAbortedError naming the ranks that did."""
+        others = self._failures()
+        if not others:
+            text = f"{type(error).__name__}: {error}"
+            try:
+                self._store.set(f"{_FAILED_KEY}{self._rank}", text[:4000])
+            except Exception:  # noqa: BLE001 - the peers will not learn who failed: logged, the abort goes on
+                log.exception("FSDPEngine.%s on rank %d: could not leave the error in the process group's store",
+                              what, self._rank)
+        why = (f"rank(s) {sorted(others)} failed inside {what}'s collective work" if others else
+               f"rank {self._rank} raised {type(error).__name__} inside {what}'s collective work on its own")
+        log.error("FSDPEngine.%s on rank %d: %s; aborting the process groups so that no rank waits in a collective",
+                  what, self._rank, why)
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - a backend without abort: destroying the group also closes its connections
+            log.exception("FSDPEngine.%s on rank %d: abort failed; destroying the process group instead", what,
+                          self._rank)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        _aborted[:] = [why]
+        if not others:
+            error.add_note(f"{what} on rank {self._rank}: this error was raised on this rank alone, inside the "
+                           f"call's collective work, so the process groups were aborted (the other ranks stop at once "
+                           f"instead of waiting in a collective); this engine can no longer be used: restart its ranks")
+            return error
+        named = "; ".join(f"rank {r}: {t}" for r, t in sorted(others.items()))
+        return EngineAbortedError(f"{what} on rank {self._rank}: rank(s) {sorted(others)} failed inside the call's "
+                                  f"collective work ({named}); the process groups were aborted so that no rank waits "
+                                  f"for ever, and this engine can no longer be used: restart its ranks (this rank saw "
+                                  f"{type(error).__name__}: {error})")
+
+    def _failures(self) -> dict[int, str]:
+        """What other ranks left in the store before aborting (a peer that fails inside a collective writes there
+        first, so a rank whose collective failed because of it finds it)."""
+        found: dict[int, str] = {}
+        try:
+            self._store.set_timeout(datetime.timedelta(seconds=10))
+            for r in range(self._world):
+                key = f"{_FAILED_KEY}{r}"
+                if r != self._rank and self._store.check([key]):
+                    found[r] = self._store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store is gone with its host: this rank reports its own error
+            log.exception("FSDPEngine on rank %d: could not read the process group's store", self._rank)
+        return found
 
     def _forward(
         self, mb: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool
@@ -647,10 +740,10 @@ class FSDPEngine:
             (sum(v.sum() for v in flush.values()) * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
         if failure is not None:
-            raise failure
-        raise RuntimeError(f"train_step: loss_fn raised on rank(s) {ranks} in micro-batch {micro} (their errors say "
-                           f"what); rank {self._rank} stopped with them before the backward, and no rank took the "
-                           f"step")
+            raise self._agree(failure)
+        raise self._agree(RuntimeError(f"train_step: loss_fn raised on rank(s) {ranks} in micro-batch {micro} (their "
+                                       f"errors say what); rank {self._rank} stopped with them before the backward, "
+                                       f"and no rank took the step"))
 
     def _check_outputs_for(self, loss_fn: LossFn, with_entropy: bool) -> None:
         """``loss_fn.required_outputs`` (optional) names the outputs it reads: refuse, before any collective, a
@@ -672,10 +765,10 @@ class FSDPEngine:
         """After the ranks exchanged ``refused`` (the highest refused rank + 1, 0 if none): raise this rank's own
         error, or one naming the refusing rank, so that no rank goes on alone into a collective."""
         if problem is not None:
-            raise problem.error(problem.message)
+            raise self._agree(problem.error(problem.message))
         if refused:
-            raise ValueError(f"{what}: rank {refused - 1} refused its batch (its error says why); this rank's batch "
-                             f"is fine, but no rank computed anything")
+            raise self._agree(ValueError(f"{what}: rank {refused - 1} refused its batch (its error says why); this rank's batch "
+                             f"is fine, but no rank computed anything"))
 
     @torch.no_grad()
     def _inference(self, batch: Mapping[str, Any], temperature: float, with_entropy: bool, what: str) -> TensorDict:
@@ -689,13 +782,14 @@ class FSDPEngine:
         # refused on every rank (``_global_micro_count``), so that no rank goes on alone into the forward's
         # collectives: an empty batch, missing or inconsistent model inputs, a mask that is not 0/1, bad token ids
         problem = unreadable or self._inference_problem(batch, data, rows, what)
-        n_global = self._global_micro_count(len(ranges), problem, what)
         parts: list[dict[str, torch.Tensor]] = []
-        for i in range(n_global):
-            s, e = ranges[i] if i < len(ranges) else ranges[0]
-            out = self._forward(slice_rows(data, s, e), temperature, with_entropy)
-            if i < len(ranges):
-                parts.append(out)
+        with self._collective(what):
+            n_global = self._global_micro_count(len(ranges), problem, what)
+            for i in range(n_global):
+                s, e = ranges[i] if i < len(ranges) else ranges[0]
+                out = self._forward(slice_rows(data, s, e), temperature, with_entropy)
+                if i < len(ranges):
+                    parts.append(out)
         result = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         if "response_mask" in data:
             m = data["response_mask"].to(torch.float32)
@@ -779,96 +873,98 @@ class FSDPEngine:
                            for sc in scales}
         else:
             ranges, tok, units, scale_units = [], [], [], {sc: [] for sc in scales}
-        counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges)),
-                               *[sum(scale_units[sc]) for sc in scales]], dtype=torch.float64, device=self.device)
-        if self._world > 1:
-            dist.all_reduce(counts)
-        n_global = self._global_micro_count(len(ranges), problem, "train_step")
-        total_units, total_tokens, total_rows, total_micro, *scale_totals = counts.tolist()
-        weights_by_scale = {loss_scale: (units, total_units),
-                            **{sc: (scale_units[sc], t) for sc, t in zip(scales, scale_totals)}}
-        if total_rows == 0:
-            raise ValueError("train_step: the batch has no rows on any rank; pass at least one row (a rank may hold "
-                             "none as long as another rank holds some)")
+        with self._collective("train_step"):
+            counts = torch.tensor([sum(units), sum(tok), float(rows), float(len(ranges)),
+                                   *[sum(scale_units[sc]) for sc in scales]], dtype=torch.float64, device=self.device)
+            if self._world > 1:
+                dist.all_reduce(counts)
+            n_global = self._global_micro_count(len(ranges), problem, "train_step")
+            total_units, total_tokens, total_rows, total_micro, *scale_totals = counts.tolist()
+            weights_by_scale = {loss_scale: (units, total_units),
+                                **{sc: (scale_units[sc], t) for sc, t in zip(scales, scale_totals)}}
+            if total_rows == 0:
+                raise self._agree(ValueError("train_step: the batch has no rows on any rank; pass at least one row (a "
+                                             "rank may hold none as long as another rank holds some)"))
 
-        self.model.train()
-        if lr is None:
-            lr = self.lr
-            if not (math.isfinite(lr) and lr >= 0):  # EngineConfig's checks make this unreachable; never step with it
-                raise ValueError(f"train_step: the LR schedule gives lr={lr} at step {self.global_step}; check "
-                                 f"EngineConfig.lr and min_lr_ratio (config: {self.config})")
-        if total_tokens == 0:  # every rank knows it from the all-reduce: all return here, no collective is left
-            log.log(logging.WARNING if self._rank == 0 else logging.DEBUG,
-                    "train_step: the batch has no response token on any rank (response_mask is 0 everywhere in "
-                    "%d rows); nothing to train on, so the optimizer step is skipped (skipped=1: no update, no "
-                    "momentum or weight decay, the LR schedule stays at step %d)", int(total_rows), self.global_step)
-            return {"loss": 0.0, "grad_norm": 0.0, "lr": lr, "tokens": 0.0, "rows": total_rows,
-                    "micro_batches": total_micro, "step": float(self.global_step), "skipped": 1.0}
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        metric_sums: dict[str, float] = {}
-        for i in range(n_global):
+            self.model.train()
+            if lr is None:
+                lr = self.lr
+                if not (math.isfinite(lr) and lr >= 0):  # EngineConfig's checks make this unreachable; never step
+                    raise self._agree(ValueError(f"train_step: the LR schedule gives lr={lr} at step {self.global_step}; "
+                                                 f"check EngineConfig.lr and min_lr_ratio (config: {self.config})"))
+            if total_tokens == 0:  # every rank knows it from the all-reduce: all return here, no collective is left
+                log.log(logging.WARNING if self._rank == 0 else logging.DEBUG,
+                        "train_step: the batch has no response token on any rank (response_mask is 0 everywhere in "
+                        "%d rows); nothing to train on, so the optimizer step is skipped (skipped=1: no update, no "
+                        "momentum or weight decay, the LR schedule stays at step %d)", int(total_rows),
+                        self.global_step)
+                return {"loss": 0.0, "grad_norm": 0.0, "lr": lr, "tokens": 0.0, "rows": total_rows,
+                        "micro_batches": total_micro, "step": float(self.global_step), "skipped": 1.0}
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            metric_sums: dict[str, float] = {}
+            for i in range(n_global):
+                if cfg.accumulate_without_sync and self._world > 1:
+                    self.model.set_requires_gradient_sync(i == n_global - 1)
+                real = i < len(ranges)
+                if real or ranges:
+                    mb = slice_rows(data, *(ranges[i] if real else ranges[0]))
+                else:  # this rank holds no rows: its dummy micro-batches run on one filler row
+                    mb = _filler_row(data)
+                outputs = self._forward(mb, temperature, with_entropy and self.model_kind == "causal_lm")
+                if not real:  # keep collectives in step with ranks that have more micro-batches
+                    self._agree_on_loss(None, i, data)
+                    dummy = sum(v.sum() for v in outputs.values()) * 0.0
+                    dummy.backward()
+                    continue
+                failure: BaseException | None = None
+                try:
+                    loss, metrics = loss_fn(outputs, mb)
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
+                    if not loss.requires_grad:
+                        raise ValueError("train_step: loss_fn returned a loss that does not depend on the model's "
+                                         "outputs (requires_grad is False); build it from the outputs it is given, and "
+                                         "do not call train_step under torch.no_grad")
+                    w = units[i] / total_units if total_units > 0 else 0.0
+                    values = {k: _metric_value(k, v) for k, v in (metrics or {}).items()}
+                except Exception as e:  # noqa: BLE001 - raised below, on this rank and (named) on the others
+                    failure = e
+                self._agree_on_loss(failure, i, data)  # every rank, before any backward collective
+                # the zero-weighted term makes every rank's backward reach every parameter, so that FSDP's gradient
+                # collectives pair up even where the loss does not depend on the model (a constant zero loss)
+                main = outputs["values"] if self.model_kind == "value" else outputs["log_probs"]
+                (loss * (w * self._world) + main.sum() * 0.0).backward()
+                metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
+                for k, fv in values.items():
+                    mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]
+                    metric_sums[k] = metric_sums.get(k, 0.0) + (mu[i] / mtotal if mtotal > 0 else 0.0) * fv
             if cfg.accumulate_without_sync and self._world > 1:
-                self.model.set_requires_gradient_sync(i == n_global - 1)
-            real = i < len(ranges)
-            if real or ranges:
-                mb = slice_rows(data, *(ranges[i] if real else ranges[0]))
-            else:  # this rank holds no rows: its dummy micro-batches run on one filler row
-                mb = _filler_row(data)
-            outputs = self._forward(mb, temperature, with_entropy and self.model_kind == "causal_lm")
-            if not real:  # keep collectives in step with ranks that have more micro-batches
-                self._agree_on_loss(None, i, data)
-                dummy = sum(v.sum() for v in outputs.values()) * 0.0
-                dummy.backward()
-                continue
-            failure: BaseException | None = None
-            try:
-                loss, metrics = loss_fn(outputs, mb)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
-                if not loss.requires_grad:
-                    raise ValueError("train_step: loss_fn returned a loss that does not depend on the model's "
-                                     "outputs (requires_grad is False); build it from the outputs it is given, and "
-                                     "do not call train_step under torch.no_grad")
-                w = units[i] / total_units if total_units > 0 else 0.0
-                values = {k: _metric_value(k, v) for k, v in (metrics or {}).items()}
-            except Exception as e:  # noqa: BLE001 - raised below, on this rank and (named) on the others
-                failure = e
-            self._agree_on_loss(failure, i, data)  # every rank, before any backward collective
-            # the zero-weighted term makes every rank's backward reach every parameter, so that FSDP's gradient
-            # collectives pair up even where the loss does not depend on the model (a constant zero loss)
-            main = outputs["values"] if self.model_kind == "value" else outputs["log_probs"]
-            (loss * (w * self._world) + main.sum() * 0.0).backward()
-            metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
-            for k, fv in values.items():
-                mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]
-                metric_sums[k] = metric_sums.get(k, 0.0) + (mu[i] / mtotal if mtotal > 0 else 0.0) * fv
-        if cfg.accumulate_without_sync and self._world > 1:
-            self.model.set_requires_gradient_sync(True)
+                self.model.set_requires_gradient_sync(True)
 
-        max_norm = cfg.grad_clip if cfg.grad_clip is not None and cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm_f = float(grad_norm.item())
-        skipped = not math.isfinite(grad_norm_f)
-        if not skipped:
-            self.optimizer.step()
-            self.global_step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+            max_norm = cfg.grad_clip if cfg.grad_clip is not None and cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm_f = float(grad_norm.item())
+            skipped = not math.isfinite(grad_norm_f)
+            if not skipped:
+                self.optimizer.step()
+                self.global_step += 1
+            self.optimizer.zero_grad(set_to_none=True)
 
-        result = self._sum_by_name(metric_sums)
-        result.update(
-            grad_norm=grad_norm_f,
-            lr=lr,
-            tokens=total_tokens,
-            rows=total_rows,
-            micro_batches=total_micro,
-            step=float(self.global_step),
-            skipped=float(skipped),
-        )
-        return result
+            result = self._sum_by_name(metric_sums)
+            result.update(
+                grad_norm=grad_norm_f,
+                lr=lr,
+                tokens=total_tokens,
+                rows=total_rows,
+                micro_batches=total_micro,
+                step=float(self.global_step),
+                skipped=float(skipped),
+            )
+            return result
 
     def _sum_by_name(self, sums: Mapping[str, float]) -> dict[str, float]:
         """Sum each named value over the ranks (collective). The ranks first agree on the union of their names

@@ -156,3 +156,33 @@ async def test_errors_say_what_to_change(groups):
     with pytest.raises(Exception, match="3 rows over 2 data-parallel rank.*mini_batches=4"):
         await actor.update_actor(g, pg_loss, mini_batches=4)
     assert len(await actor.compute_log_prob(g)) == 3  # no rank was left waiting in a collective
+
+
+def inplace_backward_loss_on_rank_1(outputs, mb):
+    """Token-mean NLL, except on data-parallel rank 1, where the loss writes into a tensor its own backward needs:
+    autograd raises inside that rank's backward, while rank 0 waits in the backward's gradient collectives."""
+    import torch.distributed as dist
+
+    m = mb["response_mask"].float()
+    loss, metrics = -(outputs["log_probs"] * m).sum() / m.sum().clamp(min=1), {}
+    if dist.get_rank() == 1:
+        e = outputs["log_probs"].exp()
+        loss = loss + e.sum() * 1e-3
+        e.mul_(2.0)
+    return loss, metrics
+
+
+async def test_a_failure_inside_one_ranks_backward_fails_the_call_at_once_and_the_ranks_refuse_later_calls(groups):
+    """Was: the call failed with rank 1's error, but rank 0 stayed in a gradient collective until the process group's
+    timeout (30 minutes), so every later call on the group waited behind it; nothing said the group was wedged.
+    Runs last: the group's process groups are aborted (every engine of those processes refuses later calls)."""
+    actor, critic, _ = groups
+    gen = actor.generate(prompts(4), n=1)
+    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*restart its ranks") as failed:
+        await actor.update_actor(gen, inplace_backward_loss_on_rank_1)
+    assert "rank 1" in str(failed.value) or "rank(s) [1]" in str(failed.value), failed.value
+    with pytest.raises(Exception, match="EngineAbortedError: FSDPEngine.compute_log_prob: this engine can no longer "
+                                        "be used: .*Restart its ranks"):
+        await actor.compute_log_prob(gen)
+    with pytest.raises(Exception, match="FSDPEngine.compute_values: this engine can no longer be used"):
+        await critic.compute_values(gen)  # colocated in the same processes: their process groups are gone too
