@@ -599,7 +599,8 @@ class FSDPEngine:
                 log.exception("FSDPEngine.%s on rank %d: could not leave the error in the process group's store",
                               what, self._rank)
         why = (f"rank(s) {sorted(others)} failed inside {what}'s collective work" if others else
-               f"rank {self._rank} raised {type(error).__name__} inside {what}'s collective work on its own")
+               f"rank {self._rank} raised {type(error).__name__} inside {what}'s collective work, and no other rank "
+               f"had reported an error")
         log.error("FSDPEngine.%s on rank %d: %s; aborting the process groups so that no rank waits in a collective",
                   what, self._rank, why)
         try:
@@ -611,9 +612,10 @@ class FSDPEngine:
                 dist.destroy_process_group()
         _aborted[:] = [why]
         if not others:
-            error.add_note(f"{what} on rank {self._rank}: this error was raised on this rank alone, inside the "
-                           f"call's collective work, so the process groups were aborted (the other ranks stop at once "
-                           f"instead of waiting in a collective); this engine can no longer be used: restart its ranks")
+            error.add_note(f"{what} on rank {self._rank}: this error was raised inside the call's collective work "
+                           f"and no other rank had reported one (a rank that died reports none), so this rank aborted "
+                           f"the process groups: the other ranks stop at once instead of waiting in a collective; this "
+                           f"engine can no longer be used: restart its ranks")
             return error
         named = "; ".join(f"rank {r}: {t}" for r, t in sorted(others.items()))
         return EngineAbortedError(f"{what} on rank {self._rank}: rank(s) {sorted(others)} failed inside the call's "
@@ -989,11 +991,12 @@ class FSDPEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self._check_ready("full_state_dict")
-        if rank0_only:
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.model, options=opts)
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+        with self._collective("full_state_dict"):
+            if rank0_only:
+                opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+                return get_model_state_dict(self.model, options=opts)
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
     def save(self, directory: str | os.PathLike) -> None:
         """Sharded checkpoint: this rank's model and optimizer shards as safetensors, layout and step in JSON

@@ -26,7 +26,8 @@ def test_a_failure_inside_a_collective_on_one_rank_stops_every_rank_at_once(wher
     r0, r1 = spawn(collective_failure_on_one_rank_worker, 2, where)
     what = "compute_log_prob" if where == "log_prob_forward" else "train_step"
     assert r1["error"].startswith(_OWN[where]), r1["error"]
-    assert f"note: {what} on rank 1: this error was raised on this rank alone" in r1["error"], r1["error"]
+    assert f"note: {what} on rank 1: this error was raised inside the call's collective work and no other rank had " \
+           f"reported one" in r1["error"], r1["error"]
     # rank 0 was waiting in a collective: it fails at once, naming rank 1 and what it raised (not the timeout)
     assert r0["error"].startswith(f"EngineAbortedError: {what} on rank 0: rank(s) [1] failed inside the call's "
                                   f"collective work (rank 1: {_OWN[where]}"), r0["error"]
