@@ -89,16 +89,16 @@ LossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tupl
 """``loss_fn(outputs, micro_batch) -> (loss, metrics)``; see the module docstring for weighting."""
 
 ModelKind = Literal["auto", "causal_lm", "value"]
+LOSS_SCALES = ("tokens", "sequences", "rows")
 
 _FAILED_KEY = "orchestra/engine_failed/"  # + rank: what a rank raised alone inside a collective (process-group store)
-_aborted: list[str] = []  # why this process's process groups were aborted (empty: they were not)
+_aborts: list[str] = []  # why this process's process groups were aborted, each time (engines made before refuse)
 
 
 class EngineAbortedError(RuntimeError):
     """A rank failed inside a call's collective work on its own, so the process groups were aborted (the other ranks'
     collectives fail at once instead of waiting for the timeout); the engines of these processes can no longer be
     used: restart the ranks."""
-LOSS_SCALES = ("tokens", "sequences", "rows")
 
 
 @dataclass(frozen=True)
@@ -506,6 +506,7 @@ class FSDPEngine:
         # the store outlives an abort of the process groups (a rank that hosts it keeps serving its peers' reads)
         self._store = dist.distributed_c10d._get_default_store() if self._world > 1 else None
         self._agreed: BaseException | None = None  # the error every rank raises by agreement (no abort needed)
+        self._generation = len(_aborts)  # an abort after this leaves the engine without its process groups
         self.mesh = init_device_mesh(self.device.type, (self._world,), mesh_dim_names=("dp",))
         mp_on = cfg.mixed_precision if cfg.mixed_precision is not None else self.device.type == "cuda"
         kw: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": cfg.reshard_after_forward}
@@ -561,9 +562,10 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ forward
     def _check_ready(self, what: str) -> None:
-        if _aborted:
-            raise EngineAbortedError(f"FSDPEngine.{what}: this engine can no longer be used: {_aborted[0]}. Restart "
-                                     f"its ranks (new processes, a new process group)")
+        if len(_aborts) > self._generation:
+            raise EngineAbortedError(f"FSDPEngine.{what}: this engine can no longer be used: "
+                                     f"{_aborts[self._generation]}. Restart its ranks (new processes, a new process "
+                                     f"group)")
         if self._offloaded:
             raise RuntimeError(f"FSDPEngine.{what}: the engine is offloaded to CPU; call onload() first")
 
@@ -610,7 +612,7 @@ class FSDPEngine:
                           self._rank)
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        _aborted[:] = [why]
+        _aborts.append(why)
         if not others:
             error.add_note(f"{what} on rank {self._rank}: this error was raised inside the call's collective work "
                            f"and no other rank had reported one (a rank that died reports none), so this rank aborted "

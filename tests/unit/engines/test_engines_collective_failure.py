@@ -33,3 +33,21 @@ def test_a_failure_inside_a_collective_on_one_rank_stops_every_rank_at_once(wher
                                   f"collective work (rank 1: {_OWN[where]}"), r0["error"]
     for r in (r0, r1):
         assert r["later"].startswith("EngineAbortedError: FSDPEngine.train_step: this engine can no longer be used"), r
+
+
+def test_only_engines_made_before_an_abort_refuse_calls(monkeypatch):
+    """An abort leaves the engines of that process without process groups; one made afterwards (on a new process
+    group) is not refused."""
+    import engines.fsdp as fsdp
+    from engines_testutils import make_batch, model_factory
+
+    from engines.fsdp import EngineAbortedError, EngineConfig, FSDPEngine
+
+    before = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=4))
+    monkeypatch.setattr(fsdp, "_aborts", [*fsdp._aborts, "rank 1 raised RuntimeError inside train_step's collective "
+                                                          "work, and no other rank had reported an error"])
+    with pytest.raises(EngineAbortedError, match=r"FSDPEngine.compute_log_prob: this engine can no longer be used: "
+                                                  r"rank 1 raised RuntimeError inside train_step's collective work"):
+        before.compute_log_prob(make_batch(B=2))
+    after = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=4))
+    assert after.compute_log_prob(make_batch(B=2))["log_probs"].shape[0] == 2
