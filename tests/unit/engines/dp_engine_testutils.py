@@ -260,3 +260,45 @@ def collective_failure_on_one_rank_worker(rank: int, world: int, where: str) -> 
     except BaseException as e:  # noqa: BLE001
         out["later"] = text(e)
     return out
+
+
+def save_fails_on_one_rank_worker(rank: int, world: int, directory: str, where: str) -> dict[str, Any]:
+    """One rank cannot write its part of a checkpoint: ``shard`` (rank 1's shard file: a full disk), ``index``
+    (rank 0's index and state JSON). Every rank must raise at once (the process group's 60 s timeout is what a rank
+    left waiting in the save's collectives hits instead), and the engine must still work: a train step, then a save
+    to another directory that loads back. Per rank: the error text, whether the later step and save worked."""
+    import datetime
+    import os
+
+    import safetensors.torch
+    import torch.distributed as dist
+
+    import engines.checkpoint as ckpt
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    batch = make_batch(B=4, seed=rank)
+    eng.train_step(batch, masked_token_mean_loss)
+    real_save_file, real_write_json = safetensors.torch.save_file, ckpt.write_json_atomic
+
+    def full_disk(*a: Any, **k: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    if where == "shard" and rank == 1:
+        safetensors.torch.save_file = full_disk
+    if where == "index" and rank == 0:
+        ckpt.write_json_atomic = full_disk
+    out: dict[str, Any] = {}
+    try:
+        eng.save(os.path.join(directory, "bad"))
+        out["error"] = ""
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
+        out["error"] = f"{type(e).__name__}: {e}"
+    safetensors.torch.save_file, ckpt.write_json_atomic = real_save_file, real_write_json
+    out["step_after"] = eng.train_step(batch, masked_token_mean_loss)["step"]
+    eng.save(os.path.join(directory, "good"))
+    eng.load(os.path.join(directory, "good"))
+    out["loaded_step"] = eng.global_step
+    return out

@@ -51,3 +51,20 @@ def test_only_engines_made_before_an_abort_refuse_calls(monkeypatch):
         before.compute_log_prob(make_batch(B=2))
     after = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=4))
     assert after.compute_log_prob(make_batch(B=2))["log_probs"].shape[0] == 2
+
+
+@pytest.mark.slow  # spawns ranks
+@pytest.mark.parametrize("where, failing", [("shard", 1), ("index", 0)])
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_the_engine_goes_on(tmp_path, where, failing):
+    """Was: the rank that could not write raised alone, and the others waited in the save's collectives (gathering
+    the shard list, the final barrier) until the process group's timeout."""
+    from dp_engine_testutils import save_fails_on_one_rank_worker
+
+    results = spawn(save_fails_on_one_rank_worker, 2, str(tmp_path), where)
+    own, other = results[failing], results[1 - failing]
+    assert own["error"].startswith(f"CheckpointError: {tmp_path / 'bad'}: rank {failing} could not write its part "
+                                   f"of the checkpoint ([Errno 28] No space left on device)"), own["error"]
+    assert other["error"].startswith(f"CheckpointError: {tmp_path / 'bad'}: rank(s) [{failing}] could not write "
+                                     f"their part of the checkpoint"), other["error"]
+    for r in results:
+        assert r["step_after"] == 2.0 and r["loaded_step"] == 2, r
