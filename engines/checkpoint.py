@@ -203,7 +203,9 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
     """Write this rank's shards, then (rank 0) ``engine_state.json`` and ``index.json``. Collective.
 
     ``model_sd``/``optim_sd`` come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded
-    DTensors, optimizer state keyed by parameter name); ``engine_state`` is JSON-able (step, config...).
+    DTensors, optimizer state keyed by parameter name); ``engine_state`` is JSON-able (step, config...). A rank
+    that cannot write its part (a full disk) makes every rank raise :class:`CheckpointError` together, the failing
+    one naming its cause; no rank is left waiting in a collective.
     """
     from safetensors.torch import save_file
 
@@ -223,12 +225,16 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
             # a private contiguous CPU copy: tied weights share storage, which safetensors refuses
             stored[key.split("/", 1)[0]][key] = piece.detach().to("cpu", copy=True).contiguous()
     files: dict[str, dict[str, Any]] = {}
-    for kind, tensors in stored.items():
-        name = _shard_file(kind, rank, world)
-        path = os.path.join(directory, name)
-        save_file(tensors, path, metadata={"format": FORMAT, "rank": str(rank), "world_size": str(world)})
-        size, digest = sha256_file(path)
-        files[name] = {"bytes": size, "sha256": digest}
+    try:
+        for kind, tensors in stored.items():
+            name = _shard_file(kind, rank, world)
+            path = os.path.join(directory, name)
+            save_file(tensors, path, metadata={"format": FORMAT, "rank": str(rank), "world_size": str(world)})
+            size, digest = sha256_file(path)
+            files[name] = {"bytes": size, "sha256": digest}
+    except Exception as e:  # a rank that cannot write (a full disk, a read-only mount) fails every rank here
+        _agree_written(e, directory, device)
+    _agree_written(None, directory, device)
     infos = _all_gather_json({"rank": rank, "files": files, "tensors": {k: v["local_shape"] for k, v in local.items()},
                               "rng": _rng_state(device)}, device)
     index_tensors: dict[str, Any] = {}  # built on every rank: a bad layout fails on all of them together
@@ -251,17 +257,40 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
             shards.append({"rank": 0, "file": _shard_file(key.split("/", 1)[0], 0, world),
                            "offset": [0] * len(shape), "shape": shape})
         index_tensors[key] = {"shape": shape, "dtype": meta["dtype"], "placement": placement, "shards": shards}
-    if rank == 0:
-        all_files = {name: f for info in infos for name, f in info["files"].items()}
-        state = {"format": FORMAT, "world_size": world, **engine_state,
-                 "optimizer": {"param_groups": groups, "scalars": scalars},
-                 "rng": [info["rng"] for info in infos]}
-        write_json_atomic(os.path.join(directory, STATE), state)
-        write_json_atomic(os.path.join(directory, INDEX),
-                          {"format": FORMAT, "world_size": world, "files": all_files, "tensors": index_tensors},
-                          indent=1)
-    if dist.is_initialized() and world > 1:
-        dist.barrier()
+    try:
+        if rank == 0:
+            all_files = {name: f for info in infos for name, f in info["files"].items()}
+            state = {"format": FORMAT, "world_size": world, **engine_state,
+                     "optimizer": {"param_groups": groups, "scalars": scalars},
+                     "rng": [info["rng"] for info in infos]}
+            write_json_atomic(os.path.join(directory, STATE), state)
+            write_json_atomic(os.path.join(directory, INDEX),
+                              {"format": FORMAT, "world_size": world, "files": all_files, "tensors": index_tensors},
+                              indent=1)
+    except Exception as e:  # as above; the agreement is also the barrier: no rank returns before the index exists
+        _agree_written(e, directory, device)
+    _agree_written(None, directory, device)
+
+
+def _agree_written(error: Exception | None, directory: str, device: torch.device) -> None:
+    """Every rank learns which ranks could not write their part of a checkpoint, so that all of them raise
+    :class:`CheckpointError` together and none waits in the save's next collective (for the process group's
+    timeout); the engine stays usable. The failing rank's error names its cause, the others' name the ranks."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        failed_on = torch.zeros(world, dtype=torch.int64, device=device)
+        failed_on[rank] = error is not None
+        dist.all_reduce(failed_on)
+        ranks = [r for r, f in enumerate(failed_on.tolist()) if f]
+    else:
+        ranks = [rank] if error is not None else []
+    if error is not None:
+        raise CheckpointError(f"{directory}: rank {rank} could not write its part of the checkpoint ({error}); the "
+                              f"checkpoint is incomplete: do not load it") from error
+    if ranks:
+        raise CheckpointError(f"{directory}: rank(s) {ranks} could not write their part of the checkpoint (their "
+                              f"errors say why); the checkpoint is incomplete: do not load it")
 
 
 # ------------------------------------------------------------------------------------------------------------ load

@@ -44,12 +44,16 @@ and trains nothing).
 What the ranks cannot agree on beforehand stops them all the hard way: an error that one rank raises inside a
 call's collective work (inside the backward itself, e.g. autograd's "modified by an inplace operation" when a loss
 wrote into a tensor the backward needs; inside the model's forward; a ``KeyboardInterrupt`` in ``loss_fn``; a
-collective that failed). That rank leaves what it raised in the process group's store and aborts every process
-group of its process, so that its peers' collectives fail at once instead of waiting for the process group's
-timeout (30 minutes on gloo by default: a hung job with no error). It raises its own error (with a note saying so),
-the others an :class:`EngineAbortedError` naming it and what it raised. The process groups are gone, so the engine,
-and every other engine of the process, refuses later calls with an ``EngineAbortedError``: restart the ranks (a
-new process group). With one rank there is no peer to release, and nothing is aborted.
+collective that failed). That rank leaves what it raised in the process group's store, aborts every process group
+of its process and calls ``on_abort`` (the engines' orchestra workers pass ``Worker.declare_dead``: supervision
+then reports the rank dead, and the pipeline runner restarts the job, which ends every rank's process). Its peers
+wait in their collective until that process ends: on gloo (torch 2.13) an aborted group's connections close only
+when the process exits or frees the group, which the engine's model still holds; then their collectives fail at
+once (instead of at the process group's timeout, 30 minutes on gloo by default: a hung job with no error). The
+failing rank raises its own error (with a note saying so), the others an :class:`EngineAbortedError` naming it and
+what it raised. The process groups are gone, so the engine, and every other engine of the process made before the
+abort, refuses later calls with an ``EngineAbortedError``: restart the ranks (a new process group). With one rank
+there is no peer to release, and nothing is aborted.
 """
 
 from __future__ import annotations
@@ -477,6 +481,7 @@ class FSDPEngine:
         config: EngineConfig | None = None,
         *,
         model_kind: ModelKind = "auto",
+        on_abort: Callable[[str], None] | None = None,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -507,6 +512,7 @@ class FSDPEngine:
         self._store = dist.distributed_c10d._get_default_store() if self._world > 1 else None
         self._agreed: BaseException | None = None  # the error every rank raises by agreement (no abort needed)
         self._generation = len(_aborts)  # an abort after this leaves the engine without its process groups
+        self._on_abort = on_abort
         self.mesh = init_device_mesh(self.device.type, (self._world,), mesh_dim_names=("dp",))
         mp_on = cfg.mixed_precision if cfg.mixed_precision is not None else self.device.type == "cuda"
         kw: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": cfg.reshard_after_forward}
@@ -575,14 +581,15 @@ class FSDPEngine:
         return error
 
     @contextlib.contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
+    def _collective(self, what: str, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
         """Around a call's collective work: an error this rank raises that the ranks did not agree on aborts the
-        process groups, so that no peer waits for ever in a collective (module docstring)."""
+        process groups, so that no peer waits for ever in a collective (module docstring). ``agreed``: error types
+        the call raises only on every rank together."""
         self._agreed = None
         try:
             yield
         except BaseException as e:
-            if e is self._agreed or self._world == 1:
+            if e is self._agreed or isinstance(e, agreed) or self._world == 1:
                 raise
             raised = self._abort(what, e)
             if raised is e:
@@ -593,16 +600,24 @@ class FSDPEngine:
         """Abort this process's process groups after ``error`` in ``what``; return what this rank raises: its own
         error (noted) when no peer failed first, else an EngineAbortedError naming the ranks that did."""
         others = self._failures()
-        if not others:
+        unknown = others is None  # the store is gone (its host, rank 0, may have exited): who failed first is unknown
+        others = others or {}
+        if not others and not unknown:
             text = f"{type(error).__name__}: {error}"
             try:
                 self._store.set(f"{_FAILED_KEY}{self._rank}", text[:4000])
             except Exception:  # noqa: BLE001 - the peers will not learn who failed: logged, the abort goes on
                 log.exception("FSDPEngine.%s on rank %d: could not leave the error in the process group's store",
                               what, self._rank)
-        why = (f"rank(s) {sorted(others)} failed inside {what}'s collective work" if others else
-               f"rank {self._rank} raised {type(error).__name__} inside {what}'s collective work, and no other rank "
-               f"had reported an error")
+        if others:
+            why = f"rank(s) {sorted(others)} failed inside {what}'s collective work"
+        elif unknown:
+            why = (f"rank {self._rank} saw {type(error).__name__} inside {what}'s collective work, and the process "
+                   f"group's store could not be read to learn which rank failed first (rank 0 hosts it: it may have "
+                   f"exited)")
+        else:
+            why = (f"rank {self._rank} raised {type(error).__name__} inside {what}'s collective work, and no other "
+                   f"rank had reported an error")
         log.error("FSDPEngine.%s on rank %d: %s; aborting the process groups so that no rank waits in a collective",
                   what, self._rank, why)
         try:
@@ -613,11 +628,20 @@ class FSDPEngine:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         _aborts.append(why)
+        if self._on_abort is not None:  # e.g. the rank's Worker.declare_dead: a live process keeps its peers blocked
+            try:
+                self._on_abort(f"FSDPEngine.{what}: {why} ({type(error).__name__}: {str(error)[:2000]})")
+            except Exception:  # noqa: BLE001 - the abort stands; this rank still raises its error below
+                log.exception("FSDPEngine.%s on rank %d: on_abort raised", what, self._rank)
+        if unknown:
+            error.add_note(f"{what} on rank {self._rank}: {why}; the process groups were aborted and this engine can "
+                           f"no longer be used: restart its ranks")
+            return error
         if not others:
             error.add_note(f"{what} on rank {self._rank}: this error was raised inside the call's collective work "
                            f"and no other rank had reported one (a rank that died reports none), so this rank aborted "
-                           f"the process groups: the other ranks stop at once instead of waiting in a collective; this "
-                           f"engine can no longer be used: restart its ranks")
+                           f"its process groups: the other ranks' collectives fail once this process ends; this engine "
+                           f"can no longer be used: restart its ranks")
             return error
         named = "; ".join(f"rank {r}: {t}" for r, t in sorted(others.items()))
         return EngineAbortedError(f"{what} on rank {self._rank}: rank(s) {sorted(others)} failed inside the call's "
@@ -625,9 +649,9 @@ class FSDPEngine:
                                   f"for ever, and this engine can no longer be used: restart its ranks (this rank saw "
                                   f"{type(error).__name__}: {error})")
 
-    def _failures(self) -> dict[int, str]:
+    def _failures(self) -> dict[int, str] | None:
         """What other ranks left in the store before aborting (a peer that fails inside a collective writes there
-        first, so a rank whose collective failed because of it finds it)."""
+        first, so a rank whose collective failed because of it finds it); None when the store cannot be read."""
         found: dict[int, str] = {}
         try:
             self._store.set_timeout(datetime.timedelta(seconds=10))
@@ -635,8 +659,10 @@ class FSDPEngine:
                 key = f"{_FAILED_KEY}{r}"
                 if r != self._rank and self._store.check([key]):
                     found[r] = self._store.get(key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - the store is gone with its host: this rank reports its own error
-            log.exception("FSDPEngine on rank %d: could not read the process group's store", self._rank)
+        except Exception as e:  # noqa: BLE001 - the store is gone with its host: said in this rank's error
+            log.warning("FSDPEngine on rank %d: could not read the process group's store (%s: %s)", self._rank,
+                        type(e).__name__, e)
+            return None
         return found
 
     def _forward(
@@ -1002,16 +1028,19 @@ class FSDPEngine:
 
     def save(self, directory: str | os.PathLike) -> None:
         """Sharded checkpoint: this rank's model and optimizer shards as safetensors, layout and step in JSON
-        (``engines.checkpoint``; nothing is pickled). Collective; ``directory`` must be visible to all ranks."""
+        (``engines.checkpoint``; nothing is pickled). Collective; ``directory`` must be visible to all ranks. A rank
+        that cannot write its part raises ``CheckpointError`` on every rank, and the engine stays usable."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from engines.checkpoint import save_sharded
+        from engines.checkpoint import CheckpointError, save_sharded
 
         self._check_ready("save")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        save_sharded(directory, model_sd, optim_sd, device=self.device,
-                     engine_state={"global_step": self.global_step, "lr": self.lr, "model_kind": self.model_kind,
-                                   "config": asdict(self.config)})
+        # a rank that cannot write its part raises CheckpointError on every rank, and the engine goes on
+        with self._collective("save", agreed=(CheckpointError,)):
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            save_sharded(directory, model_sd, optim_sd, device=self.device,
+                         engine_state={"global_step": self.global_step, "lr": self.lr, "model_kind": self.model_kind,
+                                       "config": asdict(self.config)})
 
     def load(self, directory: str | os.PathLike, *, verify: bool = True) -> None:
         """Restore model, optimizer, step (hence the LR schedule) and, with the same DP size, RNG from

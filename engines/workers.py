@@ -226,10 +226,12 @@ class ActorRolloutRefWorker(Worker):
             return build_causal_lm(_own_config(model), seed=self.seed, path=model_path,
                                    attn_implementation=attn_implementation)
 
-        self.actor = FSDPEngine(factory, self.config, model_kind="causal_lm")
+        # a rank whose engine aborted its process groups is dead to the group: its blocked peers need it to end
+        self.actor = FSDPEngine(factory, self.config, model_kind="causal_lm", on_abort=self.declare_dead)
         self.ref: FSDPEngine | None = None
         if with_ref:
-            self.ref = FSDPEngine(factory, ref_engine or self.config, model_kind="causal_lm")
+            self.ref = FSDPEngine(factory, ref_engine or self.config, model_kind="causal_lm",
+                                  on_abort=self.declare_dead)
         dtype = rollout_dtype or (torch.bfloat16 if self.actor.mixed_precision else torch.float32)
         rollout_model = build_causal_lm(_own_config(model), seed=self.seed, path=model_path, dtype=dtype,
                                         attn_implementation=attn_implementation).to(self.actor.device)
@@ -424,7 +426,7 @@ class CriticWorker(Worker):
         init_distributed(torch.device(self.config.device) if self.config.device else None)
         self.critic = FSDPEngine(
             lambda: build_value_model(_own_config(model), seed=int(seed), path=model_path, attn_implementation=attn_implementation),
-            self.config, model_kind="value")
+            self.config, model_kind="value", on_abort=self.declare_dead)
         self._version = 0
         self.register_mesh("critic", dp_rank=self.critic.dp_rank, dp_size=self.critic.dp_size,
                            is_collector=self.critic.is_collector)

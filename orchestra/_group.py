@@ -261,15 +261,22 @@ class _Shared:
         if f.cancelled():
             return
         e = f.exception()
-        if self.closed is not None or e is None or rank in self.dead:
+        if self.closed is not None or rank in self.dead:
             return
-        err = convert_error(e, self.name, "watch", rank)
-        if not isinstance(err, WorkerDiedError):
-            log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
-            return
-        err = WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); check its log for an "
-                              f"OOM kill or crash, then recreate the group", group=self.name, rank=rank,
-                              exc_type="WorkerDied")
+        if e is None:  # the watch returned: the group stopped it (close), or a role declared the rank dead
+            declared = f.result()
+            if not isinstance(declared, dict) or "declared_dead" not in declared:
+                return
+            err = WorkerDiedError(f"rank {rank} was declared dead by its worker ({declared['declared_dead']}); "
+                                  f"recreate the group", group=self.name, rank=rank, exc_type="WorkerDied")
+        else:
+            err = convert_error(e, self.name, "watch", rank)
+            if not isinstance(err, WorkerDiedError):
+                log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
+                return
+            err = WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); check its log for "
+                                  f"an OOM kill or crash, then recreate the group", group=self.name, rank=rank,
+                                  exc_type="WorkerDied")
         self.dead[rank] = err
         log.warning("group %r: rank %d died", self.name, rank)
         for inv in self._live_calls():  # a group with a dead rank cannot finish any call: fail them now

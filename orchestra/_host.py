@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import inspect
+import logging
 import os
 import pickle
 import socket
@@ -30,6 +31,8 @@ from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
                     Output, PartInfo, Source, Span, overlapping, rank_value, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
+
+log = logging.getLogger("orchestra")
 
 __all__ = ["Host"]
 
@@ -290,6 +293,7 @@ class Host:
         self.stats_ = _Stats()
         self.cancelled_calls = _CancelledCalls()
         self._watching = threading.Event()
+        self._declared: str | None = None  # why a role declared this rank dead (Worker.declare_dead): none if not
         self._inline_parts = 0  # results stored inline so far (names them for traces)
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self._fast_call: str | None = None  # the id of the fast-path call running now on the compute lane
@@ -324,7 +328,7 @@ class Host:
             os.environ.update(env)
         for role, (cls, args, kwargs) in roles.items():
             ctx = _Context(self.group, role, self.rank, self.world_size, self.local_rank, self.is_cancelled,
-                           own_process=self.runtime.own_process)
+                           own_process=self.runtime.own_process, declare_dead=self._declare_dead)
             try:
                 obj = cls.__new__(cls)
                 obj._orc = ctx
@@ -354,11 +358,19 @@ class Host:
         return dict(self.contexts[role].meshes)
 
     @ray.method(concurrency_group=WATCH)
-    def watch(self) -> int:
+    def watch(self) -> int | dict[str, str]:
         """Block until the host is told to stop watching: the controller holds this call's ref, and Ray fails it
-        within milliseconds of the process dying (crash, OOM kill, node loss). Returns the rank."""
+        within milliseconds of the process dying (crash, OOM kill, node loss). Returns the rank, or
+        ``{"declared_dead": why}`` once a role declared the rank dead (``Worker.declare_dead``)."""
         self._watching.wait()
-        return self.rank
+        return self.rank if self._declared is None else {"declared_dead": self._declared}
+
+    def _declare_dead(self, why: str) -> None:
+        """A role's ``Worker.declare_dead``: the first reason stands; the watch call returns it to supervision."""
+        if self._declared is None:
+            self._declared = why
+            log.error("group %r rank %d declared dead: %s", self.group, self.rank, why)
+        self._watching.set()
 
     @ray.method(concurrency_group=CONTROL)
     def stop_watch(self) -> None:
@@ -527,6 +539,8 @@ class Host:
     def _begin(self, role: str, name: str) -> tuple[EndpointSpec, Any, _Context, dict]:
         if self.is_cancelled():
             raise CallCancelled("cancelled before it started")
+        if self._declared is not None:  # sent before the controller learned it: it does not run either
+            raise RuntimeError(f"rank {self.rank} was declared dead ({self._declared}); it runs no more calls")
         if role not in self.roles:
             raise RuntimeError(f"role {role!r} is not hosted on rank {self.rank} (hosted: {list(self.roles)})")
         spec = self.specs[role].get(name)

@@ -88,11 +88,13 @@ class _Context:
     """Per-process facts a Worker reads: set by the host before the user's __init__ runs."""
 
     def __init__(self, group: str, role: str, rank: int, world_size: int, local_rank: int,
-                 is_cancelled: Callable[[], bool] | None = None, own_process: bool = True) -> None:
+                 is_cancelled: Callable[[], bool] | None = None, own_process: bool = True,
+                 declare_dead: Callable[[str], None] | None = None) -> None:
         self.group, self.role, self.rank, self.world_size, self.local_rank = group, role, rank, world_size, local_rank
         self.own_process = own_process
         self.meshes: dict[str, MeshInfo] = {}
         self.is_cancelled = is_cancelled or (lambda: False)
+        self.declare_dead = declare_dead
 
 
 class Worker:
@@ -146,3 +148,13 @@ class Worker:
     def cancelled(self) -> bool:
         """True once the call running now was cancelled by the controller; long loops should poll it and return."""
         return self._orc.is_cancelled()
+
+    def declare_dead(self, reason: str) -> None:
+        """Declare this rank unusable for good (for instance: it aborted its process groups, so a peer blocked in
+        a collective is released only when this process ends). Supervision then treats the rank as dead, as if its
+        process had exited: the group's calls fail with ``WorkerDiedError`` naming ``reason``, ``health()`` and
+        ``on_death`` callbacks report it (the pipeline runner restarts the job), and closing the group ends the
+        process. The call running now still returns or raises as usual; later calls do not run on this rank."""
+        if self._orc.declare_dead is None:
+            raise RuntimeError("declare_dead: this Worker was not started by a WorkerGroup")
+        self._orc.declare_dead(f"role {self._orc.role!r}: {reason}")

@@ -70,6 +70,13 @@ class Echo(FailOnCue, Worker):
     def total(self, batch: Batch) -> int:
         return int(batch["x"].sum())
 
+    @endpoint(D.broadcast())
+    def declare_dead_on(self, rank: int, reason: str) -> int:
+        """Rank ``rank`` declares itself dead (``Worker.declare_dead``), then every rank returns its rank."""
+        if self.rank == rank:
+            self.declare_dead(reason)
+        return self.rank
+
     @endpoint(D.scatter() | D.shard())
     def offset_rows(self, batch: Batch, offset: list) -> Batch:
         """Rank i adds entry i of ``offset`` to its shard of the rows."""

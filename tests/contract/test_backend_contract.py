@@ -544,6 +544,29 @@ async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group
     assert [h["alive"] for h in g.health()] == [True, False]
 
 
+async def test_a_rank_that_declares_itself_dead_is_dead_to_the_group(make_group):
+    """``Worker.declare_dead`` (a rank that aborted its process groups: its blocked peers are released only when its
+    process ends): supervision reports the rank dead with the reason, later calls fail with WorkerDiedError, and the
+    rank runs nothing more."""
+    g = await make_group(Echo, ranks=2)
+    told: list[orc.WorkerDiedError] = []
+    seen = anyio.Event()
+    g.on_death(lambda err: (told.append(err), seen.set()))
+    try:  # the call itself ends as usual on every rank; the death may reach the controller before its reply
+        assert await g.declare_dead_on(1, "my device is lost") == [0, 1]
+    except orc.WorkerDiedError as e:
+        assert e.rank == 1 and "my device is lost" in str(e), e
+    with anyio.fail_after(60):  # a bound, not a measurement: supervision reports it at once
+        await seen.wait()
+    assert [e.rank for e in told] == [1]
+    assert "rank 1 was declared dead by its worker (role 'Echo': my device is lost); recreate the group" in \
+        str(told[0]), told[0]
+    with pytest.raises(orc.WorkerDiedError, match="my device is lost") as info:
+        await g.total(Batch.from_dict({"x": torch.arange(4)}))
+    assert info.value.rank == 1
+    assert [h["alive"] for h in g.health()] == [True, False]
+
+
 @pytest.mark.parametrize("how", ["await", "async for"])
 async def test_a_death_fails_the_call_while_another_rank_still_blocks(make_group, seq, how):
     """Rank 1 has answered and then dies while rank 0 is stuck (a collective waiting for its dead peer never

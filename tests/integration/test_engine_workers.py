@@ -172,17 +172,30 @@ def inplace_backward_loss_on_rank_1(outputs, mb):
     return loss, metrics
 
 
-async def test_a_failure_inside_one_ranks_backward_fails_the_call_at_once_and_the_ranks_refuse_later_calls(groups):
+async def test_a_failure_inside_one_ranks_backward_fails_the_call_and_the_rank_is_declared_dead(groups):
     """Was: the call failed with rank 1's error, but rank 0 stayed in a gradient collective until the process group's
-    timeout (30 minutes), so every later call on the group waited behind it; nothing said the group was wedged.
-    Runs last: the group's process groups are aborted (every engine of those processes refuses later calls)."""
+    timeout (30 minutes), and every later call on the group waited behind it; nothing said the group was wedged.
+    Now rank 1 aborts its process groups and declares itself dead: supervision reports it (as a pipeline's runner
+    sees a death, and restarts the job), the group's calls fail with WorkerDiedError, and closing the group ends both
+    processes (rank 0's collective is released when rank 1's process ends). Runs last: it ends the shared group."""
+    import anyio
+
+    import orchestra as orc
+
     actor, critic, _ = groups
+    told: list[orc.WorkerDiedError] = []
+    seen = anyio.Event()
+    actor.on_death(lambda err: (told.append(err), seen.set()))
     gen = actor.generate(prompts(4), n=1)
-    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*restart its ranks") as failed:
-        await actor.update_actor(gen, inplace_backward_loss_on_rank_1)
-    assert "rank 1" in str(failed.value) or "rank(s) [1]" in str(failed.value), failed.value
-    with pytest.raises(Exception, match="EngineAbortedError: FSDPEngine.compute_log_prob: this engine can no longer "
-                                        "be used: .*Restart its ranks"):
+    await gen
+    with pytest.raises(Exception, match=r"modified by an inplace operation") as failed:
+        await actor.update_actor(gen, inplace_backward_loss_on_rank_1)  # rank 1's own error, or its death's
+    assert "rank 1" in str(failed.value), failed.value
+    with anyio.fail_after(60):  # a bound, not a measurement
+        await seen.wait()
+    assert told[0].rank == 1 and "declared dead by its worker (role 'actor': FSDPEngine.train_step: rank 1 raised " \
+        "RuntimeError inside train_step's collective work" in str(told[0]), told[0]
+    with pytest.raises(orc.WorkerDiedError, match="modified by an inplace operation"):
         await actor.compute_log_prob(gen)
-    with pytest.raises(Exception, match="FSDPEngine.compute_values: this engine can no longer be used"):
-        await critic.compute_values(gen)  # colocated in the same processes: their process groups are gone too
+    with pytest.raises(orc.WorkerDiedError, match="declared dead"):
+        await critic.compute_values(gen)  # colocated in the same processes
