@@ -265,18 +265,25 @@ class _Shared:
             return
         if e is None:  # the watch returned: the group stopped it (close), or a role declared the rank dead
             declared = f.result()
-            if not isinstance(declared, dict) or "declared_dead" not in declared:
-                return
-            err = WorkerDiedError(f"rank {rank} was declared dead by its worker ({declared['declared_dead']}); "
-                                  f"recreate the group", group=self.name, rank=rank, exc_type="WorkerDied")
-        else:
-            err = convert_error(e, self.name, "watch", rank)
-            if not isinstance(err, WorkerDiedError):
-                log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
-                return
-            err = WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); check its log for "
-                                  f"an OOM kill or crash, then recreate the group", group=self.name, rank=rank,
-                                  exc_type="WorkerDied")
+            if isinstance(declared, dict) and "declared_dead" in declared:
+                self.declared_dead(rank, declared["declared_dead"])
+            return
+        err = convert_error(e, self.name, "watch", rank)
+        if not isinstance(err, WorkerDiedError):
+            log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
+            return
+        self._died(rank, WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); check its log "
+                                         f"for an OOM kill or crash, then recreate the group", group=self.name,
+                                         rank=rank, exc_type="WorkerDied"))
+
+    def declared_dead(self, rank: int, why: str) -> None:
+        """Rank ``rank`` declared itself dead (``Worker.declare_dead``): from now on it is dead to the group."""
+        if self.closed is None and rank not in self.dead:
+            self._died(rank, WorkerDiedError(f"rank {rank} was declared dead by its worker ({why}); recreate the "
+                                             f"group", group=self.name, rank=rank, exc_type="WorkerDied"))
+
+    def _died(self, rank: int, err: WorkerDiedError) -> None:
+        """Rank ``rank`` is dead: fail the calls in flight, refuse new ones (``dead``), tell ``on_death``."""
         self.dead[rank] = err
         log.warning("group %r: rank %d died", self.name, rank)
         for inv in self._live_calls():  # a group with a dead rank cannot finish any call: fail them now
@@ -609,8 +616,16 @@ class WorkerGroup:
         return remove
 
     async def ping(self) -> list[int]:
-        """Round trip to every rank's control lane (answers even while an endpoint computes)."""
-        return await self._control("ping")
+        """Round trip to every rank's control lane (answers even while an endpoint computes). A dead rank, or one
+        declared dead (``Worker.declare_dead``) whose process still answers, is a WorkerDiedError."""
+        results = await self._control("ping")
+        shared = self._shared
+        for rank, r in enumerate(results):
+            if isinstance(r, dict) and "declared_dead" in r and rank not in shared.dead:
+                shared.declared_dead(rank, r["declared_dead"])  # the ping beat the supervision call's reply here
+        for rank, err in sorted(shared.dead.items()):
+            raise WorkerDiedError(err.message, group=self.name, rank=rank, endpoint="ping", exc_type="WorkerDied")
+        return results
 
     def shutdown(self) -> None:
         """End the group now (blocking): cancel start-up and every call in flight, kill the actors (of every

@@ -309,8 +309,9 @@ class Host:
 
     # -- control plane --------------------------------------------------------------------------------------------
     @ray.method(concurrency_group=CONTROL)
-    def ping(self) -> int:
-        return self.rank
+    def ping(self) -> int | dict[str, str]:
+        """The rank, or ``{"declared_dead": why}`` once a role declared it dead (its process still answers)."""
+        return self.rank if self._declared is None else {"declared_dead": self._declared}
 
     @ray.method(concurrency_group=CONTROL)
     def address(self) -> tuple[str, int]:
