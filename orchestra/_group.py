@@ -549,11 +549,17 @@ class WorkerGroup:
         await self.ready()
         hosts = self._shared.hosts
         results = await asyncio.gather(*[getattr(h, method).remote(*args) for h in hosts], return_exceptions=True)
+        return self._answers(method, results)
+
+    def _answers(self, method: str, results: list[Any]) -> list[Any]:
+        """A control call's answers, or the error of the first rank that failed or is dead."""
         for rank, r in enumerate(results):
             if isinstance(r, BaseException):
                 if self._shared.closed is not None:
                     raise closed_error(self.name, self._shared.closed) from None
                 raise convert_error(r, self.name, method, rank) from None
+        for rank, err in sorted(self._shared.dead.items()):  # a rank declared dead still answers: it is dead
+            raise WorkerDiedError(err.message, group=self.name, rank=rank, endpoint=method, exc_type="WorkerDied")
         return list(results)
 
     async def describe(self) -> list[dict[str, Any]]:
@@ -618,14 +624,13 @@ class WorkerGroup:
     async def ping(self) -> list[int]:
         """Round trip to every rank's control lane (answers even while an endpoint computes). A dead rank, or one
         declared dead (``Worker.declare_dead``) whose process still answers, is a WorkerDiedError."""
-        results = await self._control("ping")
+        await self.ready()
         shared = self._shared
-        for rank, r in enumerate(results):
-            if isinstance(r, dict) and "declared_dead" in r and rank not in shared.dead:
+        answers = await asyncio.gather(*[h.ping.remote() for h in shared.hosts], return_exceptions=True)
+        for rank, r in enumerate(answers):
+            if isinstance(r, dict) and "declared_dead" in r:
                 shared.declared_dead(rank, r["declared_dead"])  # the ping beat the supervision call's reply here
-        for rank, err in sorted(shared.dead.items()):
-            raise WorkerDiedError(err.message, group=self.name, rank=rank, endpoint="ping", exc_type="WorkerDied")
-        return results
+        return self._answers("ping", answers)
 
     def shutdown(self) -> None:
         """End the group now (blocking): cancel start-up and every call in flight, kill the actors (of every

@@ -154,7 +154,10 @@ class Worker:
         a collective is released only when this process ends). Supervision then treats the rank as dead, as if its
         process had exited: the group's calls fail with ``WorkerDiedError`` naming ``reason``, ``health()`` and
         ``on_death`` callbacks report it (the pipeline runner restarts the job), and closing the group ends the
-        process. The call running now still returns or raises as usual; later calls do not run on this rank."""
-        if self._orc.declare_dead is None:
-            raise RuntimeError("declare_dead: this Worker was not started by a WorkerGroup")
-        self._orc.declare_dead(f"role {self._orc.role!r}: {reason}")
+        rank (its process, on Ray). The call running now still ends as usual on this rank, but the controller may
+        learn of the death first (the call then fails with that WorkerDiedError); later calls do not run here."""
+        ctx = getattr(self, "_orc", None)
+        if ctx is None or ctx.declare_dead is None:
+            raise RuntimeError(f"{type(self).__name__}.declare_dead: this Worker was not started by a WorkerGroup, "
+                               f"so there is no group to tell")
+        ctx.declare_dead(f"role {ctx.role!r}: {reason}")

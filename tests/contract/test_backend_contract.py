@@ -552,10 +552,14 @@ async def test_a_rank_that_declares_itself_dead_is_dead_to_the_group(make_group)
     told: list[orc.WorkerDiedError] = []
     seen = anyio.Event()
     g.on_death(lambda err: (told.append(err), seen.set()))
+    declaring = g.declare_dead_on(1, "my device is lost")
+    queued = g.total(Batch.from_dict({"x": torch.arange(4)}))  # behind it on rank 1: refused there, as by a dead rank
     try:  # the call itself ends as usual on every rank; the death may reach the controller before its reply
-        assert await g.declare_dead_on(1, "my device is lost") == [0, 1]
+        assert await declaring == [0, 1]
     except orc.WorkerDiedError as e:
         assert e.rank == 1 and "my device is lost" in str(e), e
+    with pytest.raises(orc.WorkerDiedError, match="my device is lost"):  # was a plain WorkerError at times
+        await queued
     # a ping says so even before the supervision call's reply is in (the runner pings to find a death behind an error)
     with pytest.raises(orc.WorkerDiedError, match="my device is lost") as pinged:
         await g.ping()
@@ -566,7 +570,14 @@ async def test_a_rank_that_declares_itself_dead_is_dead_to_the_group(make_group)
     with pytest.raises(orc.WorkerDiedError, match="my device is lost") as info:
         await g.total(Batch.from_dict({"x": torch.arange(4)}))
     assert info.value.rank == 1
+    with pytest.raises(orc.WorkerDiedError, match="my device is lost"):  # its process answers, but it is dead
+        await g.describe()
     assert [h["alive"] for h in g.health()] == [True, False]
+
+
+def test_declare_dead_outside_a_group_says_so():
+    with pytest.raises(RuntimeError, match="Echo.declare_dead: this Worker was not started by a WorkerGroup"):
+        Echo().declare_dead("x")
 
 
 @pytest.mark.parametrize("how", ["await", "async for"])
