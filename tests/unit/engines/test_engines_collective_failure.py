@@ -1,8 +1,10 @@
 """An error that one rank raises inside the collective work of a call, which the ranks did not agree on (in the
-backward, in the model's forward, a KeyboardInterrupt in ``loss_fn``), stops every rank at once: the failing rank
-aborts the process groups, so that its peers' collectives fail instead of waiting for the process group's timeout
-(30 minutes on gloo by default: a hung job with no error). The failing rank raises its own error, the others an
-``EngineAbortedError`` naming it, and the engine refuses every later call (its process group is gone)."""
+backward, in the model's forward, a KeyboardInterrupt in ``loss_fn``), stops every rank: the failing rank leaves its
+error in the store, aborts its process groups and calls ``on_abort``; its peers' collectives fail once its process
+ends (here: when the spawned function returns; an orchestra rank is declared dead, and its group's close ends it)
+instead of at the process group's timeout (30 minutes on gloo by default: a hung job with no error). The failing rank
+raises its own error, the others an ``EngineAbortedError`` naming it, and the engine refuses every later call (its
+process group is gone)."""
 
 from __future__ import annotations
 
