@@ -228,7 +228,8 @@ def collective_failure_on_one_rank_worker(rank: int, world: int, where: str) -> 
     from engines_testutils import make_batch
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    aborted: list[str] = []
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2), on_abort=aborted.append)
     batch = make_batch(B=6, seed=rank)
     if rank == 1 and where in ("forward", "log_prob_forward"):
         layer = eng.model.model.layers[0]
@@ -259,6 +260,7 @@ def collective_failure_on_one_rank_worker(rank: int, world: int, where: str) -> 
         out["later"] = ""
     except BaseException as e:  # noqa: BLE001
         out["later"] = text(e)
+    out["on_abort"] = "\n".join(aborted)
     return out
 
 

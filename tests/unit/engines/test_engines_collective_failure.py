@@ -35,6 +35,10 @@ def test_a_failure_inside_a_collective_on_one_rank_stops_every_rank_at_once(wher
                                   f"collective work (rank 1: {_OWN[where]}"), r0["error"]
     for r in (r0, r1):
         assert r["later"].startswith("EngineAbortedError: FSDPEngine.train_step: this engine can no longer be used"), r
+    # on_abort (an orchestra worker's declare_dead) is told once per rank, with the first failure and its error
+    assert r1["on_abort"].startswith(f"FSDPEngine.{what}: rank 1 raised {_OWN[where].split(':')[0]} inside {what}'s "
+                                     f"collective work, and no other rank had reported an error ({_OWN[where]}"), r1
+    assert r0["on_abort"].startswith(f"FSDPEngine.{what}: rank(s) [1] failed inside {what}'s collective work ("), r0
 
 
 def test_only_engines_made_before_an_abort_refuse_calls(monkeypatch):
