@@ -46,7 +46,8 @@ call's collective work (inside the backward itself, e.g. autograd's "modified by
 wrote into a tensor the backward needs; inside the model's forward; a ``KeyboardInterrupt`` in ``loss_fn``; a
 collective that failed). That rank leaves what it raised in the process group's store, aborts every process group
 of its process and calls ``on_abort`` (the engines' orchestra workers pass ``Worker.declare_dead``: supervision
-then reports the rank dead, and the pipeline runner restarts the job, which ends every rank's process). Its peers
+then reports the rank dead; the pipeline runner stops the run with the error and shuts the cluster down, which ends
+every rank's process). Its peers
 wait in their collective until that process ends: on gloo (torch 2.13) an aborted group's connections close only
 when the process exits or frees the group, which the engine's model still holds; then their collectives fail at
 once (instead of at the process group's timeout, 30 minutes on gloo by default: a hung job with no error). The

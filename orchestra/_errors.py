@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["OrchestraError", "WorkerError", "WorkerDiedError", "CallTimeoutError", "CallCancelledError", "DispatchError",
-           "PlacementError", "GroupClosedError", "UPSTREAM_FAILED"]
+           "PlacementError", "GroupClosedError", "UPSTREAM_FAILED", "DECLARED_DEAD"]
 
 # exc_type of the WorkerError a rank raises when an upstream call it reads from failed; the controller replaces
 # it with the upstream's own error (the group, rank and endpoint that actually failed).
 UPSTREAM_FAILED = "UpstreamFailed"
+#: ``WorkerDiedError.exc_type`` of a rank that declared itself dead (``Worker.declare_dead``): its process may live on
+DECLARED_DEAD = "DeclaredDead"
 
 
 class OrchestraError(Exception):
@@ -53,7 +55,13 @@ def _rebuild_worker_error(cls, message, group, role, rank, endpoint, tb, exc_typ
 
 
 class WorkerDiedError(WorkerError):
-    """The worker process of a rank died (crash, OOM kill, node loss) while a call needed it."""
+    """The worker process of a rank died (crash, OOM kill, node loss) while a call needed it, or the rank declared
+    itself dead (``Worker.declare_dead``: ``declared`` is True)."""
+
+    @property
+    def declared(self) -> bool:
+        """Whether the rank declared itself dead (its process may live on until its group closes)."""
+        return self.exc_type == DECLARED_DEAD
 
 
 class CallTimeoutError(OrchestraError, TimeoutError):

@@ -15,7 +15,7 @@ import ray
 
 from . import _channel, _runtime, _stats
 from ._batch import Batch
-from ._errors import CallCancelledError, DispatchError, GroupClosedError, WorkerDiedError
+from ._errors import DECLARED_DEAD, CallCancelledError, DispatchError, GroupClosedError, WorkerDiedError
 from ._future import DataFuture
 from ._host import CONCURRENCY_GROUPS, host_class, method_name
 from ._invocation import Invocation, check_forwarded, closed_error, convert_error
@@ -280,7 +280,7 @@ class _Shared:
         """Rank ``rank`` declared itself dead (``Worker.declare_dead``): from now on it is dead to the group."""
         if self.closed is None and rank not in self.dead:
             self._died(rank, WorkerDiedError(f"rank {rank} was declared dead by its worker ({why}); recreate the "
-                                             f"group", group=self.name, rank=rank, exc_type="WorkerDied"))
+                                             f"group", group=self.name, rank=rank, exc_type=DECLARED_DEAD))
 
     def _died(self, rank: int, err: WorkerDiedError) -> None:
         """Rank ``rank`` is dead: fail the calls in flight, refuse new ones (``dead``), tell ``on_death``."""
@@ -288,7 +288,7 @@ class _Shared:
         log.warning("group %r: rank %d died", self.name, rank)
         for inv in self._live_calls():  # a group with a dead rank cannot finish any call: fail them now
             inv.fail(WorkerDiedError(err.message, group=inv.group, rank=rank, endpoint=inv.endpoint,
-                                     exc_type="WorkerDied"))
+                                     exc_type=err.exc_type))
         for cb in list(self.death_callbacks):
             self._tell(cb, err)
 
@@ -558,8 +558,9 @@ class WorkerGroup:
                 if self._shared.closed is not None:
                     raise closed_error(self.name, self._shared.closed) from None
                 raise convert_error(r, self.name, method, rank) from None
-        for rank, err in sorted(self._shared.dead.items()):  # a rank declared dead still answers: it is dead
-            raise WorkerDiedError(err.message, group=self.name, rank=rank, endpoint=method, exc_type="WorkerDied")
+        # a rank declared dead still answers, but it is dead; a process that died comes first (it may be the cause)
+        for rank, err in sorted(self._shared.dead.items(), key=lambda kv: (kv[1].declared, kv[0])):
+            raise WorkerDiedError(err.message, group=self.name, rank=rank, endpoint=method, exc_type=err.exc_type)
         return list(results)
 
     async def describe(self) -> list[dict[str, Any]]:
@@ -759,7 +760,7 @@ class _Endpoint:
         if shared.dead:
             rank, err = min(shared.dead.items())
             raise WorkerDiedError(f"{err.message} (noticed before this call was sent; nothing was sent)",
-                                  group=g.name, rank=rank, endpoint=spec.name, exc_type="WorkerDied")
+                                  group=g.name, rank=rank, endpoint=spec.name, exc_type=err.exc_type)
         if spec.signature is not None:
             try:
                 spec.signature.bind(None, *args, **kwargs)

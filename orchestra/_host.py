@@ -27,7 +27,7 @@ import ray
 
 from . import _backend, _channel, _frame
 from ._batch import Batch, balanced_sizes
-from ._errors import UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
+from ._errors import DECLARED_DEAD, UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
                     Output, PartInfo, Source, Span, overlapping, rank_value, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
@@ -543,7 +543,7 @@ class Host:
         if self._declared is not None:  # sent before the controller learned it: it does not run, and it is a death
             raise WorkerDiedError(f"rank {self.rank} was declared dead by its worker ({self._declared}); it runs no "
                                   f"more calls: recreate the group", group=self.group, role=role, rank=self.rank,
-                                  endpoint=name, exc_type="WorkerDied")
+                                  endpoint=name, exc_type=DECLARED_DEAD)
         if role not in self.roles:
             raise RuntimeError(f"role {role!r} is not hosted on rank {self.rank} (hosted: {list(self.roles)})")
         spec = self.specs[role].get(name)

@@ -152,8 +152,9 @@ class Worker:
     def declare_dead(self, reason: str) -> None:
         """Declare this rank unusable for good (for instance: it aborted its process groups, so a peer blocked in
         a collective is released only when this process ends). Supervision then treats the rank as dead, as if its
-        process had exited: the group's calls fail with ``WorkerDiedError`` naming ``reason``, ``health()`` and
-        ``on_death`` callbacks report it (the pipeline runner restarts the job), and closing the group ends the
+        process had exited: the group's calls fail with ``WorkerDiedError`` naming ``reason`` (its ``declared`` is
+        True: the pipeline runner stops the run, as for an endpoint error, instead of restarting), ``health()`` and
+        ``on_death`` callbacks report it, and closing the group ends the
         rank (its process, on Ray). The call running now still ends as usual on this rank, but the controller may
         learn of the death first (the call then fails with that WorkerDiedError); later calls do not run here."""
         ctx = getattr(self, "_orc", None)

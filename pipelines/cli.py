@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             _exit_now(e.exit_code)
         if not isinstance(e, WorkerDiedError):
             raise
+        if e.declared:  # a rank made unusable by an error in an endpoint (engines: inside a collective): not retried
+            print(f"orchestra train: {e}\n(not retried, as any error raised in an endpoint; fix its cause, then "
+                  f"continue with --resume)", file=sys.stderr)
+            return 1
         # a worker or node died and runner.max_restarts was used up (or is 0): not a bug, not a user error
         print(f"orchestra train: {e}\n(runner.max_restarts={cfg.runner.max_restarts}; continue with --resume)",
               file=sys.stderr)

@@ -285,6 +285,8 @@ class Runner:
             except orc.OrchestraError as e:
                 if not seen and watch:  # a peer's error can come before the death that caused it is reported
                     behind = await self._death_behind()
+                    if behind is not None and behind.declared:  # the endpoint's own error made its rank unusable
+                        raise  # (Worker.declare_dead): an endpoint error, not retried
                     if behind is not None:
                         noticed.append(time.time())
                         seen.append(behind)
@@ -299,22 +301,33 @@ class Runner:
         if not seen:
             return None
         died = seen[0]
+        if died.declared:
+            # a rank declares itself dead when its engine aborted after an error inside collective work: its own (an
+            # endpoint error: not retried), or a peer's death (its collective failed): then that death is the cause
+            behind = await self._death_behind()
+            if behind is None or behind.declared:
+                raise died
+            died = behind
         self._noticed = min(noticed)
         return died
 
     async def _death_behind(self, bound_s: float = 30.0) -> orc.WorkerDiedError | None:
         """A call failed with no death reported. When a rank dies, its peers' collectives fail at once (gloo:
         "connection closed by peer"), often before supervision reports the death. So ask every rank of the job
-        whether it is alive (a control-lane round trip) and return the first death found, at most ``bound_s``."""
+        whether it is alive (a control-lane round trip) and return the first death found, at most ``bound_s``; a
+        process that died comes before a rank that declared itself dead (whose peer's death may have caused it)."""
+        declared: orc.WorkerDiedError | None = None
         with anyio.move_on_after(bound_s):
             for g in self.cluster.groups():
                 try:
-                    await g.ping()
+                    await g.ping()  # a dead process's error comes before a declared rank's (WorkerGroup.ping)
                 except orc.WorkerDiedError as err:
-                    return err
+                    if not err.declared:
+                        return err
+                    declared = declared or err
                 except orc.OrchestraError as err:  # not a death (a closed group): that group tells nothing
                     log.debug("after a failed call, %r did not answer a ping: %s", g.name, err)
-        return None
+        return declared
 
     async def _rebuild(self, died: orc.WorkerDiedError, bar: Any) -> None:
         """Tear the job down, wait until its pools fit again and start the roles anew (``self._rebuilt``: when each

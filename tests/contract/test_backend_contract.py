@@ -535,7 +535,7 @@ async def test_a_dead_rank_fails_calls_in_flight_and_refuses_new_ones(make_group
     async with seq(2):
         pass
     err = await kill_rank(g, 1)
-    assert isinstance(err, orc.WorkerDiedError) and err.rank == 1
+    assert isinstance(err, orc.WorkerDiedError) and err.rank == 1 and not err.declared
     with pytest.raises(orc.WorkerDiedError) as info:
         await fut
     assert info.value.rank == 1
@@ -558,18 +558,19 @@ async def test_a_rank_that_declares_itself_dead_is_dead_to_the_group(make_group)
         assert await declaring == [0, 1]
     except orc.WorkerDiedError as e:
         assert e.rank == 1 and "my device is lost" in str(e), e
-    with pytest.raises(orc.WorkerDiedError, match="my device is lost"):  # was a plain WorkerError at times
+    with pytest.raises(orc.WorkerDiedError, match="my device is lost") as queued_info:  # was a WorkerError at times
         await queued
+    assert queued_info.value.declared
     # a ping says so even before the supervision call's reply is in (the runner pings to find a death behind an error)
     with pytest.raises(orc.WorkerDiedError, match="my device is lost") as pinged:
         await g.ping()
     assert pinged.value.rank == 1 and seen.is_set()
-    assert [e.rank for e in told] == [1]
+    assert [e.rank for e in told] == [1] and told[0].declared  # a supervisor can tell it from a crash
     assert "rank 1 was declared dead by its worker (role 'Echo': my device is lost); recreate the group" in \
         str(told[0]), told[0]
     with pytest.raises(orc.WorkerDiedError, match="my device is lost") as info:
         await g.total(Batch.from_dict({"x": torch.arange(4)}))
-    assert info.value.rank == 1
+    assert info.value.rank == 1 and info.value.declared
     with pytest.raises(orc.WorkerDiedError, match="my device is lost"):  # its process answers, but it is dead
         await g.describe()
     assert [h["alive"] for h in g.health()] == [True, False]

@@ -17,6 +17,7 @@ import pytest
 import orchestra as orc
 from pipelines.cli import main as cli_main
 from pipelines.config import load_config
+from pipelines.objectives import PolicyLoss
 from pipelines.runner import Runner
 
 TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "actor.warmup_steps=0",
@@ -127,3 +128,46 @@ def test_cli_reports_a_worker_death_it_cannot_recover_from(monkeypatch, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("orchestra train: ") and "group 'actor'" in err and "rank 1" in err
     assert "runner.max_restarts=0" in err
+
+
+class FailsInBackwardOnRank1(PolicyLoss):
+    """The GRPO policy loss, except that on actor rank 1 it writes into a tensor its own backward needs: autograd
+    raises inside that rank's backward (a bug in a loss), while rank 0 waits in the gradient collectives."""
+
+    def __call__(self, outputs, mb):
+        import torch.distributed as dist
+
+        loss, metrics = super().__call__(outputs, mb)
+        if dist.get_rank() == 1:
+            e = outputs["log_probs"].exp()
+            loss = loss + e.sum() * 0.0
+            e.mul_(2.0)
+        return loss, metrics
+
+
+async def test_an_error_inside_one_ranks_backward_stops_the_run_with_it_not_retried(tmp_path, monkeypatch):
+    """The engine's rank 1 aborts its process groups and declares itself dead (its peer is released only when its
+    process ends). The runner treats that as the endpoint error it is: the run stops with it at once, naming the
+    group, rank and cause, not retried (no restart: a restart would hit the same error), and the cluster is shut
+    down, which ends every rank's process."""
+    monkeypatch.setattr("pipelines.grpo.PolicyLoss", FailsInBackwardOnRank1)  # pickled to the ranks by reference
+    out = tmp_path / "run"
+    runner = _runner(out, 3)
+    with pytest.raises(orc.WorkerError, match="modified by an inplace operation") as info:
+        await runner.run()
+    assert info.value.group == "actor" and info.value.rank == 1, info.value
+    assert runner.restarts == []
+    lines = _lines(out) if (out / "metrics.jsonl").exists() else []
+    assert not any("event" in r for r in lines), lines
+
+
+def test_cli_reports_a_rank_declared_dead_as_not_retried(monkeypatch, capsys, tmp_path):
+    def declared(*args: object, **kwargs: object) -> list:
+        raise orc.WorkerDiedError("rank 1 was declared dead by its worker (role 'actor': FSDPEngine.train_step: ...)",
+                                  group="actor", rank=1, endpoint="update_actor", exc_type="DeclaredDead")
+
+    monkeypatch.setattr("pipelines.runner.run", declared)
+    assert cli_main(["train", f"runner.output_dir={tmp_path / 'out'}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: ") and "declared dead" in err and "rank 1" in err
+    assert "not retried" in err and "max_restarts" not in err

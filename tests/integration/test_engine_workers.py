@@ -175,9 +175,9 @@ def inplace_backward_loss_on_rank_1(outputs, mb):
 async def test_a_failure_inside_one_ranks_backward_fails_the_call_and_the_rank_is_declared_dead(groups):
     """Was: the call failed with rank 1's error, but rank 0 stayed in a gradient collective until the process group's
     timeout (30 minutes), and every later call on the group waited behind it; nothing said the group was wedged.
-    Now rank 1 aborts its process groups and declares itself dead: supervision reports it (as a pipeline's runner
-    sees a death, and restarts the job), the group's calls fail with WorkerDiedError, and closing the group ends both
-    processes (rank 0's collective is released when rank 1's process ends). Runs last: it ends the shared group."""
+    Now rank 1 aborts its process groups and declares itself dead: supervision reports it, the group's calls fail
+    with WorkerDiedError (``declared``), and closing the group ends both processes (rank 0's collective is released
+    when rank 1's process ends). Runs last: it ends the shared group."""
     import anyio
 
     import orchestra as orc
@@ -193,7 +193,7 @@ async def test_a_failure_inside_one_ranks_backward_fails_the_call_and_the_rank_i
     assert "rank 1" in str(failed.value), failed.value
     with anyio.fail_after(60):  # a bound, not a measurement
         await seen.wait()
-    assert told[0].rank == 1 and "declared dead by its worker (role 'actor': FSDPEngine.train_step: rank 1 raised " \
+    assert told[0].rank == 1 and told[0].declared and "declared dead by its worker (role 'actor': FSDPEngine.train_step: rank 1 raised " \
         "RuntimeError inside train_step's collective work" in str(told[0]), told[0]
     with pytest.raises(orc.WorkerDiedError, match="modified by an inplace operation"):
         await actor.compute_log_prob(gen)
