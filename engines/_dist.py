@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("orchestra")
 
-__all__ = ["default_device", "init_distributed", "free_port", "spawn", "PRELOAD", "VOLATILE_ENV"]
+__all__ = ["default_device", "init_distributed", "failed_ranks", "free_port", "spawn", "PRELOAD", "VOLATILE_ENV"]
 
 #: what the fork server imports once, so that ranks forked from it do not (``__main__`` is multiprocessing's default)
 PRELOAD = ("__main__", "engines._dist", "engines.fsdp", "engines.models")
@@ -43,6 +43,18 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def failed_ranks(failed: bool, device: torch.device) -> list[int]:
+    """The ranks of the default process group whose ``failed`` is True, learned by every rank (one all-reduce; no
+    collective with one rank or none): how ranks agree to stop together, so that none goes on alone into a
+    collective its peers will not enter."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [0] if failed else []
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    flags[dist.get_rank()] = int(failed)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 def free_port() -> int:

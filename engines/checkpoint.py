@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines._dist import failed_ranks
 from engines.checkpoint_io import CheckpointError, read_checked, read_json, sha256_file, write_json_atomic
 
 __all__ = ["FORMAT", "CheckpointError", "load_sharded", "read_json", "save_sharded", "sha256_file",
@@ -277,14 +278,7 @@ def _agree_written(error: Exception | None, directory: str, device: torch.device
     :class:`CheckpointError` together and none waits in the save's next collective (for the process group's
     timeout); the engine stays usable. The failing rank's error names its cause, the others' name the ranks."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        failed_on = torch.zeros(world, dtype=torch.int64, device=device)
-        failed_on[rank] = error is not None
-        dist.all_reduce(failed_on)
-        ranks = [r for r, f in enumerate(failed_on.tolist()) if f]
-    else:
-        ranks = [rank] if error is not None else []
+    ranks = failed_ranks(error is not None, device)
     if error is not None:
         raise CheckpointError(f"{directory}: rank {rank} could not write its part of the checkpoint ({error}); the "
                               f"checkpoint is incomplete: do not load it") from error
@@ -297,11 +291,7 @@ def _agree_written(error: Exception | None, directory: str, device: torch.device
 def _agree(error: BaseException | None, directory: str, device: torch.device) -> None:
     """Every rank learns whether any rank found the checkpoint unusable, so that all ranks load or none does
     (and none waits forever in a later collective). Ranks without an error of their own raise one that says so."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if error is None and int(flag.item()) == 0:
+    if failed_ranks(error is not None, device) and error is None:
         raise CheckpointError(f"{directory}: another rank found this checkpoint unusable (its error names the "
                               f"file); nothing was loaded")
 

@@ -84,7 +84,7 @@ from engines._data import (
     tensor_dict,
     to_tensordict,
 )
-from engines._dist import init_distributed
+from engines._dist import failed_ranks, init_distributed
 
 __all__ = ["EngineAbortedError", "EngineConfig", "FSDPEngine", "LossFn", "lr_factor"]
 
@@ -626,8 +626,10 @@ class FSDPEngine:
         except Exception:  # noqa: BLE001 - a backend without abort: destroying the group also closes its connections
             log.exception("FSDPEngine.%s on rank %d: abort failed; destroying the process group instead", what,
                           self._rank)
-            with contextlib.suppress(Exception):
+            try:
                 dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - logged; this rank still raises its error, and its process must end
+                log.exception("FSDPEngine.%s on rank %d: destroying the process group failed too", what, self._rank)
         _aborts.append(why)
         if self._on_abort is not None:  # e.g. the rank's Worker.declare_dead: a live process keeps its peers blocked
             try:
@@ -756,11 +758,7 @@ class FSDPEngine:
         rank stops here, the failing ones with their own error and the others with one naming them, with the
         gradients of the step's earlier micro-batches dropped and no step taken. Without it, a rank whose loss
         raised left its peers waiting in the backward's gradient collectives for ever."""
-        failed_on = torch.zeros(self._world, dtype=torch.int64, device=self.device)
-        failed_on[self._rank] = failure is not None
-        if self._world > 1:
-            dist.all_reduce(failed_on)
-        ranks = [r for r, f in enumerate(failed_on.tolist()) if f]
+        ranks = failed_ranks(failure is not None, self.device)
         if not ranks:
             return
         if self.config.accumulate_without_sync and self._world > 1:

@@ -311,7 +311,7 @@ class Host:
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int | dict[str, str]:
         """The rank, or ``{"declared_dead": why}`` once a role declared it dead (its process still answers)."""
-        return self.rank if self._declared is None else {"declared_dead": self._declared}
+        return self._rank_or_declared()
 
     @ray.method(concurrency_group=CONTROL)
     def address(self) -> tuple[str, int]:
@@ -364,6 +364,9 @@ class Host:
         within milliseconds of the process dying (crash, OOM kill, node loss). Returns the rank, or
         ``{"declared_dead": why}`` once a role declared the rank dead (``Worker.declare_dead``)."""
         self._watching.wait()
+        return self._rank_or_declared()
+
+    def _rank_or_declared(self) -> int | dict[str, str]:
         return self.rank if self._declared is None else {"declared_dead": self._declared}
 
     def _declare_dead(self, why: str) -> None:
