@@ -183,6 +183,7 @@ def shutdown() -> None:
         if not _replies.quiesce():
             log.warning("orchestra: a reply thread was still waiting on Ray at shutdown")
         ray.shutdown()
+    _replies.stop()
     _loopback_only(False)
 
 

@@ -1,9 +1,11 @@
 """Batched reply completion (``orchestra._replies``, Ray only: it batches the waits on Ray object refs): every
-rank's reply, its own error, fail-fast, long calls. On the session's shared 4-rank Scorer group."""
+rank's reply, its own error, fail-fast, long calls, and the reply lanes' lifetime. On the session's shared 4-rank
+Scorer group."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import anyio
 import pytest
@@ -17,10 +19,9 @@ _BATCH_DONE: list[asyncio.Event] = []  # set once a batch's reply thread has han
 
 @pytest.fixture(scope="module")
 async def group(scorers):
-    # 4 ranks take the batched path here (the default threshold is 8), and every batch is counted
+    # every call of the 4 ranks takes the batched path, and every batch is counted
     g = scorers[4]
-    min_batch, batch = _replies.MIN_BATCH, _replies._batch
-    _replies.MIN_BATCH = 2
+    batch = _replies._batch
     # every call goes through Ray here: the fast path (orchestra._channel) would carry repeated small calls over its
     # own sockets, whose replies are not Ray refs and never reach the batching under test
     fast_path, g.fast_path = g.fast_path, False
@@ -34,7 +35,7 @@ async def group(scorers):
     try:
         yield g
     finally:
-        _replies.MIN_BATCH, _replies._batch = min_batch, batch
+        _replies._batch = batch
         g.fast_path = fast_path
 
 
@@ -75,3 +76,29 @@ async def test_replies_later_than_the_batch_window_still_arrive(group, orc_seque
         assert await fut == [0, 1, 2, 3]
     finally:
         _BATCH_DONE.remove(done)
+
+
+def _lane_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "orchestra-replies"]
+
+
+async def test_calls_one_after_another_reuse_one_reply_lane(group):
+    _replies.stop()  # a known start: no lane
+    for t in _lane_threads():
+        await anyio.to_thread.run_sync(t.join, 5)
+    for i in range(30):
+        assert await group.rank_and(i) == [(r, i) for r in range(4)]
+    assert len(_lane_threads()) == 1  # a lane serves call after call; it is not a thread per call
+
+
+async def test_stopped_lanes_end_and_later_calls_start_new_ones(group):
+    futs = [group.rank_and(i) for i in range(3)]
+    assert [await f for f in futs] == [[(r, i) for r in range(4)] for i in range(3)]
+    assert _lane_threads()
+    _replies.stop()  # what orc.shutdown() does once no lane is inside Ray
+    for t in _lane_threads():
+        await anyio.to_thread.run_sync(t.join, 5)
+    assert not _lane_threads()
+    BATCHES.clear()
+    assert await group.rank_and(9) == [(r, 9) for r in range(4)]
+    assert BATCHES == [4]  # batched again, by a new lane
