@@ -57,6 +57,18 @@ def failed_ranks(failed: bool, device: torch.device) -> list[int]:
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
+def agreed(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised on every rank by agreement (after a collective that told each rank, such as
+    :func:`failed_ranks`): the ranks stop together, so no rank need abort its process groups for it."""
+    error.orc_agreed = True  # type: ignore[attr-defined]
+    return error
+
+
+def is_agreed(error: BaseException) -> bool:
+    """Whether :func:`agreed` marked ``error``."""
+    return getattr(error, "orc_agreed", False) is True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

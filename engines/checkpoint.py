@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines._dist import failed_ranks
+from engines._dist import agreed, failed_ranks
 from engines.checkpoint_io import CheckpointError, read_checked, read_json, sha256_file, write_json_atomic
 
 __all__ = ["FORMAT", "CheckpointError", "load_sharded", "read_json", "save_sharded", "sha256_file",
@@ -280,11 +280,11 @@ def _agree_written(error: Exception | None, directory: str, device: torch.device
     rank = dist.get_rank() if dist.is_initialized() else 0
     ranks = failed_ranks(error is not None, device)
     if error is not None:
-        raise CheckpointError(f"{directory}: rank {rank} could not write its part of the checkpoint ({error}); the "
-                              f"checkpoint is incomplete: do not load it") from error
+        raise agreed(CheckpointError(f"{directory}: rank {rank} could not write its part of the checkpoint ({error}); "
+                                     f"the checkpoint is incomplete: do not load it")) from error
     if ranks:
-        raise CheckpointError(f"{directory}: rank(s) {ranks} could not write their part of the checkpoint (their "
-                              f"errors say why); the checkpoint is incomplete: do not load it")
+        raise agreed(CheckpointError(f"{directory}: rank(s) {ranks} could not write their part of the checkpoint "
+                                     f"(their errors say why); the checkpoint is incomplete: do not load it"))
 
 
 # ------------------------------------------------------------------------------------------------------------ load
@@ -292,8 +292,10 @@ def _agree(error: BaseException | None, directory: str, device: torch.device) ->
     """Every rank learns whether any rank found the checkpoint unusable, so that all ranks load or none does
     (and none waits forever in a later collective). Ranks without an error of their own raise one that says so."""
     if failed_ranks(error is not None, device) and error is None:
-        raise CheckpointError(f"{directory}: another rank found this checkpoint unusable (its error names the "
-                              f"file); nothing was loaded")
+        raise agreed(CheckpointError(f"{directory}: another rank found this checkpoint unusable (its error names the "
+                                     f"file); nothing was loaded"))
+    if error is not None:  # this rank raises its own error next, as every other rank raises one
+        agreed(error)
 
 
 def _expect(cond: bool, path: str, what: str) -> None:

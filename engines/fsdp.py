@@ -44,7 +44,8 @@ and trains nothing).
 What the ranks cannot agree on beforehand stops them all the hard way: an error that one rank raises inside a
 call's collective work (inside the backward itself, e.g. autograd's "modified by an inplace operation" when a loss
 wrote into a tensor the backward needs; inside the model's forward; a ``KeyboardInterrupt`` in ``loss_fn``; a
-collective that failed). That rank leaves what it raised in the process group's store, aborts every process group
+collective that failed; a ``load`` that fails after its checks agreed, with some of the rank's shards already
+overwritten: a model part checkpoint, part old weights must not train on). That rank leaves what it raised in the process group's store, aborts every process group
 of its process and calls ``on_abort`` (the engines' orchestra workers pass ``Worker.declare_dead``: supervision
 then reports the rank dead; the pipeline runner stops the run with the error and shuts the cluster down, which ends
 every rank's process). Its peers
@@ -84,7 +85,7 @@ from engines._data import (
     tensor_dict,
     to_tensordict,
 )
-from engines._dist import failed_ranks, init_distributed
+from engines._dist import agreed, failed_ranks, init_distributed, is_agreed
 
 __all__ = ["EngineAbortedError", "EngineConfig", "FSDPEngine", "LossFn", "lr_factor"]
 
@@ -511,7 +512,6 @@ class FSDPEngine:
         self._rank = dist.get_rank()
         # the store outlives an abort of the process groups (a rank that hosts it keeps serving its peers' reads)
         self._store = dist.distributed_c10d._get_default_store() if self._world > 1 else None
-        self._agreed: BaseException | None = None  # the error every rank raises by agreement (no abort needed)
         self._generation = len(_aborts)  # an abort after this leaves the engine without its process groups
         self._on_abort = on_abort
         self.mesh = init_device_mesh(self.device.type, (self._world,), mesh_dim_names=("dp",))
@@ -578,19 +578,18 @@ class FSDPEngine:
 
     def _agree(self, error: BaseException) -> BaseException:
         """``error`` is raised on every rank by agreement (after a collective that told each rank): no abort."""
-        self._agreed = error
-        return error
+        return agreed(error)
 
     @contextlib.contextmanager
-    def _collective(self, what: str, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    def _collective(self, what: str, deterministic: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
         """Around a call's collective work: an error this rank raises that the ranks did not agree on aborts the
-        process groups, so that no peer waits for ever in a collective (module docstring). ``agreed``: error types
-        the call raises only on every rank together."""
-        self._agreed = None
+        process groups, so that no peer waits for ever in a collective (module docstring). Errors marked
+        ``_dist.agreed`` pass as they are, and so do those of the types in ``deterministic``: errors every rank raises
+        alike from the same inputs before any collective (a checkpoint's unsupported layout)."""
         try:
             yield
         except BaseException as e:
-            if e is self._agreed or isinstance(e, agreed) or self._world == 1:
+            if is_agreed(e) or isinstance(e, deterministic) or self._world == 1:
                 raise
             raised = self._abort(what, e)
             if raised is e:
@@ -1035,7 +1034,7 @@ class FSDPEngine:
 
         self._check_ready("save")
         # a rank that cannot write its part raises CheckpointError on every rank, and the engine goes on
-        with self._collective("save", agreed=(CheckpointError,)):
+        with self._collective("save", deterministic=(CheckpointError,)):
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             save_sharded(directory, model_sd, optim_sd, device=self.device,
                          engine_state={"global_step": self.global_step, "lr": self.lr, "model_kind": self.model_kind,
@@ -1050,17 +1049,20 @@ class FSDPEngine:
         before the engine changes. Collective."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from engines.checkpoint import load_sharded
+        from engines.checkpoint import CheckpointError, load_sharded
 
         self._check_ready("load")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify)
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        self.global_step = int(state["global_step"])
-        _warn_schedule_change(state.get("config"), self.config, directory, self._rank)
-        _apply_optimizer_hparams(self.optimizer, self.config, directory, self._rank)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+        # the checks agree across ranks (all load or none does); a failure after them, with this rank's shards half
+        # overwritten, aborts: no rank may train on with a model that is part checkpoint, part old weights
+        with self._collective("load", deterministic=(CheckpointError,)):
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify)
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            self.global_step = int(state["global_step"])
+            _warn_schedule_change(state.get("config"), self.config, directory, self._rank)
+            _apply_optimizer_hparams(self.optimizer, self.config, directory, self._rank)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
 
     # ------------------------------------------------------------------ memory
     def _state_bytes(self) -> int:

@@ -304,3 +304,53 @@ def save_fails_on_one_rank_worker(rank: int, world: int, directory: str, where: 
     eng.load(os.path.join(directory, "good"))
     out["loaded_step"] = eng.global_step
     return out
+
+
+def load_fails_after_its_checks_on_one_rank_worker(rank: int, world: int, directory: str) -> dict[str, str]:
+    """Rank 1's load fails after every check passed, while it copies the checkpoint into its shards (an allocation
+    failure: a ``MemoryError``), with some of them already overwritten. Its engine is then half-loaded: it must never
+    train again, and neither may its peers, whose shards belong to the same model. Per rank: the load's error text,
+    a later train step's, and what ``on_abort`` was told."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    import engines.checkpoint as ckpt
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    aborted: list[str] = []
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2), on_abort=aborted.append)
+    batch = make_batch(B=4, seed=rank)
+    eng.train_step(batch, masked_token_mean_loss)
+    eng.save(os.path.join(directory, "ckpt"))
+    eng.train_step(batch, masked_token_mean_loss)  # the weights move on from the checkpoint's
+    if rank == 1:
+        read, reads = ckpt._Shards.read, [0]
+
+        def failing(self: Any, *a: Any, **k: Any) -> Any:
+            reads[0] += 1
+            if reads[0] == 3:
+                raise MemoryError("could not allocate while copying the checkpoint")
+            return read(self, *a, **k)
+
+        ckpt._Shards.read = failing
+    out: dict[str, str] = {}
+
+    def text(e: BaseException) -> str:
+        return f"{type(e).__name__}: {e}" + "".join(f"\nnote: {n}" for n in getattr(e, "__notes__", ()))
+
+    try:
+        eng.load(os.path.join(directory, "ckpt"))
+        out["error"] = ""
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
+        out["error"] = text(e)
+    try:
+        eng.train_step(batch, masked_token_mean_loss)
+        out["later"] = ""
+    except BaseException as e:  # noqa: BLE001
+        out["later"] = text(e)
+    out["on_abort"] = "\n".join(aborted)
+    return out

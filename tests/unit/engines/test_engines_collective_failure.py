@@ -74,3 +74,19 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_the_engine_goes_o
                                      f"their part of the checkpoint"), other["error"]
     for r in results:
         assert r["step_after"] == 2.0 and r["loaded_step"] == 2, r
+
+
+@pytest.mark.slow  # spawns ranks
+def test_a_load_that_fails_on_one_rank_after_its_checks_stops_every_rank(tmp_path):
+    """Was: the rank whose copy into its shards failed raised alone with a half-loaded engine, and every rank then
+    trained on (the model's shards a mix of the checkpoint's and the old weights, silently)."""
+    from dp_engine_testutils import load_fails_after_its_checks_on_one_rank_worker
+
+    r0, r1 = spawn(load_fails_after_its_checks_on_one_rank_worker, 2, str(tmp_path))
+    assert r1["error"].startswith("MemoryError: could not allocate while copying the checkpoint"), r1["error"]
+    assert "note: load on rank 1: this error was raised inside the call's collective work" in r1["error"], r1
+    assert r1["later"].startswith("EngineAbortedError: FSDPEngine.train_step: this engine can no longer be used"), r1
+    assert r1["on_abort"].startswith("FSDPEngine.load: rank 1 raised MemoryError inside load's collective work"), r1
+    # rank 0's own load may finish (its copy is local), but it trains no more: its next collective names rank 1
+    assert "EngineAbortedError" in r0["error"] + r0["later"], r0
+    assert "rank(s) [1] failed inside" in r0["error"] + r0["later"], r0
