@@ -98,11 +98,11 @@ async def measure(n: int, iters: int) -> dict:
             await g.noop_shard(batch)
 
         async def unbatched(fn) -> None:  # the same call with per-ref reply completion (the 0.1 path)
-            threads, _replies._THREADS = _replies._THREADS, 0
+            least, _replies.MIN_BATCH = _replies.MIN_BATCH, n + 1
             try:
                 await fn()
             finally:
-                _replies._THREADS = threads
+                _replies.MIN_BATCH = least
 
         async def noop_per_ref() -> None:
             await unbatched(ours_noop)
