@@ -45,17 +45,17 @@ What the ranks cannot agree on beforehand stops them all the hard way: an error 
 call's collective work (inside the backward itself, e.g. autograd's "modified by an inplace operation" when a loss
 wrote into a tensor the backward needs; inside the model's forward; a ``KeyboardInterrupt`` in ``loss_fn``; a
 collective that failed; a ``load`` that fails after its checks agreed, with some of the rank's shards already
-overwritten: a model part checkpoint, part old weights must not train on). That rank leaves what it raised in the process group's store, aborts every process group
-of its process and calls ``on_abort`` (the engines' orchestra workers pass ``Worker.declare_dead``: supervision
-then reports the rank dead; the pipeline runner stops the run with the error and shuts the cluster down, which ends
-every rank's process). Its peers
-wait in their collective until that process ends: on gloo (torch 2.13) an aborted group's connections close only
-when the process exits or frees the group, which the engine's model still holds; then their collectives fail at
-once (instead of at the process group's timeout, 30 minutes on gloo by default: a hung job with no error). The
-failing rank raises its own error (with a note saying so), the others an :class:`EngineAbortedError` naming it and
-what it raised. The process groups are gone, so the engine, and every other engine of the process made before the
-abort, refuses later calls with an ``EngineAbortedError``: restart the ranks (a new process group). With one rank
-there is no peer to release, and nothing is aborted.
+overwritten: a model part checkpoint, part old weights must not train on). That rank leaves what it raised in the
+process group's store, aborts every process group of its process and calls ``on_abort`` (the engines' orchestra
+workers pass ``Worker.declare_dead``: supervision then reports the rank dead; the pipeline runner stops the run with
+the error and shuts the cluster down, which ends every rank's process). Its peers wait in their collective until
+that process ends: on gloo (torch 2.13) an aborted group's connections close only when the process exits or frees
+the group, which the engine's model still holds; then their collectives fail at once (instead of at the process
+group's timeout, 30 minutes on gloo by default: a hung job with no error). The failing rank raises its own error
+(with a note saying so), the others an :class:`EngineAbortedError` naming it and what it raised. The process groups
+are gone, so the engine, and every other engine of the process made before the abort, refuses later calls with an
+``EngineAbortedError``: restart the ranks (a new process group). With one rank there is no peer to release, and
+nothing is aborted.
 """
 
 from __future__ import annotations
