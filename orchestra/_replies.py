@@ -4,12 +4,14 @@ Awaiting an ``ObjectRef`` (``ref.future()`` / ``await ref``) costs, for every ra
 and a Python callback on Ray's I/O thread, a concurrent future and a loop wake-up: about 0.1 ms of controller CPU
 per reply here, on the thread that also receives every other reply. ``batched`` hands all of one call's reply refs
 to a *reply lane*, a thread that fetches them with one blocking ``ray.get`` (as a synchronous controller would),
-then resolves every reply future in one loop callback. A 4-rank no-op call then costs about what a synchronous
-``ray.get`` of 4 bare calls costs (``python -m bench.scaling``, ``*_per_ref`` columns for the per-ref way).
+then resolves every reply future in one loop callback: what a synchronous controller's ``ray.get`` costs, plus one
+thread hand-off each way (docs/benchmarks.md, "Reply lanes"; ``python -m bench.scaling``'s ``*_per_ref`` columns
+measure the per-ref way).
 
 Replies not back within ``FAST_WINDOW_S`` (a long call: a training step, a generation), and a call whose ranks
 failed, go to Ray's per-ref async callbacks: a long call never holds a lane, every rank's reply gets its own
-outcome, and a failing rank is reported at most the window later. When every lane is busy the call takes the
+outcome, and a failing rank is reported at most the window later (the replies already fetched are then fetched and
+unpickled again, once each: a cost paid only by a call that failed). When every lane is busy the call takes the
 per-ref path at once: batching never queues a call. Lanes start when first needed and stop at ``stop()``
 (``orc.shutdown()``).
 """
@@ -17,6 +19,7 @@ per-ref path at once: batching never queues a call. Lanes start when first neede
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -48,27 +51,23 @@ class _Lane:
         self.thread.start()
 
     def _serve(self) -> None:
-        while (item := self.items.get()) is not None:
+        while True:
+            item = self.items.get()
+            if item is None:
+                return
             _batch(*item)  # module-level, looked up per batch (tests wrap it)
+            del item  # hold no call's replies (nor its loop) while waiting for the next
 
 
 def batched(refs: list[Any]) -> list[asyncio.Future] | None:
     """Futures on the running loop for ``refs`` (one call's replies), resolved together; None when the per-ref
     path is as good (fewer than ``MIN_BATCH`` refs) or every reply lane is busy (batching never queues a call)."""
+    global _busy
     if len(refs) < MIN_BATCH or not all(isinstance(r, ray.ObjectRef) for r in refs):
-        return None
-    lane = _take_lane()
-    if lane is None:
         return None
     loop = asyncio.get_running_loop()
     pairs = [(r, loop.create_future()) for r in refs]
-    lane.items.put((loop, pairs))
-    return [f for _, f in pairs]
-
-
-def _take_lane() -> _Lane | None:
-    global _busy
-    with _lock:
+    with _lock:  # taken and fed under one lock: ``stop`` cannot end the lane in between
         if _free:
             lane = _free.pop()
         elif len(_lanes) < _THREADS:
@@ -77,7 +76,8 @@ def _take_lane() -> _Lane | None:
         else:
             return None
         _busy += 1
-        return lane
+        lane.items.put((loop, pairs))
+    return [f for _, f in pairs]
 
 
 def _give_lane() -> None:
@@ -99,52 +99,72 @@ def quiesce(timeout: float = 2.0) -> bool:
         return _idle.wait_for(lambda: _busy == 0, timeout)
 
 
-def stop() -> None:
-    """End every reply lane (each after the batch it is on, if any); later calls start new ones."""
+def stop(timeout: float = 2.0) -> None:
+    """End every reply lane (each after the batch it is on, if any) and wait up to ``timeout`` for their threads;
+    later calls start new ones."""
     with _lock:
         lanes = list(_lanes)
         _lanes.clear()
         _free.clear()
     for lane in lanes:
         lane.items.put(None)
+    for lane in lanes:
+        lane.thread.join(timeout)
+        if lane.thread.is_alive():
+            log.warning("orchestra: a reply thread did not end within %.1f s of shutdown", timeout)
 
 
 def _batch(loop: asyncio.AbstractEventLoop, pairs: list[tuple[Any, asyncio.Future]]) -> None:
-    """In a reply lane: fetch every ref within the window and deliver them in one loop callback; if they are not
-    all back by then, or one failed, each goes the per-ref way (a failure gets its own rank's error)."""
-    resolved: list[tuple[asyncio.Future, Any]] = []
-    rest = pairs
+    """In a reply lane: fetch every ref within the window and deliver them in one loop callback. If they are not
+    all back by then, or one failed, each goes the per-ref way (a failure gets its own rank's error): registered
+    here, while the lane still counts as inside Ray, so that ``orc.shutdown()`` cannot end Ray in between. The lane
+    is free again before it delivers, so that the caller's next call finds it free."""
+    outcomes: list[tuple[asyncio.Future, Any, BaseException | None]] | None = None
     try:
         values = ray.get([r for r, _ in pairs], timeout=FAST_WINDOW_S)
-        resolved, rest = [(f, v) for (_, f), v in zip(pairs, values)], []
-    except BaseException as e:  # noqa: BLE001 - late, failed, or Ray shut down: every ref goes the per-ref way
-        if not isinstance(e, (ray.exceptions.GetTimeoutError, ray.exceptions.RayError)):
-            log.debug("orchestra: batched reply fetch failed (%r); per-ref completion", e)
+        outcomes = [(f, v, None) for (_, f), v in zip(pairs, values)]
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):  # late or failed: each ref on its own
+        try:
+            for ref, fut in pairs:
+                _per_ref(loop, ref, fut)
+        except BaseException as e:  # noqa: BLE001 - Ray failed under us: the replies left fail with its error
+            log.debug("orchestra: per-ref reply completion failed (%r)", e)
+            outcomes = [(f, None, e) for _, f in pairs]  # _deliver skips those already resolved
+    except BaseException as e:  # noqa: BLE001 - Ray itself failed: every reply fails with that error
+        log.debug("orchestra: batched reply fetch failed (%r)", e)
+        outcomes = [(f, None, e) for _, f in pairs]
     finally:
         _give_lane()
+    if outcomes is not None:
+        _call_soon(loop, _deliver, outcomes)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     try:
-        loop.call_soon_threadsafe(_deliver, resolved, rest)
+        loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: nobody is left to read these replies
-        log.debug("orchestra: event loop closed before %d replies were delivered", len(pairs))
+        log.debug("orchestra: event loop closed before replies were delivered")
 
 
-def _deliver(resolved: list[tuple[asyncio.Future, Any]], rest: list[tuple[Any, asyncio.Future]]) -> None:
-    for fut, value in resolved:
-        if not fut.done():
+def _deliver(outcomes: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for fut, value, error in outcomes:
+        if fut.done():
+            continue
+        if error is None:
             fut.set_result(value)
-    for ref, fut in rest:
-        _per_ref(ref, fut)
+        else:
+            fut.set_exception(error)
 
 
-def _per_ref(ref: Any, fut: asyncio.Future) -> None:
-    """Resolve ``fut`` from Ray's own async completion of ``ref`` (one callback for this ref)."""
-    if fut.done():
-        return
-    src = asyncio.wrap_future(ref.future())
-    src.add_done_callback(lambda s: _copy(s, fut))
+def _per_ref(loop: asyncio.AbstractEventLoop, ref: Any, fut: asyncio.Future) -> None:
+    """Resolve ``fut`` (on ``loop``) from Ray's own async completion of ``ref``: one callback for this ref."""
+    def done(src: concurrent.futures.Future) -> None:  # on Ray's thread
+        _call_soon(loop, _copy, src, fut)
+
+    ref.future().add_done_callback(done)
 
 
-def _copy(src: asyncio.Future, fut: asyncio.Future) -> None:
+def _copy(src: concurrent.futures.Future, fut: asyncio.Future) -> None:
     if fut.done():
         if not src.cancelled():
             src.exception()  # retrieved: the reply's own future already has its outcome

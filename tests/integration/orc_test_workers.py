@@ -306,6 +306,11 @@ class Scorer(Worker):
         return self.rank, x
 
     @endpoint(D.broadcast())
+    def tensor_of(self, n: int) -> torch.Tensor:
+        """A new tensor of ``n`` bytes (a plain value: it travels in the reply, and the controller can weakref it)."""
+        return torch.full((n,), self.rank, dtype=torch.uint8)
+
+    @endpoint(D.broadcast())
     def fail_one_block_others(self) -> int:
         """Rank 0 fails at once; every other rank runs until the controller cancels the call."""
         if self.rank == 0:
