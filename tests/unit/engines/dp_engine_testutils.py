@@ -242,16 +242,20 @@ def collective_failure_on_one_rank_worker(rank: int, world: int, where: str) -> 
             return forward(*a, **k)
 
         layer.forward = failing
-    out: dict[str, str] = {}
+    if where == "log_prob_forward":
+        return _failure_outcomes(lambda: eng.compute_log_prob(batch), eng, batch, aborted)
+    return _failure_outcomes(lambda: eng.train_step(batch, _FailsInsideOnRank(1, where)), eng, batch, aborted)
 
+
+def _failure_outcomes(call: Any, eng: Any, batch: Any, aborted: list[str]) -> dict[str, str]:
+    """What ``call()`` raised on this rank (type: message, notes; "" if nothing), what a later train step raised,
+    and what ``on_abort`` was told."""
     def text(e: BaseException) -> str:
         return f"{type(e).__name__}: {e}" + "".join(f"\nnote: {n}" for n in getattr(e, "__notes__", ()))
 
+    out: dict[str, str] = {}
     try:
-        if where == "log_prob_forward":
-            eng.compute_log_prob(batch)
-        else:
-            eng.train_step(batch, _FailsInsideOnRank(1, where))
+        call()
         out["error"] = ""
     except BaseException as e:  # noqa: BLE001 - what each rank raised is the result (a KeyboardInterrupt too)
         out["error"] = text(e)
@@ -337,20 +341,4 @@ def load_fails_after_its_checks_on_one_rank_worker(rank: int, world: int, direct
             return read(self, *a, **k)
 
         ckpt._Shards.read = failing
-    out: dict[str, str] = {}
-
-    def text(e: BaseException) -> str:
-        return f"{type(e).__name__}: {e}" + "".join(f"\nnote: {n}" for n in getattr(e, "__notes__", ()))
-
-    try:
-        eng.load(os.path.join(directory, "ckpt"))
-        out["error"] = ""
-    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
-        out["error"] = text(e)
-    try:
-        eng.train_step(batch, masked_token_mean_loss)
-        out["later"] = ""
-    except BaseException as e:  # noqa: BLE001
-        out["later"] = text(e)
-    out["on_abort"] = "\n".join(aborted)
-    return out
+    return _failure_outcomes(lambda: eng.load(os.path.join(directory, "ckpt")), eng, batch, aborted)
