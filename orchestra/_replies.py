@@ -32,7 +32,7 @@ __all__ = ["FAST_WINDOW_S", "MIN_BATCH", "batched", "quiesce", "stop"]
 log = logging.getLogger("orchestra")
 
 FAST_WINDOW_S = 0.05  # how long one batch waits for replies before handing them to per-ref callbacks
-MIN_BATCH = 1  # a lane pays off from one reply (bench.scaling: a 1-rank no-op too)
+MIN_BATCH = 1  # a lane pays off from one reply (docs/benchmarks.md, "Reply lanes": 1 and 2 ranks too)
 _THREADS = 8  # lanes at most
 
 _lock = threading.Lock()
