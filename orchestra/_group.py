@@ -282,6 +282,11 @@ class _Shared:
             self._died(rank, WorkerDiedError(f"rank {rank} was declared dead by its worker ({why}); recreate the "
                                              f"group", group=self.name, rank=rank, exc_type=DECLARED_DEAD))
 
+    def first_death(self) -> tuple[int, WorkerDiedError] | None:
+        """The death to report first: a process that died before a rank that declared itself dead (a peer's death
+        may be what made it declare), then the lowest rank."""
+        return min(self.dead.items(), key=lambda kv: (kv[1].declared, kv[0]), default=None)
+
     def _died(self, rank: int, err: WorkerDiedError) -> None:
         """Rank ``rank`` is dead: fail the calls in flight, refuse new ones (``dead``), tell ``on_death``."""
         self.dead[rank] = err
@@ -546,10 +551,13 @@ class WorkerGroup:
 
     async def _control(self, method: str, *args: Any) -> list[Any]:
         """One control-lane call per rank; a dead rank is a WorkerDiedError naming this group and the rank."""
+        return self._answers(method, await self._gather(method, *args))
+
+    async def _gather(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's answer to control call ``method``, or the exception it raised, in rank order."""
         await self.ready()
-        hosts = self._shared.hosts
-        results = await asyncio.gather(*[getattr(h, method).remote(*args) for h in hosts], return_exceptions=True)
-        return self._answers(method, results)
+        return await asyncio.gather(*[getattr(h, method).remote(*args) for h in self._shared.hosts],
+                                    return_exceptions=True)
 
     def _answers(self, method: str, results: list[Any]) -> list[Any]:
         """A control call's answers, or the error of the first rank that failed or is dead."""
@@ -558,8 +566,9 @@ class WorkerGroup:
                 if self._shared.closed is not None:
                     raise closed_error(self.name, self._shared.closed) from None
                 raise convert_error(r, self.name, method, rank) from None
-        # a rank declared dead still answers, but it is dead; a process that died comes first (it may be the cause)
-        for rank, err in sorted(self._shared.dead.items(), key=lambda kv: (kv[1].declared, kv[0])):
+        death = self._shared.first_death()  # a rank declared dead still answers, but it is dead
+        if death is not None:
+            rank, err = death
             raise WorkerDiedError(err.message, group=self.name, rank=rank, endpoint=method, exc_type=err.exc_type)
         return list(results)
 
@@ -625,12 +634,10 @@ class WorkerGroup:
     async def ping(self) -> list[int]:
         """Round trip to every rank's control lane (answers even while an endpoint computes). A dead rank, or one
         declared dead (``Worker.declare_dead``) whose process still answers, is a WorkerDiedError."""
-        await self.ready()
-        shared = self._shared
-        answers = await asyncio.gather(*[h.ping.remote() for h in shared.hosts], return_exceptions=True)
+        answers = await self._gather("ping")
         for rank, r in enumerate(answers):
             if isinstance(r, dict) and "declared_dead" in r:
-                shared.declared_dead(rank, r["declared_dead"])  # the ping beat the supervision call's reply here
+                self._shared.declared_dead(rank, r["declared_dead"])  # the ping beat the supervision call's reply
         return self._answers("ping", answers)
 
     def shutdown(self) -> None:
@@ -757,8 +764,9 @@ class _Endpoint:
         if shared.closed is not None:
             raise closed_error(g.name, shared.closed)
         shared.follow_loop()
-        if shared.dead:
-            rank, err = min(shared.dead.items())
+        death = shared.first_death()
+        if death is not None:
+            rank, err = death
             raise WorkerDiedError(f"{err.message} (noticed before this call was sent; nothing was sent)",
                                   group=g.name, rank=rank, endpoint=spec.name, exc_type=err.exc_type)
         if spec.signature is not None:

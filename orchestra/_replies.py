@@ -1,12 +1,11 @@
 """Reply completion: a call's replies resolved in one batch instead of one event-loop wake-up per Ray reference.
 
 Awaiting an ``ObjectRef`` (``ref.future()`` / ``await ref``) costs, for every rank of every call, a deserialization
-and a Python callback on Ray's I/O thread, a concurrent future and a loop wake-up: about 0.1 ms of controller CPU
-per reply here, on the thread that also receives every other reply. ``batched`` hands all of one call's reply refs
-to a *reply lane*, a thread that fetches them with one blocking ``ray.get`` (as a synchronous controller would),
-then resolves every reply future in one loop callback: what a synchronous controller's ``ray.get`` costs, plus one
-thread hand-off each way (docs/benchmarks.md, "Reply lanes"; ``python -m bench.scaling``'s ``*_per_ref`` columns
-measure the per-ref way).
+and a Python callback on Ray's I/O thread, a concurrent future and a loop wake-up: 0.10–0.16 ms more controller
+CPU per reply than a synchronous ``ray.get`` here, on the thread that also receives every other reply. ``batched``
+hands all of one call's reply refs to a *reply lane*, a thread that fetches them with one blocking ``ray.get`` (as a
+synchronous controller would), then resolves every reply future in one loop callback (``python -m bench.replies``
+compares the three ways on the same actors).
 
 Replies not back within ``FAST_WINDOW_S`` (a long call: a training step, a generation), and a call whose ranks
 failed, go to Ray's per-ref async callbacks: a long call never holds a lane, every rank's reply gets its own
@@ -32,7 +31,7 @@ __all__ = ["FAST_WINDOW_S", "MIN_BATCH", "batched", "quiesce", "stop"]
 log = logging.getLogger("orchestra")
 
 FAST_WINDOW_S = 0.05  # how long one batch waits for replies before handing them to per-ref callbacks
-MIN_BATCH = 1  # a lane pays off from one reply (docs/benchmarks.md, "Reply lanes": 1 and 2 ranks too)
+MIN_BATCH = 2  # a lane beats per-ref completion from 2 replies, not at 1 (python -m bench.replies)
 _THREADS = 8  # lanes at most
 
 _lock = threading.Lock()
@@ -55,8 +54,14 @@ class _Lane:
             item = self.items.get()
             if item is None:
                 return
-            _batch(*item)  # module-level, looked up per batch (tests wrap it)
-            del item  # hold no call's replies (nor its loop) while waiting for the next
+            loop, outcomes = item[0], None
+            try:
+                outcomes = _batch(*item)  # module-level, looked up per batch (tests wrap it)
+            finally:
+                _give_back(self)  # out of Ray, free again before it delivers: the caller's next call finds it free
+            if outcomes is not None:
+                _call_soon(loop, _deliver, outcomes)
+            del item, loop, outcomes  # hold no call's replies (nor its loop) while waiting for the next
 
 
 def batched(refs: list[Any]) -> list[asyncio.Future] | None:
@@ -80,13 +85,12 @@ def batched(refs: list[Any]) -> list[asyncio.Future] | None:
     return [f for _, f in pairs]
 
 
-def _give_lane() -> None:
-    """The calling lane is out of Ray and free for the next batch."""
+def _give_back(lane: _Lane) -> None:
+    """``lane`` is out of Ray and free for the next batch (unless ``stop`` ended it meanwhile)."""
     global _busy
     with _lock:
         _busy -= 1
-        lane = next((x for x in _lanes if x.thread is threading.current_thread()), None)
-        if lane is not None:  # not stopped meanwhile
+        if lane in _lanes:
             _free.append(lane)
         if _busy == 0:
             _idle.notify_all()
@@ -114,29 +118,26 @@ def stop(timeout: float = 2.0) -> None:
             log.warning("orchestra: a reply thread did not end within %.1f s of shutdown", timeout)
 
 
-def _batch(loop: asyncio.AbstractEventLoop, pairs: list[tuple[Any, asyncio.Future]]) -> None:
-    """In a reply lane: fetch every ref within the window and deliver them in one loop callback. If they are not
-    all back by then, or one failed, each goes the per-ref way (a failure gets its own rank's error): registered
-    here, while the lane still counts as inside Ray, so that ``orc.shutdown()`` cannot end Ray in between. The lane
-    is free again before it delivers, so that the caller's next call finds it free."""
-    outcomes: list[tuple[asyncio.Future, Any, BaseException | None]] | None = None
+def _batch(loop: asyncio.AbstractEventLoop,
+           pairs: list[tuple[Any, asyncio.Future]]) -> list[tuple[asyncio.Future, Any, BaseException | None]] | None:
+    """In a reply lane: every ref fetched within the window, as outcomes to deliver in one loop callback. If they
+    are not all back by then, or one failed, each goes the per-ref way instead (a failure gets its own rank's
+    error; None is returned): registered here, while the lane still counts as inside Ray, so that
+    ``orc.shutdown()`` cannot end Ray in between."""
     try:
         values = ray.get([r for r, _ in pairs], timeout=FAST_WINDOW_S)
-        outcomes = [(f, v, None) for (_, f), v in zip(pairs, values)]
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):  # late or failed: each ref on its own
         try:
             for ref, fut in pairs:
                 _per_ref(loop, ref, fut)
         except BaseException as e:  # noqa: BLE001 - Ray failed under us: the replies left fail with its error
             log.debug("orchestra: per-ref reply completion failed (%r)", e)
-            outcomes = [(f, None, e) for _, f in pairs]  # _deliver skips those already resolved
+            return [(f, None, e) for _, f in pairs]  # _deliver skips those already resolved
+        return None
     except BaseException as e:  # noqa: BLE001 - Ray itself failed: every reply fails with that error
         log.debug("orchestra: batched reply fetch failed (%r)", e)
-        outcomes = [(f, None, e) for _, f in pairs]
-    finally:
-        _give_lane()
-    if outcomes is not None:
-        _call_soon(loop, _deliver, outcomes)
+        return [(f, None, e) for _, f in pairs]
+    return [(f, v, None) for (_, f), v in zip(pairs, values)]
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:

@@ -33,8 +33,9 @@ async def group(scorers):
 
     def counted(loop, pairs):
         BATCHES.append(len(pairs))
-        batch(loop, pairs)  # waits up to FAST_WINDOW_S, delivers what is ready, hands the rest to per-ref callbacks
+        outcomes = batch(loop, pairs)  # waits up to FAST_WINDOW_S; late replies go to per-ref callbacks
         loop.call_soon_threadsafe(lambda: [e.set() for e in _BATCH_DONE])
+        return outcomes
 
     _replies._batch = counted
     try:
