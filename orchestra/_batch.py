@@ -39,7 +39,12 @@ def _as_object_array(values: Any, name: str) -> np.ndarray:
 
 def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
     """A numpy view of ``t`` (zero-copy through Ray's object store) plus the dtype to restore, if numpy lacks it."""
-    t = t.detach().resolve_conj().resolve_neg()
+    if t.requires_grad:  # each of these makes a new tensor object: only when it changes something (per-call path)
+        t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():

@@ -27,7 +27,7 @@ import ray
 from ray import cloudpickle
 
 __all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "Resolved", "dumps_frame", "loads_frame", "dumps_call",
-           "loads_call"]
+           "loads_call", "reductions"]
 
 FRAME_BYTES = 1 << 20  # a frame larger than this is not made: the call takes Ray's own per-argument path
 _PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers
@@ -43,14 +43,21 @@ def _refuse(obj: Any) -> Any:
     raise NeedsRay(type(obj).__name__)
 
 
-def _table(on_ref: Callable[[Any], Any]) -> dict:
-    """The reductions Ray's own serializer would use, read at each dump: copyreg's, then those registered with
-    cloudpickle (``ray.util.register_serializer``, Ray's own), which win; ObjectRefs and actor handles go to
-    ``on_ref``. A plain dict, so the C pickler looks types up in C (rebuilt per dump: registrations apply at once)."""
+def reductions() -> dict:
+    """The reductions Ray's own serializer would use, as they are now: copyreg's, then those registered with
+    cloudpickle (``ray.util.register_serializer``, Ray's own), which win. Read once per call (every rank's frame
+    of a call is pickled with the same table), so a registration applies from the next call on."""
     table: dict = {}
     registered = cloudpickle.CloudPickler.dispatch_table
     for m in reversed(registered.maps if isinstance(registered, collections.ChainMap) else [registered]):
         table.update(m)
+    return table
+
+
+def _table(on_ref: Callable[[Any], Any], base: dict | None = None) -> dict:
+    """``base`` (default: ``reductions()`` now) with ObjectRefs and actor handles going to ``on_ref``. A plain dict,
+    so the C pickler looks types up in C."""
+    table = dict(reductions() if base is None else base)
     table.update(dict.fromkeys(_tracked(), on_ref))
     return table
 
@@ -66,12 +73,14 @@ def _by_value_modules() -> Any:
     return getattr(getattr(cloudpickle, "cloudpickle", cloudpickle), "_PICKLE_BY_VALUE_MODULES", ())
 
 
-def _pickle(obj: Any, on_ref: Callable[[Any], Any]) -> tuple[io.BytesIO, list[pickle.PickleBuffer]]:
+def _pickle(obj: Any, on_ref: Callable[[Any], Any],
+            base: dict | None = None) -> tuple[io.BytesIO, list[pickle.PickleBuffer]]:
     """``obj`` pickled by the C pickler (cloudpickle where it cannot: lambdas, local classes, ``__main__``'s
-    objects, modules registered by value), ObjectRefs reduced by ``on_ref``; out-of-band buffers apart."""
+    objects, modules registered by value), ObjectRefs reduced by ``on_ref``; out-of-band buffers apart. ``base``:
+    the reductions to use (``reductions()``; read now when not given)."""
     buf, buffers = io.BytesIO(), []
     by_value = bool(_by_value_modules())
-    table = _table(on_ref)
+    table = _table(on_ref, base)
     if not by_value:
         try:
             p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
@@ -161,10 +170,10 @@ class Resolved:
         return _value_at, (self.i,)
 
 
-def dumps_call(obj: Any, limit: int = FRAME_BYTES) -> tuple[bytes, list[Any]]:
+def dumps_call(obj: Any, limit: int = FRAME_BYTES, base: dict | None = None) -> tuple[bytes, list[Any]]:
     """A frame of ``obj`` for a Ray call, and the ObjectRefs and actor handles it holds, lifted out in order (each
     distinct one once): Ray carries the list, so it knows every ref and handle the call holds. NeedsRay when the
-    frame is larger than ``limit``."""
+    frame is larger than ``limit``. ``base``: the call's ``reductions()``, read once for all its ranks."""
     refs: list[Any] = []
     index: dict[Any, int] = {}
 
@@ -175,7 +184,7 @@ def dumps_call(obj: Any, limit: int = FRAME_BYTES) -> tuple[bytes, list[Any]]:
             refs.append(ref)
         return _ref_at, (i,)
 
-    return _framed(*_pickle(obj, lift), limit), refs
+    return _framed(*_pickle(obj, lift, base), limit), refs
 
 
 def loads_call(data: bytes, refs: list[Any], values: tuple = ()) -> Any:

@@ -737,8 +737,10 @@ class _Endpoint:
     """A group's endpoint: call it to get a DataFuture; ``.options(timeout=...)`` for a per-call deadline."""
 
     def __init__(self, group: WorkerGroup, spec: EndpointSpec, timeout: float | None = None,
-                 stream: bool = False) -> None:
+                 stream: bool = False, bound: set | None = None) -> None:
         self.group, self.spec, self.timeout, self.stream = group, spec, timeout, stream
+        # argument shapes (count, keyword names) already bound to the signature: binding checks only those
+        self._bound: set[tuple[int, tuple[str, ...]]] = set() if bound is None else bound
 
     def options(self, *, timeout: float | None = None, stream: bool | None = None) -> _Endpoint:
         """This endpoint with call options: ``timeout`` seconds (> 0) until the call fails with CallTimeoutError
@@ -753,7 +755,7 @@ class _Endpoint:
         if stream is not None and not isinstance(stream, bool):
             raise TypeError(f"{self!r}.options(stream={stream!r}): stream must be True or False")
         return _Endpoint(self.group, self.spec, float(timeout) if timeout is not None else self.timeout,
-                         self.stream if stream is None else stream)
+                         self.stream if stream is None else stream, self._bound)
 
     def __repr__(self) -> str:
         return f"<endpoint {self.group.name}.{self.spec.name} dispatch={self.spec.dispatch!r}>"
@@ -769,9 +771,12 @@ class _Endpoint:
             rank, err = death
             raise WorkerDiedError(f"{err.message} (noticed before this call was sent; nothing was sent)",
                                   group=g.name, rank=rank, endpoint=spec.name, exc_type=err.exc_type)
-        if spec.signature is not None:
+        shape = (len(args), tuple(kwargs))
+        if spec.signature is not None and shape not in self._bound:
             try:
                 spec.signature.bind(None, *args, **kwargs)
+                if len(self._bound) < 64:
+                    self._bound.add(shape)
             except TypeError as e:
                 raise DispatchError(f"group {g.name!r}, endpoint {spec.name!r}: {e}; signature is "
                                     f"{spec.name}{spec.signature}") from None

@@ -58,17 +58,25 @@ class Slot:
         self.done = asyncio.get_running_loop().create_future()
         self.call_refs: list[Any] = []  # every ObjectRef / generator sent for this slot, for cancellation
         self._waiters: list[asyncio.Future] = []
+        self._open = 0  # outputs whose done callback has not run yet (a quick answer for ``finished``)
+        self.verified = False  # finished, and no future of it failed (``Invocation.wait`` skips it from then on)
 
     def add(self, ref: ray.ObjectRef, out: asyncio.Future | None = None) -> None:
         """Record an output ref; ``out`` resolves to its value (Ray's per-ref completion when not given)."""
         self.refs.append(ref)
         if out is None:
             out = asyncio.wrap_future(ref.future())
-        out.add_done_callback(_retrieve)  # a forwarded, never-awaited failure must not log "never retrieved"
-        if self._on_change is not None:
-            out.add_done_callback(lambda _f: self._on_change())
+        self._open += 1
+        self.verified = False
+        out.add_done_callback(self._output_done)
         self.outputs.append(out)
         self._notify()
+
+    def _output_done(self, f: asyncio.Future) -> None:
+        self._open -= 1
+        _retrieve(f)  # a forwarded, never-awaited failure must not log "never retrieved"
+        if self._on_change is not None:
+            self._on_change()
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done.done():
@@ -82,7 +90,8 @@ class Slot:
             self._on_change()
 
     def finished(self) -> bool:
-        return self.done.done() and all(o.done() for o in self.outputs)
+        # the count is exact once every output's callback ran; until then, look at the outputs themselves
+        return self.done.done() and (self._open == 0 or all(o.done() for o in self.outputs))
 
     def watch(self) -> asyncio.Future:
         """A future resolved at the next new output or at the end (check state after taking it, then await)."""
@@ -174,7 +183,7 @@ class Invocation:
                 and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
             try:
                 self._bind_collect(plan)
-                self._send(plan, _per_rank_calls(plan, _describe_batches(plan), self.shared.reader_sizes()), None)
+                self._send(plan, _per_rank_calls(plan, _describe_batches(plan), self._readers(plan)), None)
             except BaseException as e:
                 self._fail_submit(e)
                 shared.live.discard(self)  # nothing was sent: no call of this group is left running
@@ -273,7 +282,11 @@ class Invocation:
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
         """Every rank's (args, kwargs, refs); ``_send`` serializes them all before any rank is sent anything."""
-        return _per_rank_calls(plan, described, self.shared.reader_sizes())
+        return _per_rank_calls(plan, described, self._readers(plan))
+
+    def _readers(self, plan: Plan) -> tuple[int, ...]:
+        """The DP sizes a shard call's output may be read at (``_Shared.reader_sizes``); none for other calls."""
+        return self.shared.reader_sizes() if plan.shard is not None else ()
 
     def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any) -> None:
         """Send every rank its call, each rank's arguments pickled once, into one frame, before any rank is sent
@@ -336,6 +349,7 @@ class Invocation:
         out: dict[int, tuple[bytes | None, list, tuple]] = {}
         done: dict[tuple, tuple[bytes, list, tuple]] = {}
         kept = []  # the argument objects stay alive while their ids key ``done``
+        base: dict | None = None  # the reductions, read once for every rank of the call
         try:
             for r, (args, kwargs, refs) in calls.items():
                 a, kw = _with_refs(args, kwargs, refs)
@@ -346,7 +360,9 @@ class Invocation:
                 key = (tuple(map(id, a)), tuple((k, id(v)) for k, v in kw.items()))
                 enc = done.get(key)
                 if enc is None:
-                    enc = done[key] = _frame_of(a, kw)
+                    if base is None:
+                        base = _frame.reductions()
+                    enc = done[key] = _frame_of(a, kw, base)
                 out[r] = enc
         except _frame.NeedsRay:  # too large for a frame: Ray serializes it argument by argument
             _preflight(plan, calls)
@@ -640,12 +656,18 @@ class Invocation:
             while True:
                 if self.error is not None:
                     raise self.error
-                for s in self.slots:  # failures that already happened
+                pending: set[asyncio.Future] = set()
+                for s in self.slots:  # failures that already happened (slots seen finished without one: skipped)
+                    if s.verified:
+                        continue
+                    settled = True
                     for f in (s.done, *s.outputs):
-                        if f.done() and not f.cancelled() and f.exception() is not None:
+                        if not f.done():
+                            pending.add(f)
+                            settled = False
+                        elif not f.cancelled() and f.exception() is not None:
                             raise self.fail(await self.converted(f.exception(), s))
-                pending = {s.done for s in self.slots if not s.done.done()}
-                pending |= {o for s in self.slots for o in s.outputs if not o.done()}
+                    s.verified = settled
                 if not pending:
                     return
                 if not await self._wait_some(pending):
@@ -912,9 +934,10 @@ async def _forwardable(ref: Any) -> Any:
     return ref
 
 
-def _frame_of(args: tuple, kwargs: dict) -> tuple[bytes, list, tuple]:
+def _frame_of(args: tuple, kwargs: dict, base: dict | None = None) -> tuple[bytes, list, tuple]:
     """One rank's Ray call as (frame, the refs lifted out of it, the refs given as arguments themselves): those stay
-    top-level arguments of the Ray call, which Ray resolves to their values; the frame holds their places."""
+    top-level arguments of the Ray call, which Ray resolves to their values; the frame holds their places. ``base``:
+    the call's reductions (``_frame.reductions()``)."""
     top: list[Any] = []
 
     def lift(v: Any) -> Any:
@@ -923,7 +946,8 @@ def _frame_of(args: tuple, kwargs: dict) -> tuple[bytes, list, tuple]:
             return _frame.Resolved(len(top) - 1)
         return v
 
-    blob, nested = _frame.dumps_call((tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}))
+    blob, nested = _frame.dumps_call((tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}),
+                                     base=base)
     return blob, nested, tuple(top)
 
 
@@ -1010,8 +1034,9 @@ class _ArgBuilder:
         return o
 
 
-def _put(b: Batch, plan: Plan, what: str, rank: int | None = None) -> PartInfo:
-    nbytes = b.nbytes
+def _put(b: Batch, plan: Plan, what: str, rank: int | None = None, nbytes: int | None = None) -> PartInfo:
+    """``b`` as a part: itself when small, else stored (``nbytes``: its size when the caller knows it)."""
+    nbytes = b.nbytes if nbytes is None else nbytes
     if nbytes < INLINE_BYTES:
         return PartInfo(b, len(b), nbytes)
     try:
@@ -1032,15 +1057,20 @@ def _describe_batches(plan: Plan) -> dict[int, Any]:
 def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
     """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
     D = spec.dp_size
-    batch = a.pad_to_multiple(D) if spec.pad and len(a) % D else a
-    shards = batch.split(balanced_sizes(len(batch), D))
+    rows = len(a)
+    batch = a.pad_to_multiple(D) if spec.pad and rows % D else a
+    sizes = balanced_sizes(len(batch), D)
+    shards = batch.split(sizes)
+    # every column's bytes are proportional to its rows (Batch.nbytes), so a shard's size is its rows' share
+    row_bytes = batch.nbytes // len(batch) if len(batch) else 0
     out, start = {}, 0
-    for d, s in enumerate(shards):
-        pad_rows = min(len(s), max(0, start + len(s) - len(a))) if batch is not a else 0
-        span = Span(start, len(s) - pad_rows, len(a))
-        start += len(s)
+    for d, (s, n) in enumerate(zip(shards, sizes)):
+        pad_rows = min(n, max(0, start + n - rows)) if batch is not a else 0
+        span = Span(start, n - pad_rows, rows)
+        start += n
         rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
-        out[d] = ([[_put(s, plan, "argument", rank)]], Layout("whole", pad_rows=pad_rows, span=span), [])
+        out[d] = ([[_put(s, plan, "argument", rank, n * row_bytes)]], Layout("whole", pad_rows=pad_rows, span=span),
+                  [])
     return out
 
 

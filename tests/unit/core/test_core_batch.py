@@ -72,6 +72,21 @@ def test_split_concat_round_trip(case):
     assert Batch.concat(pieces) == b
 
 
+@FAST
+@given(batch_and_sizes(), st.booleans())
+def test_a_pieces_bytes_are_its_rows_share(case, numeric):
+    """``nbytes`` is proportional to rows for every kind of column (tensors of any shape and dtype, numeric and
+    object arrays): the controller sizes a shard it cut as rows x bytes per row of the whole (_describe_batch)."""
+    n, sizes = case
+    b = make(list(range(n)))
+    if numeric:
+        b["f"] = np.arange(2 * n, dtype=np.float64).reshape(n, 2)
+        b["m"] = torch.zeros(n, 2, 3, dtype=torch.float16)
+    per_row = b.nbytes // n if n else 0
+    assert b.nbytes == per_row * n
+    assert [p.nbytes for p in b.split(sizes)] == [s * per_row for s in sizes]
+
+
 def test_split_rejects_sizes_that_do_not_add_up():
     b = make(list(range(5)))
     with pytest.raises(ValueError, match=r"add up to the batch's 5 rows"):

@@ -248,6 +248,21 @@ async def test_bad_input_rejected_before_sending(bed):
     assert all("score" not in s or s["score"]["calls"] == 0 for s in stats)
 
 
+async def test_arguments_are_checked_against_the_signature_on_every_call_not_only_the_first(bed):
+    """A call binds its arguments to the endpoint's signature once per argument shape (count, keyword names), so
+    a shape that bound before is not bound again; any other shape still is, on the endpoint and its options."""
+    g3 = bed["s3"]
+    assert len(await g3.score(rows(6))) == 6  # this shape binds
+    assert len(await g3.score(batch=rows(6))) == 6
+    for call in (lambda: g3.score(rows(6), 1), lambda: g3.score(), lambda: g3.score(rows(6), batch=rows(6)),
+                 lambda: g3.score(other=rows(6)), lambda: g3.score.options(timeout=5)(rows(6), 1)):
+        with pytest.raises(orc.DispatchError, match=r"signature is score\(self, batch"):
+            call()
+    assert len(await g3.score.options(timeout=5)(rows(6))) == 6
+    with pytest.raises(orc.DispatchError, match="signature"):
+        g3.score(rows(6), 1)  # still refused after the options call bound the good shape
+
+
 # -- forwarding by rows (from test_group_forwarding.py) ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "src,dst,n,parts_in,rows_in",
