@@ -394,6 +394,13 @@ class _Shared:
         """Whether this group has yet to give its reference on the pool back (``finish_close``)."""
         return self._holds_pool_ref
 
+    def forget_pool(self) -> None:
+        """The cluster this group ran on is gone (``orc.shutdown()``): its ranks and its pool's reservations ended
+        with it, so closing later has nothing to give back (and must not call Ray, which would start a cluster)."""
+        with self._pool_ref_lock:
+            self._holds_pool_ref = False
+        self.pool.forget()
+
     def finish_close(self, hosts: list[Any]) -> None:
         """Kill the actors and give this group's pool reference back, the first time only (blocking Ray calls: run
         off the event loop when on one)."""

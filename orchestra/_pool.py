@@ -121,6 +121,14 @@ class ResourcePool:
         if last:
             self.release()
 
+    def forget(self) -> None:
+        """The cluster that held this pool's reservations is gone (``orc.shutdown()`` ended it or disconnected from
+        it: a job's placement groups end with it): drop them and every group's share without calling the backend,
+        which would start a new cluster to answer. A later group reserves anew."""
+        with self._refs_lock:
+            self._refs = 0
+        self._pgs, self._slots = [], None
+
     def release(self) -> None:
         """Give the reservations back now (hosts placed in them must be gone). Blocking."""
         held, self._pgs, self._slots = self._pgs, [], None

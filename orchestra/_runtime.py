@@ -176,6 +176,8 @@ def shutdown() -> None:
         hosts = g.close("orchestra was shut down")
         if not g.pool.backend.own_process:  # in-process ranks have no cluster to end them: stop their threads
             g.finish_close(hosts)
+        else:  # Ray ranks and reservations end with the cluster (or this job's connection to it) below
+            g.forget_pool()
     _groups.clear()
     _backend.unregister("local")
     _backend.set_current(None)

@@ -128,6 +128,45 @@ def test_await_after_orc_shutdown_fails_at_once_and_cluster_is_loopback_with_aut
     assert "SEQUENCER AFTER A NEW INIT" in out.stdout, out.stderr[-3000:]
 
 
+_SHUTDOWN_INSIDE_THE_BLOCK = textwrap.dedent("""
+    import asyncio
+    import ray
+    import orchestra as orc
+    from orchestra import ResourcePool, Worker, WorkerGroup, endpoint
+    from orchestra import dispatch as D
+
+    class W(Worker):
+        @endpoint(D.broadcast())
+        def rank_of(self):
+            return self.rank
+
+    async def main():
+        async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), W, group_name="x") as g:
+            print("RANKS", await g.rank_of())
+            orc.shutdown()  # inside the group's block (a finally, a signal handler): the block's end closes it again
+        print("RAY AFTER THE BLOCK", ray.is_initialized())
+        orc.init(num_cpus=64)  # a cluster started next serves new groups as usual
+        async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), W, group_name="y") as g:
+            print("RANKS AGAIN", await g.rank_of())
+        orc.shutdown()
+
+    orc.init(num_cpus=64)
+    asyncio.run(main())
+""")
+
+
+def test_a_group_closed_after_orc_shutdown_starts_no_cluster():
+    """Was: ``orc.shutdown()`` inside ``async with WorkerGroup(...)`` left the group's share of its pool to give
+    back, so the block's end called Ray to remove placement groups that had ended with the cluster, and Ray's
+    auto-init started a new local cluster (seconds, a second Ray session) just for that, left running."""
+    out = subprocess.run([sys.executable, "-c", _SHUTDOWN_INSIDE_THE_BLOCK], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RANKS [0, 1]" in out.stdout and "RANKS AGAIN [0, 1]" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "RAY AFTER THE BLOCK False" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert out.stderr.count("Started a local Ray instance") == 2, out.stderr[-3000:]  # the two orc.init calls
+
+
 @pytest.fixture(scope="module")
 async def watched():
     """A 2-rank group whose rank 1 is SIGKILLed by the first test that uses it (the supervision test); the tests
