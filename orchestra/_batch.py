@@ -245,6 +245,16 @@ class Batch:
         return (sum(t.numel() * t.element_size() for t in self._td.values(include_nested=True, leaves_only=True))
                 + sum(a.nbytes for a in self._nt.values()))
 
+    def _bytes_per_row(self) -> int | None:
+        """``nbytes`` of one row: every column's bytes are proportional to its rows, so a piece of ``k`` rows holds
+        ``k`` times this. None for a batch without rows, or with a jagged (``torch.nested``) tensor column, whose rows
+        differ in size."""
+        n = len(self)
+        leaves = list(self._td.values(include_nested=True, leaves_only=True))
+        if n == 0 or any(t.is_nested for t in leaves):
+            return None
+        return (sum(t.numel() * t.element_size() for t in leaves) + sum(a.nbytes for a in self._nt.values())) // n
+
     def __repr__(self) -> str:
         cols = ", ".join(
             [f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self._td.items()]

@@ -109,7 +109,7 @@ class _Shared:
         # group on the same pool keeps it whatever sequence of close/aclose/shutdown/failed start happens here
         self._pool_ref_lock = threading.Lock()
         self._holds_pool_ref = True
-        pool.acquire()
+        self._pool_era = pool.acquire()
         _runtime.register(self)
 
     def home_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -412,7 +412,7 @@ class _Shared:
         with self._pool_ref_lock:
             mine, self._holds_pool_ref = self._holds_pool_ref, False
         if mine:
-            self.pool.release_ref()
+            self.pool.release_ref(self._pool_era)
 
 
 def _on_this_node(node_ids: list[Any]) -> bool:

@@ -1061,16 +1061,15 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
     batch = a.pad_to_multiple(D) if spec.pad and rows % D else a
     sizes = balanced_sizes(len(batch), D)
     shards = batch.split(sizes)
-    # every column's bytes are proportional to its rows (Batch.nbytes), so a shard's size is its rows' share
-    row_bytes = batch.nbytes // len(batch) if len(batch) else 0
+    row_bytes = batch._bytes_per_row()  # a shard's size is its rows' share (None: each shard's own sum)
     out, start = {}, 0
     for d, (s, n) in enumerate(zip(shards, sizes)):
         pad_rows = min(n, max(0, start + n - rows)) if batch is not a else 0
         span = Span(start, n - pad_rows, rows)
         start += n
         rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
-        out[d] = ([[_put(s, plan, "argument", rank, n * row_bytes)]], Layout("whole", pad_rows=pad_rows, span=span),
-                  [])
+        out[d] = ([[_put(s, plan, "argument", rank, None if row_bytes is None else n * row_bytes)]],
+                  Layout("whole", pad_rows=pad_rows, span=span), [])
     return out
 
 

@@ -51,6 +51,7 @@ class ResourcePool:
         self._lock: asyncio.Lock | None = None
         self._refs = 0  # groups using this pool: the placement groups are released when the last one closes
         self._refs_lock = threading.Lock()  # groups give their reference back from worker threads
+        self._era = 0  # bumped by ``forget``: a reference taken before it is no longer counted
 
     @property
     def world_size(self) -> int:
@@ -100,19 +101,24 @@ class ResourcePool:
             self.release()
             raise
 
-    def acquire(self) -> None:
-        """A group starts using this pool (``release_ref`` once when it closes)."""
+    def acquire(self) -> int:
+        """A group starts using this pool (``release_ref`` once when it closes, with the era returned here)."""
         with self._refs_lock:
             self._refs += 1
+            return self._era
 
     def holds_refs(self) -> bool:
         """Whether a group still uses this pool."""
         return self._refs > 0
 
-    def release_ref(self) -> None:
+    def release_ref(self, era: int | None = None) -> None:
         """A group using this pool closed: release the placement groups when it was the last one. Each group gives
-        its reference back exactly once (``WorkerGroup`` keeps track); one more release is a bug, refused."""
+        its reference back exactly once (``WorkerGroup`` keeps track); one more release is a bug, refused. ``era``
+        (what ``acquire`` returned): a reference taken before the pool was forgotten is gone with it, so giving it
+        back does nothing (a close already under way in a worker thread when ``orc.shutdown()`` ran)."""
         with self._refs_lock:
+            if era is not None and era != self._era:
+                return
             if self._refs == 0:
                 raise RuntimeError(f"resource pool {self.name!r}: a reference was given back that no group held (a "
                                    f"group released its share twice); the pool's other groups keep it")
@@ -127,6 +133,7 @@ class ResourcePool:
         which would start a new cluster to answer. A later group reserves anew."""
         with self._refs_lock:
             self._refs = 0
+            self._era += 1
         self._pgs, self._slots = [], None
 
     def release(self) -> None:

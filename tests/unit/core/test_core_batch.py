@@ -82,9 +82,18 @@ def test_a_pieces_bytes_are_its_rows_share(case, numeric):
     if numeric:
         b["f"] = np.arange(2 * n, dtype=np.float64).reshape(n, 2)
         b["m"] = torch.zeros(n, 2, 3, dtype=torch.float16)
-    per_row = b.nbytes // n if n else 0
-    assert b.nbytes == per_row * n
-    assert [p.nbytes for p in b.split(sizes)] == [s * per_row for s in sizes]
+    per_row = b._bytes_per_row()
+    assert (per_row is None) == (n == 0)
+    assert b.nbytes == (per_row or 0) * n
+    assert [p.nbytes for p in b.split(sizes)] == [s * (per_row or 0) for s in sizes]
+
+
+def test_a_jagged_column_has_no_bytes_per_row():
+    """Rows of a jagged (``torch.nested``) tensor differ in size: pieces are sized one by one, not as a share."""
+    jagged = torch.nested.nested_tensor([torch.ones(k) for k in range(1, 6)], layout=torch.jagged)
+    b = Batch.from_dict({"j": jagged, "i": torch.arange(5)})
+    assert b._bytes_per_row() is None
+    assert Batch.from_dict({"i": torch.arange(5)})._bytes_per_row() == 8
 
 
 def test_split_rejects_sizes_that_do_not_add_up():

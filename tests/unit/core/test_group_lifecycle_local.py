@@ -86,6 +86,24 @@ async def test_a_group_whose_start_failed_keeps_the_pool_another_group_holds():
     assert not pool.holds_refs()
 
 
+def test_a_reference_taken_before_the_pool_was_forgotten_is_given_back_as_nothing():
+    """``orc.shutdown()`` forgets a Ray pool's reservations and every group's share (they end with the cluster). A
+    group's close already under way in a worker thread gives its share back afterwards: that must do nothing, not
+    raise "released twice" nor count against a group of the next era; a second release of one share still is a bug."""
+    pool = shared_pool()
+    old = pool.acquire()
+    pool.forget()
+    assert not pool.holds_refs()
+    pool.release_ref(old)  # the close that was under way: nothing to give back, no error
+    new = pool.acquire()
+    pool.release_ref(old)  # still nothing: the share of the next era's group is kept
+    assert pool.holds_refs()
+    pool.release_ref(new)
+    assert not pool.holds_refs()
+    with pytest.raises(RuntimeError, match="released its share twice"):
+        pool.release_ref(new)
+
+
 # -- on_death: deaths before the registration ----------------------------------------------------------------------
 async def test_on_death_registered_after_a_rank_died_is_told_of_it_once():
     async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Hazard,
