@@ -96,17 +96,17 @@ def _pickle(obj: Any, on_ref: Callable[[Any], Any],
             by_value = b"__main__" in buf.getvalue()
     if by_value:
         buf, buffers = io.BytesIO(), []
-        _CloudPickler(buf, on_ref, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append).dump(obj)
+        _CloudPickler(buf, table, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append).dump(obj)
     return buf, buffers
 
 
 class _CloudPickler(cloudpickle.CloudPickler):
-    """The fallback for what the C pickler cannot name (lambdas, local classes), as Ray would send it; ObjectRefs
-    still go to ``on_ref``. (The pickler reads its dispatch table when made: it is set before.)"""
+    """The fallback for what the C pickler cannot name (lambdas, local classes), as Ray would send it, with the same
+    reductions as the C pickler's (``table``: the call's, ObjectRefs to ``on_ref``). (The pickler reads its dispatch
+    table when made: it is set before.)"""
 
-    def __init__(self, file: io.BytesIO, on_ref: Callable[[Any], Any], **kwargs: Any) -> None:
-        self.dispatch_table = collections.ChainMap(dict.fromkeys(_tracked(), on_ref),
-                                                   cloudpickle.CloudPickler.dispatch_table)
+    def __init__(self, file: io.BytesIO, table: dict, **kwargs: Any) -> None:
+        self.dispatch_table = table
         super().__init__(file, **kwargs)
 
 

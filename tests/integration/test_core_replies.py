@@ -163,3 +163,4 @@ def test_shutdown_while_a_lane_waits_logs_no_error(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "closed as it should" in done.stdout, done.stdout + done.stderr
     assert "Exception in callback" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("Started a local Ray instance") == 1, done.stderr  # the block's end starts none

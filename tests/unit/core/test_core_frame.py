@@ -109,6 +109,8 @@ def test_a_reducer_registered_with_ray_or_copyreg_at_any_time_applies_to_the_nex
     try:
         assert _frame.loads_call(_frame.dumps_call(Secret("password"))[0], []).text == "redacted"
         assert _frame.loads_frame(_frame.dumps_frame(Secret("password"))).text == "redacted"
+        # a frame that cloudpickle carries (it holds a lambda) uses the same reductions
+        assert _frame.loads_call(_frame.dumps_call([Secret("password"), lambda: 0])[0], [])[0].text == "redacted"
     finally:
         del cloudpickle.CloudPickler.dispatch[Secret]
     copyreg.pickle(Secret, _redacted)  # registered after the first dump
