@@ -36,20 +36,10 @@ import ray
 import torch
 
 import orchestra as orc
-from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
-from orchestra import dispatch as D
+from orchestra import Batch, ResourcePool, WorkerGroup
 
 from ._common import emit
-
-
-class Traced(Worker):
-    @endpoint(D.broadcast())
-    def noop(self) -> None:
-        return None
-
-    @endpoint(D.shard())
-    def noop_shard(self, batch: Batch) -> int:
-        return len(batch)
+from .scaling import Scaled  # the same no-op and shard endpoints (workers import it: orc.init passes sys.path on)
 
 
 async def _once(fn: Callable[[], Any], is_raw: bool) -> None:
@@ -59,7 +49,7 @@ async def _once(fn: Callable[[], Any], is_raw: bool) -> None:
 
 
 async def measure(n: int, iters: int, rounds: int) -> dict[str, dict[str, float]]:
-    async with WorkerGroup(ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01), Traced,
+    async with WorkerGroup(ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01), Scaled,
                            group_name=f"callpath{n}") as g:
         actors = g.actors  # raw handles: the fast path is off except while the fast cases run (set below)
         batch = Batch.from_dict({"x": torch.arange(4 * n)})

@@ -250,10 +250,9 @@ class Batch:
         ``k`` times this. None for a batch without rows, or with a jagged (``torch.nested``) tensor column, whose rows
         differ in size."""
         n = len(self)
-        leaves = list(self._td.values(include_nested=True, leaves_only=True))
-        if n == 0 or any(t.is_nested for t in leaves):
+        if n == 0 or any(t.is_nested for t in self._td.values(include_nested=True, leaves_only=True)):
             return None
-        return (sum(t.numel() * t.element_size() for t in leaves) + sum(a.nbytes for a in self._nt.values())) // n
+        return self.nbytes // n
 
     def __repr__(self) -> str:
         cols = ", ".join(

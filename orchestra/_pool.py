@@ -111,13 +111,13 @@ class ResourcePool:
         """Whether a group still uses this pool."""
         return self._refs > 0
 
-    def release_ref(self, era: int | None = None) -> None:
+    def release_ref(self, era: int) -> None:
         """A group using this pool closed: release the placement groups when it was the last one. Each group gives
         its reference back exactly once (``WorkerGroup`` keeps track); one more release is a bug, refused. ``era``
         (what ``acquire`` returned): a reference taken before the pool was forgotten is gone with it, so giving it
         back does nothing (a close already under way in a worker thread when ``orc.shutdown()`` ran)."""
         with self._refs_lock:
-            if era is not None and era != self._era:
+            if era != self._era:
                 return
             if self._refs == 0:
                 raise RuntimeError(f"resource pool {self.name!r}: a reference was given back that no group held (a "
