@@ -7,8 +7,10 @@ socket per rank), one with the fast path off (its raw handles were taken: the ge
 rank), and raw Ray on that second group's actors: a synchronous ``ray.get`` of N bare actor calls (``Host.noop``,
 given each rank's arguments), which is what verl's blocking controller does (~1.05x of it here).
 
-Calls: ``await g.noop()`` (broadcast, no argument) and ``await g.step(batch)`` (16 rows sharded over the ranks,
-each rank returns a dict of two floats, collected into a list) — a training loop's repeated call. The three are
+Calls: ``await g.noop()`` (broadcast, no argument), ``await g.step(batch)`` (16 rows sharded over the ranks,
+each rank returns a dict of two floats, collected into a list) — a training loop's repeated call — and ``await
+g.read(g.make())`` (``chain``: a DataFuture argument; each rank makes a 4-row Batch, and every rank reads all of
+them; raw: two blocking ``ray.get`` rounds, the second given the first's Batches). The three are
 interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the controller's CPU ms per call (all
 its threads); ``*_rank_cpu_ms``: each rank process's CPU ms per call (``/proc/<pid>/stat``, averaged over the
 ranks). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
@@ -59,6 +61,13 @@ class Stepper(Worker):
     @endpoint(D.broadcast())
     def read(self, b: Batch) -> int:
         return len(b)
+
+
+def _raw_chain(actors: list, made: list[Batch]) -> list:
+    """A blocking controller's chain: every rank's first call, fetched, then the second call given what it made (a
+    broadcast reader gets the list of every rank's 4-row Batch)."""
+    ray.get([a.noop.remote() for a in actors])
+    return ray.get([a.noop.remote(made) for a in actors])
 
 
 _LEN = struct.Struct("!I")
@@ -177,6 +186,7 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
         actors = general.actors  # raw handles: this group's fast path is off (never set back on here)
         batch = Batch.from_dict({"x": torch.arange(16)})
         shards = batch.chunk(n)
+        made = [Batch.from_dict({"x": torch.arange(4)}) for _ in range(n)]  # what make() gives read() on each rank
         for _ in range(10):  # warm up both paths (the fast group opens its channel here)
             await fast.step(batch)
             await general.step(batch)
@@ -193,6 +203,9 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             "step_fast": (lambda: fast.step(batch), True),
             "step_general": (lambda: general.step(batch), True),
             "step_raw_sync": (lambda: ray.get([a.noop.remote(s) for a, s in zip(actors, shards)]), False),
+            "chain_fast": (lambda: fast.read(fast.make()), True),
+            "chain_general": (lambda: general.read(general.make()), True),
+            "chain_raw_sync": (lambda: _raw_chain(actors, made), False),
             "noop_socket_floor": (lambda: floor.noop(), True),
             "step_socket_floor": (lambda: floor.step(batch), True),
         }
@@ -200,6 +213,7 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
                 "general": [d["pid"] for d in await general.describe()],
                 "raw_sync": [d["pid"] for d in await general.describe()],
                 "socket_floor": [p.pid for p in floor.procs]}
+        assert await fast.read(fast.make()) == [4] * n and fast._shared.channel is not None  # a chain stays on it
         wall: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
         rank_cpu: dict[str, list[float]] = {k: [] for k in cases}
@@ -212,7 +226,8 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
 
         opens = []
         for _ in range(20):
-            await fast.read(fast.make())  # a DataFuture argument: general path, the channel is released
+            fast.fast_path = False  # releases the channel (as any call that needs Ray does)
+            fast.fast_path = True
             for _ in range(3):  # ORCHESTRA_FAST_PATH_AFTER - 1 eligible calls go through Ray
                 await fast.step(batch)
             t0 = time.perf_counter()
@@ -221,15 +236,16 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             assert fast._shared.channel is not None
 
     out: dict = {"ranks": n, "iters_per_round": iters, "rounds": rounds,
-                 "fast_calls_in_fast_cases": fast_calls, "expected_fast_calls": 2 * iters * rounds}
+                 "fast_calls_in_fast_cases": fast_calls, "expected_fast_calls": 4 * iters * rounds}
     for k in cases:
         out[f"{k}_ms"] = round(statistics.median(wall[k]), 4)
         out[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]), 4)
         out[f"{k}_rank_cpu_ms"] = round(statistics.median(rank_cpu[k]), 4)
-    for c in ("noop", "step"):
+    for c in ("noop", "step", "chain"):
         out[f"{c}_fast_vs_raw_sync"] = round(out[f"{c}_raw_sync_ms"] / out[f"{c}_fast_ms"], 2)
         out[f"{c}_fast_vs_general"] = round(out[f"{c}_general_ms"] / out[f"{c}_fast_ms"], 2)
-        out[f"{c}_fast_over_socket_floor_ms"] = round(out[f"{c}_fast_ms"] - out[f"{c}_socket_floor_ms"], 4)
+        if c != "chain":
+            out[f"{c}_fast_over_socket_floor_ms"] = round(out[f"{c}_fast_ms"] - out[f"{c}_socket_floor_ms"], 4)
     out["open_ms"] = round(statistics.median(opens), 3)
     return out
 

@@ -6,10 +6,10 @@ async completion): about 1 ms of controller CPU per rank. On the fast path the c
 into a Unix socket that the rank's compute lane reads in a loop (``Host.serve_channel``), and the rank writes its
 reply back on the same socket: no Ray task, no ObjectRef, one pickle each way.
 
-When it applies (decided by ``_Shared.transport`` in ``_group.py``): a Ray group whose ranks all run on the
-controller's node, for a call that takes the send-now path (no DataFuture argument, data arguments under
-``INLINE_BYTES``, not streaming, nothing to wait for) and whose arguments hold no ObjectRef or actor handle and pickle
-to at most ``FRAME_BYTES`` (``orchestra._frame``: the frame codec, which the general path's Ray calls use too), after
+When it applies (decided in ``Invocation._send``, with ``_Shared.fast_channel`` in ``_group.py``): a Ray group whose
+ranks all run on the controller's node, for a call that is not streaming and whose arguments, as sent, hold no
+ObjectRef or actor handle and pickle to at most ``FRAME_BYTES`` (concrete data under ``INLINE_BYTES``, and DataFuture
+arguments whose outputs came back by value over a channel: ``ChannelReply.forwardable``) (``orchestra._frame``: the frame codec, which the general path's Ray calls use too), after
 ``ORCHESTRA_FAST_PATH_AFTER`` such calls in a row (default 4). Any other call first releases the channel
 (``release``): the rank's loop returns after the frames already written, and the Ray call queued behind it runs next,
 so every rank still sees the group's calls in the order they were made. A reply holding a Batch of

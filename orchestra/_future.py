@@ -17,7 +17,7 @@ from typing import Any
 from . import _backend, _stats
 from ._batch import Batch
 from ._invocation import Invocation, components
-from ._wire import Output, PartInfo
+from ._wire import Output, PartInfo, private_part
 
 __all__ = ["DataFuture", "Part"]
 
@@ -133,8 +133,8 @@ class DataFuture:
                         raise inv.fail(await inv.converted(d.exception(), slot))
                     out = d.result()
                     out = out if isinstance(out, Output) else Output(slot.rank, value=out)
-                    for p in out.parts or ():
-                        yield Part(i, seq, slot.rank, p.rows, p.nbytes, out.keys, p)
+                    for p in out.parts or ():  # rows that rode in the reply: the Part's own copy
+                        yield Part(i, seq, slot.rank, p.rows, p.nbytes, out.keys, private_part(p))
         except asyncio.CancelledError:
             if not inv.finished():
                 from ._errors import CallCancelledError

@@ -29,7 +29,7 @@ from . import _backend, _channel, _frame
 from ._batch import Batch, balanced_sizes
 from ._errors import DECLARED_DEAD, UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Output, PartInfo, Source, Span, overlapping, rank_value, reader_cuts, row_range)
+                    Output, PartInfo, RefAt, Source, Span, overlapping, rank_value, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 log = logging.getLogger("orchestra")
@@ -611,10 +611,10 @@ class Host:
         A "per_rank" layout (a future of one value per rank) arrives as that list: one entry per source (rank),
         its Batch outputs joined into one Batch, as ``await`` gives it."""
         if arg.layout.kind == "per_rank":
-            return [self._rank_value([resolved[o] if isinstance(o, int) else o for o in src.outputs], counters, trace)
+            return [self._rank_value([resolved[o] if isinstance(o, RefAt) else o for o in src.outputs], counters, trace)
                     for src in arg.sources], 0, None
         if arg.values_ok and len(arg.sources) == 1:
-            outs = [resolved[o] if isinstance(o, int) else o for o in arg.sources[0].outputs]
+            outs = [resolved[o] if isinstance(o, RefAt) else o for o in arg.sources[0].outputs]
             if outs and any(_is_value(o) for o in outs):  # not rows: what await gives (see Layout.slots)
                 values, at = [], 0
                 for n in arg.layout.slots or (len(outs),):
@@ -663,7 +663,7 @@ class Host:
     def _parts(src: Source, resolved: tuple) -> list[PartInfo]:
         parts: list[PartInfo] = []
         for o in src.outputs:
-            out = resolved[o] if isinstance(o, int) else o
+            out = resolved[o] if isinstance(o, RefAt) else o
             if isinstance(out, PartInfo):
                 parts.append(out)
             elif isinstance(out, Output):

@@ -38,7 +38,7 @@ from ._errors import (
     WorkerError,
 )
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Layout, Output, PartInfo, Source, Span, rank_value)
+                    Layout, Output, PartInfo, RefAt, Source, Span, private_output, rank_value)
 from .dispatch import Plan, check_final, forwarded_as
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
@@ -297,7 +297,7 @@ class Invocation:
         collectors = set(plan.shard.collectors if plan.shard is not None else
                          plan.collectors if plan.collectors is not None else plan.ranks)
         encoded = self._encode(plan, calls)
-        qualifies = (encoded is not None and tg is None and not self.spec.streaming
+        qualifies = (encoded is not None and not self.spec.streaming
                      and not any(refs or top for _, refs, top in encoded.values())
                      and self.shared.may_use_fast_path())
         channel = self.shared.fast_channel() if qualifies else None
@@ -386,22 +386,24 @@ class Invocation:
                 out[id(a)] = await self._describe_data(a, plan)
         return out
 
-    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
-        """Per DP index: the sources (output refs / part infos), the layout of the rows it reads, and the guards:
-        the outputs of the upstream ranks whose results are not kept (see ``guard_refs``)."""
+    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
+        """Per DP index: the sources (output refs / part infos) and the layout of the rows it reads, once every
+        upstream rank whose results are not kept finished well (``check_guards``)."""
         spec = plan.shard
         comps = components(a)
-        guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs()]
+        for c in comps:
+            if not isinstance(c, Batch):
+                await c.check_guards()
         if spec is None:  # broadcast: every rank reads everything
             if len(comps) == 1 and not isinstance(comps[0], Batch):
                 slots = await comps[0].slot_refs()
                 kind = forwarded_as(comps[0].spec.dispatch, comps[0].plan)
                 if kind == "per_rank":  # each rank's outputs apart
-                    return {0: (slots, Layout("per_rank"), guards)}
+                    return {0: (slots, Layout("per_rank"))}
                 # rows, or the plain values await gives: the slot boundaries let a rank rebuild await's list
                 return {0: ([[o for s in slots for o in s]],
-                            Layout("whole", slots=tuple(len(s) for s in slots), one=kind == "one"), guards)}
-            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"), guards)}
+                            Layout("whole", slots=tuple(len(s) for s in slots), one=kind == "one"))}
+            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"))}
         D = spec.dp_size
         slot_lists = []
         for c in comps:
@@ -414,9 +416,9 @@ class Invocation:
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
-            return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
+            return {d: ([slot_lists[0][d]], Layout("whole")) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
-        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty), guards)
+        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty))
                 for d in range(D)}
 
     async def _all_outputs(self, c: Any, plan: Plan) -> list[Any]:
@@ -429,13 +431,24 @@ class Invocation:
         not awaited: only the refs are needed)."""
         return await self._forwardables(collected=True)
 
-    async def guard_refs(self) -> list[Any]:
-        """The output refs of every slot whose results are not kept (a ``from_rank`` call's other ranks, a mesh's
-        non-collector TP/PP ranks). A reader never reads them, but fetches them with its inputs so that a failure
-        of any rank of this call fails the reader with that rank's own error, exactly as a collector's failure
-        does: a call that failed somewhere has no result. (Their values are fetched too, so non-collectors
-        should return little, e.g. None, as a ``from_rank`` endpoint's other ranks do.)"""
-        return [o for outs in await self._forwardables(collected=False) for o in outs]
+    async def check_guards(self) -> None:
+        """Wait for every slot whose results are not kept (a ``from_rank`` call's other ranks, a mesh's
+        non-collector TP/PP ranks) to finish; raise the first one's failure. A reader never reads them, but a
+        failure of any rank of this call fails the reader with that rank's own error, exactly as a collector's
+        failure does: a call that failed somewhere has no result. (Their replies reach the controller, so
+        non-collectors should return little, e.g. None, as a ``from_rank`` endpoint's other ranks do.)"""
+        await self.wait_submitted()
+        for s in self.slots:
+            if s.collected:
+                continue
+            try:
+                await asyncio.shield(s.done)
+                for o in s.outputs:
+                    await asyncio.shield(o)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                raise await self.converted(e, s) from None
 
     async def _forwardables(self, collected: bool) -> list[list[Any]]:
         """What a reader carries for each output of the slots that are (or are not) ``collected`` (see
@@ -453,7 +466,7 @@ class Invocation:
         out = []
         for s in slots:
             try:
-                out.append([await _forwardable(r) for r in s.refs])
+                out.append([await _forwardable(r, o) for r, o in zip(s.refs, s.outputs)])
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - a fast-path reply failed: the upstream's own error
@@ -719,7 +732,12 @@ class Invocation:
             ended.remove_done_callback(on_done)
 
     async def outputs(self) -> list[list[Output]]:
-        """Per collected slot, its output headers (waiting for every rank to finish)."""
+        """Per collected slot, its output headers (waiting for every rank to finish); rows that rode in a reply are
+        copies (``private_output``): the controller's own stay as received, for an await and for forwarding."""
+        return [[private_output(o) for o in outs] for outs in await self._received()]
+
+    async def _received(self) -> list[list[Output]]:
+        """Per collected slot, its outputs as received (waiting for every rank to finish): never handed out."""
         await self.wait()
         return [[_as_output(o.result(), s.rank) for o in s.outputs] for s in self.slots if s.collected]
 
@@ -729,7 +747,7 @@ class Invocation:
         from the backend (a fresh deserialization), as any other reader would."""
         if not self._awaited:
             self._awaited = True
-            per_slot = await self.outputs()
+            per_slot = await self._received()
         else:
             await self.wait()
             per_slot = [[_as_output(o, s.rank) for o in await asyncio.gather(*s.refs)]
@@ -926,11 +944,19 @@ async def _drain(gen: Any, slot: Slot) -> None:
         slot.finish(e)
 
 
-async def _forwardable(ref: Any) -> Any:
-    """What a downstream call carries for an upstream output: its ref, or for a fast-path reply the Output itself
-    (small: it rides in the call) or the Ray ref the rank stored a large one under."""
+async def _forwardable(ref: Any, out: asyncio.Future | None = None) -> Any:
+    """What a downstream call carries for an upstream output: for a fast-path reply the Output itself (small: it
+    rides in the call) or the Ray ref the rank stored a large one under; for a Ray reply with Batch rows (``out``:
+    its reply future, awaited here), the Output as the controller received it (headers, and rows under
+    ``INLINE_BYTES`` that rode in the reply; the controller hands out only copies of those, ``private_output``), so
+    that no reader fetches it from the controller again; else the ref (a plain value stays in the object store,
+    however large it is)."""
     if isinstance(ref, _channel.ChannelReply):
         return await ref.forwardable()
+    if out is not None and isinstance(ref, ray.ObjectRef):
+        value = await asyncio.shield(out)
+        if isinstance(value, Output) and value.parts is not None:
+            return value
     return ref
 
 
@@ -992,9 +1018,7 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
             if per_dp is None:
                 return a
             d = spec.dp_of_rank[r] if spec is not None else 0
-            sources, layout, guards = per_dp[d]
-            for g in guards:  # fetched with the inputs (a failed upstream rank fails this call), never read
-                b.add(g)
+            sources, layout = per_dp[d]
             if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
                     and layout.kind == "whole" and not layout.pad_rows):
                 # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
@@ -1028,7 +1052,7 @@ class _ArgBuilder:
         if _backend.is_ref(o):
             i = self._index.get(o)
             if i is None:
-                i = self._index[o] = len(self.refs)
+                i = self._index[o] = RefAt(len(self.refs))
                 self.refs.append(o)
             return i
         return o
@@ -1054,7 +1078,7 @@ def _describe_batches(plan: Plan) -> dict[int, Any]:
     return {id(a): _describe_batch(a, plan.shard, plan) for a in plan.data_args()}
 
 
-def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
+def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
     """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
     D = spec.dp_size
     rows = len(a)
@@ -1069,7 +1093,7 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
         start += n
         rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
         out[d] = ([[_put(s, plan, "argument", rank, None if row_bytes is None else n * row_bytes)]],
-                  Layout("whole", pad_rows=pad_rows, span=span), [])
+                  Layout("whole", pad_rows=pad_rows, span=span))
     return out
 
 

@@ -8,12 +8,13 @@ so that it is unit-testable without Ray.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._batch import balanced_sizes
+from ._batch import Batch, balanced_sizes
 
 __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "overlapping", "reader_cuts",
+           "private_part", "private_output", "RefAt",
            "REFS_KWARG", "SHARED_KWARG", "FRAME_KWARG", "FRAME_REFS_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
@@ -99,9 +100,20 @@ class Layout:
     one: bool = False
 
 
+class RefAt(int):
+    """The place of an output's ref in the refs a call carries (``REFS_KWARG``): a type of its own, so that a plain
+    int forwarded by value is never read as such a place."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"RefAt({int(self)})"
+
+
 @dataclass(frozen=True)
 class Source:
-    """The outputs holding one future's rows, in row order: ints index the call's resolved top-level refs."""
+    """The outputs holding one future's rows, in row order: a ``RefAt`` is the place of one in the refs the call
+    carries (resolved on the rank); anything else is the output itself (an Output, a PartInfo, a plain value)."""
 
     outputs: tuple[Any, ...]
 
@@ -113,6 +125,19 @@ class DataArg:
     sources: tuple[Source, ...]
     layout: Layout = field(default_factory=Layout)
     values_ok: bool = False  # a broadcast argument may be a forwarded plain value instead of rows
+
+
+def private_part(p: PartInfo) -> PartInfo:
+    """``p`` with its rows copied when they ride inline (a Batch the controller holds, not a ref): what is handed
+    to a caller, so that writing into it reaches no other reader (an await, a call the future is forwarded into)."""
+    return replace(p, ref=p.ref.clone()) if isinstance(p.ref, Batch) else p
+
+
+def private_output(o: Output) -> Output:
+    """``o`` with the rows of its inline parts copied (``private_part``); ``o`` itself when it holds none."""
+    if o.parts is None or not any(isinstance(p.ref, Batch) for p in o.parts):
+        return o
+    return replace(o, parts=tuple(private_part(p) for p in o.parts))
 
 
 def rank_value(outs: list[Output], rows: Callable[[list[PartInfo]], Any]) -> Any:

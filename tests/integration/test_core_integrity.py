@@ -111,3 +111,20 @@ async def test_controller_writes_into_an_awaited_result_stay_private(scorers):
     assert int((await fut)[0]["x"][0]) == 0  # each await is a private copy: the edit stays in ``first``
     fresh = await g2.echo_all(fut)  # a later consumer reads the producer's bytes, not the controller's edit
     assert torch.equal(fresh[0][0]["x"], torch.arange(50_000))  # (each rank gets await's list: rank 0's first)
+
+
+async def test_writes_into_a_small_results_headers_reach_no_reader(scorers):
+    """A small result rides in its reply, so the controller holds its rows: ``outputs()`` and ``parts()`` hand out
+    copies of them, so a write into those changes neither an await of the future nor a call it is forwarded into."""
+    g2 = scorers[2]
+    fut = g2.echo(xs(8))
+    for outs in await fut.outputs():
+        for o in outs:
+            for p in o.parts:
+                assert isinstance(p.ref, Batch)  # rode in the reply
+                p.ref["x"][:] = -1
+    async for part in fut:
+        part.info.ref["x"][:] = -2
+    assert (await fut)["x"].tolist() == list(range(8))
+    assert (await g2.echo(fut))["x"].tolist() == list(range(8))
+    assert (await g2.echo(fut))["x"].tolist() == list(range(8))

@@ -60,14 +60,16 @@ async def test_each_rank_sees_the_calls_in_the_order_they_were_made_across_both_
     start = len((await g.history())[0])
     futs = [g.note("f1"), g.note("f2")]
     made = g.make(3)  # qualifies: fast path
-    futs.append(g.rows(made))  # a DataFuture argument: the channel is released, the call goes through Ray
+    futs.append(g.rows(made))  # a DataFuture argument with a small result: it waits for it, then fast path
+    big = g.big(INLINE_BYTES // 8 + 10)  # fast path; its result is stored through Ray
+    futs.append(g.rows(big))  # carries a ref: the channel is released, the call goes through Ray
     futs += [g.note(f"n{i}") for i in range(3)]  # wait their turn behind it (the group's send order): Ray too
-    await asyncio.gather(*futs, made)
+    await asyncio.gather(*futs, made, big)
     assert g._shared.channel is None
     futs = [g.note(f"m{i}") for i in range(AFTER + 2)]  # these open a channel again
     assert g._shared.channel is not None
     await asyncio.gather(*futs)
-    want = ["f1", "f2", "make", "rows", "n0", "n1", "n2", *[f"m{i}" for i in range(AFTER + 2)]]
+    want = ["f1", "f2", "make", "rows", "rows", "n0", "n1", "n2", *[f"m{i}" for i in range(AFTER + 2)]]
     for log in await g.history():
         assert log[start:] == want
 
@@ -86,6 +88,51 @@ async def test_a_fast_result_forwards_into_the_next_call_small_and_large(g):
     await _open(g)
     vals = await g.big_value(_frame.FRAME_BYTES // 8)  # a plain value over a frame: handed over by Ray too
     assert len(vals[0]) == _frame.FRAME_BYTES // 8 and vals[1][-1] == _frame.FRAME_BYTES // 8 - 1
+
+
+async def test_a_call_given_a_small_fast_result_stays_on_the_channel(g):
+    """A chain of calls (``g.rows(g.make(n))``, the training loop's ``g.step(g.prepare(b))``) whose forwarded
+    outputs came back by value over the channel carries them in its frame: nothing needs Ray, so the channel stays
+    open and both calls take it, with the same results and the same order on every rank."""
+    await _open(g)
+    start = len((await g.history())[0])
+    before = g._shared.fast_calls
+    for n in range(2, 2 + AFTER + 2):
+        assert await g.rows(g.make(n)) == [n * (n - 1)] * 2  # both ranks made 0..n-1: the reader sums both
+        assert g._shared.channel is not None and g._shared.channel.open
+    assert g._shared.fast_calls - before == 2 * (AFTER + 2)
+    for log in await g.history():
+        assert log[start:] == ["make", "rows"] * (AFTER + 2)
+
+
+async def test_a_forwarded_int_is_a_value_not_a_ref_index(g):
+    """A call's arguments name the refs they carry by their place in a list; a plain int forwarded by value (a fast
+    call's small result) was read as such a place on the rank: the reader got another output, or an IndexError."""
+    await _open(g)
+    ranks = g.fail_on(-1)  # each rank returns its rank: 0 and 1
+    assert await ranks == [0, 1]
+    assert await g.echo(ranks) == [[0, 1], [0, 1]]
+
+
+async def test_a_chain_alone_opens_the_channel(g):
+    """Before the channel opens, ``make`` goes through Ray; its small result came back in the reply, so ``rows``
+    carries it by value too (no ref): both count as qualifying calls, and a loop of nothing but chains opens the
+    channel and stays on it."""
+    g.fast_path = False  # releases the channel this module's earlier tests opened
+    g.fast_path = True
+    before = g._shared.fast_calls
+    for n in range(2, 2 + AFTER + 4):
+        assert await g.rows(g.make(n)) == [n * (n - 1)] * 2
+    assert g._shared.channel is not None and g._shared.channel.open
+    assert g._shared.fast_calls - before >= 4
+
+
+async def test_a_call_given_a_result_stored_through_ray_still_takes_ray(g):
+    await _open(g)
+    n = INLINE_BYTES // 8 + 10  # over INLINE_BYTES: the rank stores it through Ray, so the reader gets a ref
+    big = g.big(n)
+    assert await g.rows(big) == [n * (n - 1) // 2] * 2
+    assert g._shared.channel is None  # released for the call that carries a ref
 
 
 async def test_a_result_that_cannot_be_pickled_fails_that_call_only(g):
