@@ -396,7 +396,7 @@ class Invocation:
                 await c.check_guards()
         if spec is None:  # broadcast: every rank reads everything
             if len(comps) == 1 and not isinstance(comps[0], Batch):
-                slots = await comps[0].slot_refs()
+                slots = await comps[0].forwardables()
                 kind = forwarded_as(comps[0].spec.dispatch, comps[0].plan)
                 if kind == "per_rank":  # each rank's outputs apart
                     return {0: (slots, Layout("per_rank"))}
@@ -412,7 +412,7 @@ class Invocation:
                                                                 if len(p)])
                 slot_lists.append([parts])
             else:
-                slot_lists.append(await c.slot_refs())
+                slot_lists.append(await c.forwardables())
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
@@ -424,12 +424,7 @@ class Invocation:
     async def _all_outputs(self, c: Any, plan: Plan) -> list[Any]:
         if isinstance(c, Batch):
             return [await anyio.to_thread.run_sync(_put, c, plan, "argument")]
-        return [o for s in await c.slot_refs() for o in s]
-
-    async def slot_refs(self) -> list[list[ray.ObjectRef]]:
-        """The output refs of each collected slot, once every call is sent and every stream finished (values are
-        not awaited: only the refs are needed)."""
-        return await self._forwardables(collected=True)
+        return [o for s in await c.forwardables() for o in s]
 
     async def check_guards(self) -> None:
         """Wait for every slot whose results are not kept (a ``from_rank`` call's other ranks, a mesh's
@@ -447,15 +442,15 @@ class Invocation:
                     await asyncio.shield(o)
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # noqa: BLE001
-                raise await self.converted(e, s) from None
+            except BaseException as e:  # noqa: BLE001 - how the call ended (cancelled, timed out), else the rank's
+                raise self.error or await self.converted(e, s) from None
 
-    async def _forwardables(self, collected: bool) -> list[list[Any]]:
-        """What a reader carries for each output of the slots that are (or are not) ``collected`` (see
-        ``_forwardable``), once every call is sent and every stream of them finished; a slot that already failed
-        raises its (upstream's own) error."""
+    async def forwardables(self) -> list[list[Any]]:
+        """What a reader carries for each output of each collected slot (``_forwardable``: headers by value once
+        the replies are here, or refs), once every call is sent and every stream of them finished; a failure
+        raises this call's outcome (the reader's error)."""
         await self.wait_submitted()
-        slots = [s for s in self.slots if s.collected == collected]
+        slots = [s for s in self.slots if s.collected]
         for s in slots:
             try:
                 await asyncio.shield(s.done)
@@ -469,8 +464,8 @@ class Invocation:
                 out.append([await _forwardable(r, o) for r, o in zip(s.refs, s.outputs)])
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # noqa: BLE001 - a fast-path reply failed: the upstream's own error
-                raise await self.converted(e, s) from None
+            except BaseException as e:  # noqa: BLE001 - a reply failed: the reader fails with this call's outcome
+                raise self.error or await self.converted(e, s) from None
         return out
 
     async def _submit_stream(self, plan: Plan, tg: Any, release: Callable[[], None]) -> None:
@@ -945,17 +940,18 @@ async def _drain(gen: Any, slot: Slot) -> None:
 
 
 async def _forwardable(ref: Any, out: asyncio.Future | None = None) -> Any:
-    """What a downstream call carries for an upstream output: for a fast-path reply the Output itself (small: it
-    rides in the call) or the Ray ref the rank stored a large one under; for a Ray reply with Batch rows (``out``:
-    its reply future, awaited here), the Output as the controller received it (headers, and rows under
-    ``INLINE_BYTES`` that rode in the reply; the controller hands out only copies of those, ``private_output``), so
-    that no reader fetches it from the controller again; else the ref (a plain value stays in the object store,
-    however large it is)."""
+    """What a downstream call carries for an upstream output. A fast-path reply: the Output itself (small: it rides
+    in the call), or the Ray ref the rank stored a large one under. A reply ref with its reply future ``out``
+    (awaited here on either backend: a reading call is sent once the replies are in the controller): for a Ray
+    reply with Batch rows, the Output as the controller received it (headers, and rows under ``INLINE_BYTES`` that
+    rode in the reply, of which the controller hands out only copies: ``private_output``), so that no reader
+    fetches it from the controller again; else the ref (a plain value stays in the object store, however large;
+    an in-process reference cannot leave its process, and is refused by a Ray group's call)."""
     if isinstance(ref, _channel.ChannelReply):
         return await ref.forwardable()
-    if out is not None and isinstance(ref, ray.ObjectRef):
+    if out is not None and _backend.is_ref(ref):
         value = await asyncio.shield(out)
-        if isinstance(value, Output) and value.parts is not None:
+        if isinstance(ref, ray.ObjectRef) and isinstance(value, Output) and value.parts is not None:
             return value
     return ref
 

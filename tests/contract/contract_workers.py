@@ -252,6 +252,19 @@ class Echo(FailOnCue, Worker):
         return batch
 
     @endpoint
+    def gate_value(self, seq: Sequencer) -> int:
+        """Returns its rank (a plain value) once sequencer position rank + 1 is its turn, so a test decides when."""
+        with seq(self.rank + 1):
+            pass
+        return self.rank
+
+    @endpoint
+    def mark_value(self, v: object) -> object:
+        """Records that its body ran (a side effect a cancelled call must not have)."""
+        self.outcomes.append(f"ran on {v!r}")
+        return v
+
+    @endpoint
     def hold_like_a_collective(self, seq: Sequencer) -> int:
         """Every rank passes position ``rank``; then rank 0 blocks without looking at ``cancelled()`` (as a rank
         in a collective whose peer died) until the test passes position ``world_size + 1``; the others return."""

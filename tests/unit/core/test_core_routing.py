@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from orchestra import Batch
 from orchestra._batch import balanced_sizes
 from orchestra._host import PART_BYTES, Host, _counters, _part_sizes, _span_of, _wanted, part_count
-from orchestra._wire import (INLINE_BYTES, DataArg, Layout, Output, PartInfo, Source, Span, overlapping, reader_cuts,
-                             row_range)
+from orchestra._wire import (INLINE_BYTES, DataArg, Layout, Output, PartInfo, RefAt, Source, Span, overlapping,
+                             reader_cuts, row_range)
 
 FAST = settings(deadline=None, max_examples=80)
 
@@ -184,8 +184,8 @@ def test_host_union_of_two_sources_with_different_part_boundaries():
     right_full = Batch.from_dict({"y": torch.arange(10) * 10})
     right = [PartInfo(p, len(p), p.nbytes) for p in right_full.split(balanced_sizes(10, 3))]  # 4, 3, 3
     outs = (Output(0, parts=tuple(left[:1])), Output(1, parts=tuple(left[1:])))
-    arg = DataArg((Source((0, 1)), Source(tuple(right))), Layout("balanced", 1, 2))
-    b, pad, _ = _host()._materialize(arg, outs, _counters())  # ints index the call's resolved header refs
+    arg = DataArg((Source((RefAt(0), RefAt(1))), Source(tuple(right))), Layout("balanced", 1, 2))
+    b, pad, _ = _host()._materialize(arg, outs, _counters())  # RefAt: the place of a resolved header ref
     assert pad == 0
     assert b["i"].tolist() == [5, 6, 7, 8, 9] and b["y"].tolist() == [50, 60, 70, 80, 90]
     assert list(b["s"]) == ["r5", "r6", "r7", "r8", "r9"]
