@@ -412,7 +412,12 @@ class Invocation:
                                                                 if len(p)])
                 slot_lists.append([parts])
             else:
-                slot_lists.append(await c.forwardables())
+                await c.wait_submitted()
+                # part i -> rank i (below): rank i may start as soon as upstream rank i finished, so a producer on
+                # other processes is not waited for here (its replies ride by value once in, else as refs); one on
+                # these processes ran before on each rank anyway
+                aligned = len(comps) == 1 and not spec.pad and sum(s.collected for s in c.slots) == D
+                slot_lists.append(await c.forwardables(wait=not aligned or c.shared is self.shared))
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
@@ -445,10 +450,10 @@ class Invocation:
             except BaseException as e:  # noqa: BLE001 - how the call ended (cancelled, timed out), else the rank's
                 raise self.error or await self.converted(e, s) from None
 
-    async def forwardables(self) -> list[list[Any]]:
+    async def forwardables(self, wait: bool = True) -> list[list[Any]]:
         """What a reader carries for each output of each collected slot (``_forwardable``: headers by value once
-        the replies are here, or refs), once every call is sent and every stream of them finished; a failure
-        raises this call's outcome (the reader's error)."""
+        the replies are here, or refs), once every call is sent and every stream of them finished; with ``wait``,
+        once every reply is here too. A failure raises this call's outcome (the reader's error)."""
         await self.wait_submitted()
         slots = [s for s in self.slots if s.collected]
         for s in slots:
@@ -461,7 +466,7 @@ class Invocation:
         out = []
         for s in slots:
             try:
-                out.append([await _forwardable(r, o) for r, o in zip(s.refs, s.outputs)])
+                out.append([await _forwardable(r, o, wait) for r, o in zip(s.refs, s.outputs)])
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - a reply failed: the reader fails with this call's outcome
@@ -939,10 +944,11 @@ async def _drain(gen: Any, slot: Slot) -> None:
         slot.finish(e)
 
 
-async def _forwardable(ref: Any, out: asyncio.Future | None = None) -> Any:
+async def _forwardable(ref: Any, out: asyncio.Future | None = None, wait: bool = True) -> Any:
     """What a downstream call carries for an upstream output. A fast-path reply: the Output itself (small: it rides
     in the call), or the Ray ref the rank stored a large one under. A reply ref with its reply future ``out``
-    (awaited here on either backend: a reading call is sent once the replies are in the controller): for a Ray
+    (with ``wait``, awaited here on either backend: a reading call is sent once the replies are in the controller;
+    without, looked at only if it is already done well): for a Ray
     reply with Batch rows, the Output as the controller received it (headers, and rows under ``INLINE_BYTES`` that
     rode in the reply, of which the controller hands out only copies: ``private_output``), so that no reader
     fetches it from the controller again; else the ref (a plain value stays in the object store, however large;
@@ -950,7 +956,11 @@ async def _forwardable(ref: Any, out: asyncio.Future | None = None) -> Any:
     if isinstance(ref, _channel.ChannelReply):
         return await ref.forwardable()
     if out is not None and _backend.is_ref(ref):
-        value = await asyncio.shield(out)
+        if wait:
+            await asyncio.shield(out)
+        elif not out.done() or out.cancelled() or out.exception() is not None:
+            return ref  # the rank fetches it when the call runs (and fails with the upstream's error)
+        value = out.result()
         if isinstance(ref, ray.ObjectRef) and isinstance(value, Output) and value.parts is not None:
             return value
     return ref

@@ -500,6 +500,24 @@ async def test_a_call_cancelled_while_its_forwarded_rows_are_awaited_is_sent_to_
     assert e2.calls_in_flight() == []
 
 
+async def test_an_aligned_reader_on_other_processes_starts_each_rank_when_its_upstream_rank_finished(bed, make_group,
+                                                                                                     seq):
+    """DP replica i of a shard call reads upstream rank i's rows: with the upstream on other processes the call is
+    sent at once, and rank 0 runs while upstream rank 1 is still running (stages overlap rank by rank)."""
+    e2 = bed["e2"]
+    other = await make_group(Echo, ranks=2)
+    up = e2.gate_rows(xs(4), seq)  # rank 0 (rows 0, 1) passes position 1; rank 1 (rows 2, 3) position 3
+    down = other.mark_rows(up)
+    async with seq(0):
+        pass
+    async with seq(2):  # upstream rank 0 returned; rank 1 waits for this block to end
+        with anyio.fail_after(60):  # bounded wait for a condition (not a result): reader rank 0 ran its body
+            while [s.get("mark_rows", {}).get("rows_out", 0) for s in await other.stats()] != [2, 0]:
+                await anyio.sleep(0.01)
+    assert (await down)["x"].tolist() == [0, 1, 2, 3]
+    assert await other.take_outcomes() == [["ran on 2 rows"], ["ran on 2 rows"]]
+
+
 async def test_a_reader_of_a_cancelled_call_gets_its_error_not_its_result(bed, seq):
     """A call cancelled while it ran has no result: its endpoint returned (as cooperative cancellation asks), yet a
     later call that reads it fails with the cancelled call's own error instead of computing on its rows."""
