@@ -44,9 +44,10 @@ WIDTH = 1024  # float32 values per row (4 KiB) plus an 8-byte int64 row id
 
 
 class Stage(Worker):
-    @endpoint(D.broadcast())
-    def make(self, rows: int) -> Batch:
-        """This rank's slice of the input, made on the worker: rows [rank*rows, (rank+1)*rows)."""
+    @endpoint(D.shard())
+    def make(self, which: Batch, rows: int) -> Batch:
+        """This rank's slice of the input, made on the worker: rows [rank*rows, (rank+1)*rows) (``which``: one row
+        per rank, so that the result is one set of rows, in rank order)."""
         start = self.rank * rows
         return Batch.from_dict({"x": torch.randn(rows, WIDTH), "idx": torch.arange(start, start + rows)})
 
@@ -75,6 +76,10 @@ class Stage(Worker):
         return (full.chunk(count)[index],)
 
 
+def _one_row_per_rank(g: WorkerGroup) -> Batch:
+    return Batch.from_dict({"rank": torch.arange(g.world_size)})
+
+
 def _ms(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
     return {"median_ms": round(statistics.median(s), 1), "min_ms": round(s[0], 1), "max_ms": round(s[-1], 1)}
@@ -83,7 +88,7 @@ def _ms(samples: list[float]) -> dict[str, float]:
 async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warmup: int, samples: int = 0) -> dict:
     """``samples``: the producer returns each input row that many times (0: echo); ``mib`` is its output's size."""
     rows_per_rank = max(1, (mib << 20) // (WIDTH * 4 + 8) // prod.world_size // max(1, samples))
-    src = prod.make(rows_per_rank)
+    src = prod.make(_one_row_per_rank(prod), rows_per_rank)
     await src.wait()
     src_outs = await src.outputs()
     src_refs = [[p.ref for o in outs for p in o.parts] for outs in src_outs]
@@ -166,7 +171,7 @@ async def main() -> None:
 
     # correctness of the forwarded chain, once, small
     for prod, cons in ((g4, g2), (g2, g4)):
-        src = prod.make(25)
+        src = prod.make(_one_row_per_rank(prod), 25)
         out = await cons.echo(prod.echo(src))
         assert torch.equal(out["idx"], torch.arange(25 * prod.world_size)), "forwarded rows out of order"
 
