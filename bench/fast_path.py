@@ -10,7 +10,8 @@ given each rank's arguments), which is what verl's blocking controller does (~1.
 Calls: ``await g.noop()`` (broadcast, no argument), ``await g.step(batch)`` (16 rows sharded over the ranks,
 each rank returns a dict of two floats, collected into a list) — a training loop's repeated call — and ``await
 g.read(g.make())`` (``chain``: a DataFuture argument; each rank makes a 4-row Batch, and every rank reads all of
-them; raw: two blocking ``ray.get`` rounds, the second given the first's Batches). The three are
+them; raw: two blocking ``ray.get`` rounds, the second given the first's Batches). ``chains_to_open``: how many
+chains a loop of nothing else makes before its channel opens (None: not within 100). The three are
 interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the controller's CPU ms per call (all
 its threads); ``*_rank_cpu_ms``: each rank process's CPU ms per call (``/proc/<pid>/stat``, averaged over the
 ranks). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
@@ -235,8 +236,17 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             opens.append((time.perf_counter() - t0) * 1e3)
             assert fast._shared.channel is not None
 
+        fast.fast_path = False  # a loop of nothing but chains, from a released channel: how many until it opens
+        fast.fast_path = True
+        chains_to_open = 0
+        while fast._shared.channel is None and chains_to_open < 100:
+            await fast.read(fast.make())
+            chains_to_open += 1
+        opened = fast._shared.channel is not None
+
     out: dict = {"ranks": n, "iters_per_round": iters, "rounds": rounds,
-                 "fast_calls_in_fast_cases": fast_calls, "expected_fast_calls": 4 * iters * rounds}
+                 "fast_calls_in_fast_cases": fast_calls, "expected_fast_calls": 4 * iters * rounds,
+                 "chains_to_open": chains_to_open if opened else None}
     for k in cases:
         out[f"{k}_ms"] = round(statistics.median(wall[k]), 4)
         out[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]), 4)

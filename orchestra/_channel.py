@@ -9,7 +9,8 @@ reply back on the same socket: no Ray task, no ObjectRef, one pickle each way.
 When it applies (decided in ``Invocation._send``, with ``_Shared.fast_channel`` in ``_group.py``): a Ray group whose
 ranks all run on the controller's node, for a call that is not streaming and whose arguments, as sent, hold no
 ObjectRef or actor handle and pickle to at most ``FRAME_BYTES`` (concrete data under ``INLINE_BYTES``, and DataFuture
-arguments whose outputs came back by value over a channel: ``ChannelReply.forwardable``) (``orchestra._frame``: the frame codec, which the general path's Ray calls use too), after
+arguments whose outputs came back by value: ``ChannelReply.forwardable``; ``orchestra._frame`` is the frame codec,
+which the general path's Ray calls use too), after
 ``ORCHESTRA_FAST_PATH_AFTER`` such calls in a row (default 4). Any other call first releases the channel
 (``release``): the rank's loop returns after the frames already written, and the Ray call queued behind it runs next,
 so every rank still sees the group's calls in the order they were made. A reply holding a Batch of

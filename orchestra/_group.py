@@ -247,10 +247,13 @@ class _Shared:
         log.debug("group %r: fast path opened after %d qualifying calls in a row", self.name, self._streak)
         return self.channel
 
-    def before_ray_compute(self) -> None:
+    def before_ray_compute(self, keep_streak: bool = False) -> None:
         """A compute-lane call is about to go through Ray: release the channel first, so that each rank's loop
-        returns after the calls already written and the Ray call runs after them, in the order calls were made."""
-        self._streak = 0
+        returns after the calls already written and the Ray call runs after them, in the order calls were made.
+        ``keep_streak``: the call does not end a run of qualifying calls (it needs Ray only for the replies of this
+        group's own earlier calls, which would have been values over a channel)."""
+        if not keep_streak:
+            self._streak = 0
         ch, self.channel = self.channel, None
         if ch is not None:
             log.debug("group %r: fast path released for a call that needs Ray (%d calls sent over it)", self.name,

@@ -317,7 +317,7 @@ class Invocation:
             self._set_slots(_row_order(plan, slots))
             return
         if not qualifies:  # a call that needs Ray: hand the compute lanes back (see _Shared.before_ray_compute)
-            self.shared.before_ray_compute()
+            self.shared.before_ray_compute(keep_streak=encoded is not None and self._needs_only_own_replies(encoded))
         slots = []
         for r in plan.ranks:
             a, kw = _ray_args(encoded, calls, r)
@@ -335,6 +335,13 @@ class Invocation:
                 slot.add(slot.call_refs[0], out)
                 slot.finish()
         self._set_slots(_row_order(plan, slots))
+
+    def _needs_only_own_replies(self, encoded: dict[int, tuple[bytes | None, list, tuple]]) -> bool:
+        """Whether every ref the call carries is a reply of an earlier call of this group (or its colocated roles):
+        over an open channel those replies come back by value, so a loop of ``g.read(g.make())`` can open one."""
+        carried = [r for _, refs, top in encoded.values() for r in (*refs, *top)]
+        own = {r for u in self.upstreams if u.shared is self.shared for s in u.slots for r in s.refs}
+        return bool(carried) and all(r in own for r in carried)
 
     def _encode(self, plan: Plan,
                 calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[bytes | None, list, tuple]] | None:
@@ -386,24 +393,22 @@ class Invocation:
                 out[id(a)] = await self._describe_data(a, plan)
         return out
 
-    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
-        """Per DP index: the sources (output refs / part infos) and the layout of the rows it reads, once every
-        upstream rank whose results are not kept finished well (``check_guards``)."""
+    async def _describe_data(self, a: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
+        """Per DP index: the sources (outputs by value, or refs; part infos), the layout of the rows it reads, and
+        the guards: refs of the outputs of the upstream ranks whose results are not kept (see ``guard_refs``)."""
         spec = plan.shard
         comps = components(a)
-        for c in comps:
-            if not isinstance(c, Batch):
-                await c.check_guards()
+        guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs()]
         if spec is None:  # broadcast: every rank reads everything
             if len(comps) == 1 and not isinstance(comps[0], Batch):
                 slots = await comps[0].forwardables()
                 kind = forwarded_as(comps[0].spec.dispatch, comps[0].plan)
                 if kind == "per_rank":  # each rank's outputs apart
-                    return {0: (slots, Layout("per_rank"))}
+                    return {0: (slots, Layout("per_rank"), guards)}
                 # rows, or the plain values await gives: the slot boundaries let a rank rebuild await's list
                 return {0: ([[o for s in slots for o in s]],
-                            Layout("whole", slots=tuple(len(s) for s in slots), one=kind == "one"))}
-            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"))}
+                            Layout("whole", slots=tuple(len(s) for s in slots), one=kind == "one"), guards)}
+            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"), guards)}
         D = spec.dp_size
         slot_lists = []
         for c in comps:
@@ -412,18 +417,13 @@ class Invocation:
                                                                 if len(p)])
                 slot_lists.append([parts])
             else:
-                await c.wait_submitted()
-                # part i -> rank i (below): rank i may start as soon as upstream rank i finished, so a producer on
-                # other processes is not waited for here (its replies ride by value once in, else as refs); one on
-                # these processes ran before on each rank anyway
-                aligned = len(comps) == 1 and not spec.pad and sum(s.collected for s in c.slots) == D
-                slot_lists.append(await c.forwardables(wait=not aligned or c.shared is self.shared))
+                slot_lists.append(await c.forwardables())
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
-            return {d: ([slot_lists[0][d]], Layout("whole")) for d in range(D)}
+            return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
-        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty))
+        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty), guards)
                 for d in range(D)}
 
     async def _all_outputs(self, c: Any, plan: Plan) -> list[Any]:
@@ -431,31 +431,24 @@ class Invocation:
             return [await anyio.to_thread.run_sync(_put, c, plan, "argument")]
         return [o for s in await c.forwardables() for o in s]
 
-    async def check_guards(self) -> None:
-        """Wait for every slot whose results are not kept (a ``from_rank`` call's other ranks, a mesh's
-        non-collector TP/PP ranks) to finish; raise the first one's failure. A reader never reads them, but a
-        failure of any rank of this call fails the reader with that rank's own error, exactly as a collector's
-        failure does: a call that failed somewhere has no result. (Their replies reach the controller, so
-        non-collectors should return little, e.g. None, as a ``from_rank`` endpoint's other ranks do.)"""
-        await self.wait_submitted()
-        for s in self.slots:
-            if s.collected:
-                continue
-            try:
-                await asyncio.shield(s.done)
-                for o in s.outputs:
-                    await asyncio.shield(o)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - how the call ended (cancelled, timed out), else the rank's
-                raise self.error or await self.converted(e, s) from None
+    async def forwardables(self) -> list[list[Any]]:
+        """What a reader carries for each output of each collected slot (see ``_forwardable``)."""
+        return await self._forwardables(collected=True)
 
-    async def forwardables(self, wait: bool = True) -> list[list[Any]]:
-        """What a reader carries for each output of each collected slot (``_forwardable``: headers by value once
-        the replies are here, or refs), once every call is sent and every stream of them finished; with ``wait``,
-        once every reply is here too. A failure raises this call's outcome (the reader's error)."""
+    async def guard_refs(self) -> list[Any]:
+        """The refs a reader carries for the outputs of every slot whose results are not kept (a ``from_rank``
+        call's other ranks, a mesh's non-collector TP/PP ranks): never read, but fetched with its inputs so that a
+        failure of any rank of this call fails the reader with that rank's own error, exactly as a collector's
+        failure does (a call that failed somewhere has no result). A reply already here, well, needs no ref.
+        (Non-collectors should return little, e.g. None, as a ``from_rank`` endpoint's other ranks do.)"""
+        return [o for outs in await self._forwardables(collected=False) for o in outs if _backend.is_ref(o)]
+
+    async def _forwardables(self, collected: bool) -> list[list[Any]]:
+        """What a reader carries for each output of the slots that are (or are not) ``collected`` (see
+        ``_forwardable``), once every call is sent and every stream of them finished; a failure seen here raises
+        this call's outcome (the reader's error)."""
         await self.wait_submitted()
-        slots = [s for s in self.slots if s.collected]
+        slots = [s for s in self.slots if s.collected == collected]
         for s in slots:
             try:
                 await asyncio.shield(s.done)
@@ -466,7 +459,7 @@ class Invocation:
         out = []
         for s in slots:
             try:
-                out.append([await _forwardable(r, o, wait) for r, o in zip(s.refs, s.outputs)])
+                out.append([await _forwardable(r, o) for r, o in zip(s.refs, s.outputs)])
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - a reply failed: the reader fails with this call's outcome
@@ -944,24 +937,21 @@ async def _drain(gen: Any, slot: Slot) -> None:
         slot.finish(e)
 
 
-async def _forwardable(ref: Any, out: asyncio.Future | None = None, wait: bool = True) -> Any:
+async def _forwardable(ref: Any, out: asyncio.Future | None = None) -> Any:
     """What a downstream call carries for an upstream output. A fast-path reply: the Output itself (small: it rides
-    in the call), or the Ray ref the rank stored a large one under. A reply ref with its reply future ``out``
-    (with ``wait``, awaited here on either backend: a reading call is sent once the replies are in the controller;
-    without, looked at only if it is already done well): for a Ray
-    reply with Batch rows, the Output as the controller received it (headers, and rows under ``INLINE_BYTES`` that
-    rode in the reply, of which the controller hands out only copies: ``private_output``), so that no reader
-    fetches it from the controller again; else the ref (a plain value stays in the object store, however large;
-    an in-process reference cannot leave its process, and is refused by a Ray group's call)."""
+    in the call), or the Ray ref the rank stored a large one under. A Ray reply already here (``out``, its reply
+    future, done well) that holds Batch rows: the Output as the controller received it (headers, and rows under
+    ``INLINE_BYTES`` that rode in the reply, of which the controller hands out only copies: ``private_output``), so
+    that no reader fetches it from the controller again. Anything else: the ref, which the reading rank fetches
+    when the call runs. Nothing is waited for here: a reading call is sent at once, so that it holds back no later
+    call of its group (a plain value stays in the object store however large; an in-process reference cannot leave
+    its process, and is refused by a Ray group's call)."""
     if isinstance(ref, _channel.ChannelReply):
         return await ref.forwardable()
-    if out is not None and _backend.is_ref(ref):
-        if wait:
-            await asyncio.shield(out)
-        elif not out.done() or out.cancelled() or out.exception() is not None:
-            return ref  # the rank fetches it when the call runs (and fails with the upstream's error)
+    if (isinstance(ref, ray.ObjectRef) and out is not None and out.done() and not out.cancelled()
+            and out.exception() is None):
         value = out.result()
-        if isinstance(ref, ray.ObjectRef) and isinstance(value, Output) and value.parts is not None:
+        if isinstance(value, Output) and value.parts is not None:
             return value
     return ref
 
@@ -1024,7 +1014,9 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
             if per_dp is None:
                 return a
             d = spec.dp_of_rank[r] if spec is not None else 0
-            sources, layout = per_dp[d]
+            sources, layout, guards = per_dp[d]
+            for g in guards:  # fetched with the inputs (a failed upstream rank fails this call), never read
+                b.add(g)
             if (len(sources) == 1 and len(sources[0]) == 1 and isinstance(sources[0][0], PartInfo)
                     and layout.kind == "whole" and not layout.pad_rows):
                 # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
@@ -1084,7 +1076,7 @@ def _describe_batches(plan: Plan) -> dict[int, Any]:
     return {id(a): _describe_batch(a, plan.shard, plan) for a in plan.data_args()}
 
 
-def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout]]:
+def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[list[Any]], Layout, list[Any]]]:
     """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
     D = spec.dp_size
     rows = len(a)
@@ -1099,7 +1091,7 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
         start += n
         rank = spec.dp_of_rank.index(d) if d in spec.dp_of_rank else None
         out[d] = ([[_put(s, plan, "argument", rank, None if row_bytes is None else n * row_bytes)]],
-                  Layout("whole", pad_rows=pad_rows, span=span))
+                  Layout("whole", pad_rows=pad_rows, span=span), [])
     return out
 
 

@@ -119,6 +119,10 @@ class Echo(FailOnCue, Worker):
     def on_rank_one(self, v: object) -> object:
         return v
 
+    @endpoint(D.broadcast() | D.only_ranks(0))
+    def on_rank_zero(self) -> int:
+        return self.rank
+
     @endpoint(D.broadcast() | D.metrics("mean"))
     def rank_metrics(self) -> dict:
         return {"a": float(self.rank + 1)}
@@ -250,19 +254,6 @@ class Echo(FailOnCue, Worker):
         """Records that its body ran (a side effect a cancelled call must not have)."""
         self.outcomes.append(f"ran on {len(batch)} rows")
         return batch
-
-    @endpoint
-    def gate_value(self, seq: Sequencer) -> int:
-        """Returns its rank (a plain value) once sequencer position rank + 1 is its turn, so a test decides when."""
-        with seq(self.rank + 1):
-            pass
-        return self.rank
-
-    @endpoint
-    def mark_value(self, v: object) -> object:
-        """Records that its body ran (a side effect a cancelled call must not have)."""
-        self.outcomes.append(f"ran on {v!r}")
-        return v
 
     @endpoint
     def hold_like_a_collective(self, seq: Sequencer) -> int:

@@ -461,42 +461,27 @@ async def test_cancelling_a_streamed_call_skips_the_parts_still_queued_on_the_ra
 
 
 async def test_a_call_cancelled_while_it_waits_for_a_forwarded_input_never_runs_its_endpoint(bed, seq):
-    """A call that reads another's result is sent once that result's replies reached the controller (rows' headers
-    and small rows then ride in the call; a plain value stays in the object store, fetched by the ranks).
-    Cancelled while it waits, it reaches no rank at all (a trainer would otherwise take an optimizer step the
-    caller was told did not happen), and the upstream call runs on undisturbed."""
+    """Both ranks of ``down`` started and wait for ``up``'s rows; cancelled then, ``down`` does not run its body
+    once the rows arrive (a trainer would otherwise take an optimizer step the caller was told did not happen)."""
     e2, e3 = bed["e2"], bed["e3"]
-    await e2.reset_stats()
-    up = e3.gate_value(seq)
-    down = e2.mark_value(up)
-    await anyio.wait_all_tasks_blocked()  # down's task now waits for up's replies
-    down.cancel()
-    with pytest.raises(orc.CallCancelledError):
-        await down
-    async with seq(0):  # now up's ranks pass positions 1, 2, 3 and return
-        pass
-    assert await up == [0, 1, 2]
-    assert await e2.take_outcomes() == [[], []]
-    assert [s.get("mark_value", {}).get("calls", 0) for s in await e2.stats()] == [0, 0]
-    assert e2.calls_in_flight() == []
-
-
-async def test_a_call_cancelled_while_its_forwarded_rows_are_awaited_is_sent_to_no_rank(bed, seq):
-    """A call that reads another's rows is sent once their headers reached the controller (they ride in the call);
-    cancelled before that, it reaches no rank at all, and the upstream call runs on undisturbed."""
-    e2, e3 = bed["e2"], bed["e3"]
-    up = e3.gate_rows(xs(3), seq)
-    down = e2.mark_rows(up)
-    await e2.reset_stats()
-    await anyio.wait_all_tasks_blocked()  # down's task now waits for up's replies
-    down.cancel()
-    with pytest.raises(orc.CallCancelledError):
-        await down
-    async with seq(0):  # now up's ranks pass positions 1, 2, 3 and return
-        pass
-    assert (await up)["x"].tolist() == [0, 1, 2]
-    assert await e2.take_outcomes() == [[], []]
-    assert [s.get("mark_rows", {}).get("calls", 0) for s in await e2.stats()] == [0, 0]
+    fast = e3.fast_path
+    e3.fast_path = False  # up's result then stays on its ranks: down is sent at once and waits there for the rows
+    try:
+        up = e3.gate_rows(xs(3), seq)
+        down = e2.mark_rows(up)
+        with anyio.fail_after(60):  # bounded wait for a condition (not a result): both ranks entered the call
+            while [s.get("mark_rows", {}).get("calls", 0) for s in await e2.stats()] != [1, 1]:
+                await anyio.sleep(0.01)
+        down.cancel()
+        with pytest.raises(orc.CallCancelledError):
+            await down
+        async with seq(0):  # now up's ranks pass positions 1, 2, 3 and return
+            pass
+        assert (await up)["x"].tolist() == [0, 1, 2]
+        assert await e2.take_outcomes() == [[], []]  # runs after down's calls on each rank's lane
+    finally:
+        e3.fast_path = fast
+        await e2.reset_stats()
     assert e2.calls_in_flight() == []
 
 
@@ -516,6 +501,20 @@ async def test_an_aligned_reader_on_other_processes_starts_each_rank_when_its_up
                 await anyio.sleep(0.01)
     assert (await down)["x"].tolist() == [0, 1, 2, 3]
     assert await other.take_outcomes() == [["ran on 2 rows"], ["ran on 2 rows"]]
+
+
+async def test_a_reader_waiting_for_its_input_holds_back_no_call_to_other_ranks(bed, seq):
+    """``down`` runs on rank 1 only and waits there for ``up``'s rows; a later call of the same group on rank 0 runs
+    meanwhile. (A reading call that waited for its inputs in the controller held back every later call of its
+    group until ``up`` finished: a deadlock when ``up`` waits for such a call.)"""
+    e2, e3 = bed["e2"], bed["e3"]
+    up = e3.gate_rows(xs(3), seq)
+    down = e2.on_rank_one(up)
+    with anyio.fail_after(60):  # bounded: a result, not a timing (it hangs while up blocks if the call is held)
+        assert await e2.on_rank_zero() == [0]
+    async with seq(0):  # now up's ranks pass positions 1, 2, 3 and return
+        pass
+    assert (await down)[0]["x"].tolist() == [0, 1, 2]
 
 
 async def test_a_reader_of_a_cancelled_call_gets_its_error_not_its_result(bed, seq):
