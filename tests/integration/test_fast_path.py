@@ -115,9 +115,9 @@ async def test_a_forwarded_int_is_a_value_not_a_ref_index(g):
 
 
 async def test_a_chain_alone_opens_the_channel(g):
-    """Before the channel opens, ``make`` goes through Ray; its small result came back in the reply, so ``rows``
-    carries it by value too (no ref): both count as qualifying calls, and a loop of nothing but chains opens the
-    channel and stays on it."""
+    """Before the channel opens, ``make`` goes through Ray and ``rows`` carries its reply refs (or the replies, if
+    already in): ``rows`` needs Ray only for its own group's replies, so it does not end the run of qualifying calls,
+    and a loop of nothing but chains opens the channel and stays on it (it never opened before)."""
     g.fast_path = False  # releases the channel this module's earlier tests opened
     g.fast_path = True
     before = g._shared.fast_calls
