@@ -168,6 +168,7 @@ class Invocation:
         self._deadline_timer: asyncio.TimerHandle | None = None  # ends the call at its deadline (see start)
         self._written: _WriteCheck | None = None  # the caller's Batches as the call was made (see start)
         self._looked = False  # something awaited this call or read it as an input (see failed_calls_not_awaited)
+        self._waiting_for = "its turn to be sent"  # what a call not sent yet waits for (named by its timeout error)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,8 +201,11 @@ class Invocation:
         shared, spec, gate, ticket = self.shared, self.spec, self.shared.gate, self._ticket
         try:
             with anyio.fail_after(self.timeout):  # the deadline also covers a call that nobody awaits
+                self._waiting_for = "its group to start"
                 await shared.ready()
+                self._waiting_for = "the group's earlier calls to be sent"
                 await gate.turn(ticket)
+                self._waiting_for = "its inputs' row counts, to split them"
                 plan = await spec.dispatch.split(self.plan)
                 check_final(plan, spec.dispatch)
                 self._bind_collect(plan)
@@ -386,6 +390,8 @@ class Invocation:
         for a in plan.data_args():
             if id(a) in out:
                 continue
+            self._waiting_for = "its inputs: " + (", ".join(c.where() if isinstance(c, Invocation) else "a Batch"
+                                                           for c in components(a)))
             if isinstance(a, Batch):
                 if plan.shard is not None:
                     out[id(a)] = await anyio.to_thread.run_sync(_describe_batch, a, plan.shard, plan)
@@ -608,6 +614,11 @@ class Invocation:
         return None
 
     def _timeout_error(self, running: list[int]) -> CallTimeoutError:
+        if not self.submitted.done():
+            return CallTimeoutError(
+                f"{self.where()}: no result after {self.timeout} s; it was not sent: it waited for "
+                f"{self._waiting_for}. Raise the timeout with .options(timeout=...) or look at what it waited for.",
+                group=self.group, endpoint=self.endpoint, pending_ranks=[])
         return CallTimeoutError(
             f"{self.where()}: no result after {self.timeout} s; rank(s) {running} still running. Raise the timeout "
             f"with .options(timeout=...) or look at those ranks.",
@@ -725,9 +736,18 @@ class Invocation:
             ended.remove_done_callback(on_done)
 
     async def outputs(self) -> list[list[Output]]:
-        """Per collected slot, its output headers (waiting for every rank to finish); rows that rode in a reply are
-        copies (``private_output``): the controller's own stay as received, for an await and for forwarding."""
+        """Per collected slot, its output headers (waiting for every rank to finish); rows that rode in a reply, and
+        plain values, are copies (``private_output``): the controller's own stay as received, for an await and for
+        forwarding. Once the first await took the replies as received, they are fetched again, as a later await
+        fetches them (what that await's caller wrote into its value must not show here)."""
+        if self._awaited:
+            return await self._fetched_again()
         return [[private_output(o) for o in outs] for outs in await self._received()]
+
+    async def _fetched_again(self) -> list[list[Output]]:
+        """Per collected slot, its outputs fetched again from the backend: a fresh deserialization of each reply."""
+        await self.wait()
+        return [[_as_output(o, s.rank) for o in await asyncio.gather(*s.refs)] for s in self.slots if s.collected]
 
     async def _received(self) -> list[list[Output]]:
         """Per collected slot, its outputs as received (waiting for every rank to finish): never handed out."""
@@ -742,9 +762,7 @@ class Invocation:
             self._awaited = True
             per_slot = await self._received()
         else:
-            await self.wait()
-            per_slot = [[_as_output(o, s.rank) for o in await asyncio.gather(*s.refs)]
-                        for s in self.slots if s.collected]
+            per_slot = await self._fetched_again()
         infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]
         refs = [p.ref for p in infos if _backend.is_ref(p.ref)]
         fetched = await asyncio.gather(*refs) if refs else []  # on the loop: a deadline or cancel ends it at once

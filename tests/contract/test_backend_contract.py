@@ -262,6 +262,22 @@ async def test_an_awaited_value_changed_by_the_caller_is_not_what_a_later_reader
     assert (await fut)[0] == {"k": "orig", "lst": [1]}
 
 
+async def test_writes_into_a_plain_value_from_outputs_reach_no_await(bed):
+    """``outputs()`` hands out its own copy of a plain value, as of rows: a write into it changes neither the first
+    await (which takes the reply as received) nor a later ``outputs()``; and a write into what the first await gave
+    changes no ``outputs()``."""
+    g = bed["e2"]
+    fut = g.make_value()
+    for outs in await fut.outputs():
+        outs[0].value["k"] = "changed through outputs"
+        outs[0].value["lst"].append(99)
+    assert [o[0].value for o in await fut.outputs()] == [{"k": "orig", "lst": [1]}] * 2
+    first = await fut
+    assert first == [{"k": "orig", "lst": [1]}] * 2
+    first[1]["lst"].append(7)
+    assert [o[0].value for o in await fut.outputs()] == [{"k": "orig", "lst": [1]}] * 2
+
+
 async def test_each_await_of_a_union_is_private_and_never_the_callers_batch(bed):
     """A union's await is a private copy, as a plain future's is: writing into one await changes neither a later
     await (of the same union object or a new one) nor a Batch of the caller's that the union joins."""

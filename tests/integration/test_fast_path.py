@@ -181,6 +181,24 @@ async def test_a_deadline_fails_the_call_and_the_late_reply_is_dropped(g):
     assert g.calls_in_flight() == []
 
 
+async def test_a_reader_timing_out_before_it_was_sent_says_what_it_waited_for(g):
+    """A reading call whose upstream is a fast call waits for that reply before it is sent: its deadline names
+    that wait (it said "rank(s) [] still running", naming no rank and nothing to look at)."""
+    await _open(g)
+    up = g.spin(60.0)
+    down = g.echo.options(timeout=0.3)(up)
+    with pytest.raises(orc.CallTimeoutError) as e:
+        await down
+    msg = str(e.value)
+    assert "[]" not in msg and "was not sent" in msg and "'spin'" in msg and "'fast'" in msg, msg
+    assert list(e.value.pending_ranks) == []
+    up.cancel()
+    with pytest.raises(orc.CallCancelledError):
+        await up
+    assert await g.note("after") == [(0, "after"), (1, "after")]
+    assert g.calls_in_flight() == []
+
+
 async def test_cancelling_a_fast_call_reaches_the_running_endpoint(g):
     await _open(g)
     fut = g.spin(60.0)
