@@ -26,8 +26,10 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from . import _backend
+
 __all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "Resolved", "dumps_frame", "loads_frame", "dumps_call",
-           "loads_call", "reductions"]
+           "loads_call", "read_reply", "reductions"]
 
 FRAME_BYTES = 1 << 20  # a frame larger than this is not made: the call takes Ray's own per-argument path
 _PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers
@@ -143,6 +145,18 @@ def loads_frame(data: bytes) -> Any:
         buffers.append(view[at:at + size])
         at += size
     return pickle.loads(main, buffers=buffers)
+
+
+def read_reply(x: Any) -> Any:
+    """A rank's Ray reply as its value: a frame (exactly ``bytes``: ``Host._reply`` returns an output that fits a
+    frame as one, and never a bare bytes value otherwise) unpickled, anything else as it came. A frame that cannot
+    be rebuilt here raises ``ReplyUnreadable``, as Ray's deserializer failing does."""
+    if type(x) is not bytes:
+        return x
+    try:
+        return loads_frame(x)
+    except Exception as e:  # noqa: BLE001 - reported as the reply's own failure (convert_error names the rank)
+        raise _backend.ReplyUnreadable(e) from None
 
 
 _loading = threading.local()  # the refs and resolved values of the call being unpickled on this thread

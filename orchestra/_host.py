@@ -114,10 +114,11 @@ def _split_refs(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     if not refs:
         return args, ()
     try:
-        return args, tuple(_backend.get(refs))
+        values = _backend.get(refs)
     except (ray.exceptions.RayError, _backend.RankDied, _backend.TaskFailed, OrchestraError) as e:
         raise WorkerError(f"an upstream call this one reads from failed: {type(e).__name__}",
                           exc_type=UPSTREAM_FAILED) from None
+    return args, tuple(_frame.read_reply(v) for v in values)  # an upstream rank's reply frame (Host._reply)
 
 
 def _unframe(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -153,9 +154,14 @@ def _method(role: str, name: str, streaming: bool) -> Any:
             yield from self._call_stream(role, name, args, kwargs)
     else:
         def m(self, *args, **kwargs):
-            return self._call(role, name, args, kwargs)
+            return self._reply(self._call(role, name, args, kwargs), role, name)
     m.__name__ = m.__qualname__ = name
     return ray.method(concurrency_group=COMPUTE)(m)
+
+
+def _not_a_frame(value: Any, rank: int) -> Any:
+    """``value`` as a reply that is not a frame: a bare ``bytes`` value inside an Output (see ``Host._reply``)."""
+    return Output(rank, value=value) if type(value) is bytes else value
 
 
 def _shrunk(e: WorkerError, limit: int = 64 << 10) -> WorkerError:
@@ -463,9 +469,25 @@ class Host:
         already ended)."""
         with self._kept_lock:
             value = self._kept.pop(call_id)
-        return None if discard else value
+        return None if discard else _not_a_frame(value, self.rank)
 
     # -- data plane -----------------------------------------------------------------------------------------------
+    def _reply(self, out: Any, role: str, name: str) -> Any:
+        """What an endpoint's Ray call returns: a Batch result's Output pickled into one frame, or the output itself
+        when it holds refs or is larger than a frame (Ray must carry those), and a plain value as it is. Ray carries
+        a ``bytes`` reply as it is; an Output object it pickles with cloudpickle and unpickles in the controller's
+        reply thread, which costs more per call (a 4-row Batch result: ``python -m bench.fast_path``). The controller reads it with ``_frame.read_reply``:
+        ``bytes`` always means a frame, so a bytes value returned as is travels inside an Output. A result that
+        cannot be pickled fails its call with this rank's error, as on the fast path."""
+        if self.runtime.own_process and isinstance(out, Output):  # plain values: Ray's msgpack handles the usual
+            try:
+                return _frame.dumps_frame(out)
+            except _frame.NeedsRay:
+                pass
+            except Exception as e:  # noqa: BLE001 - the call fails with it, naming rank and endpoint
+                raise self._error(e, role, name) from None
+        return _not_a_frame(out, self.rank)
+
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
         """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
         try:

@@ -65,7 +65,7 @@ class Slot:
         """Record an output ref; ``out`` resolves to its value (Ray's per-ref completion when not given)."""
         self.refs.append(ref)
         if out is None:
-            out = asyncio.wrap_future(ref.future())
+            out = _replies.one(ref)
         self._open += 1
         self.verified = False
         out.add_done_callback(self._output_done)
@@ -747,7 +747,16 @@ class Invocation:
     async def _fetched_again(self) -> list[list[Output]]:
         """Per collected slot, its outputs fetched again from the backend: a fresh deserialization of each reply."""
         await self.wait()
-        return [[_as_output(o, s.rank) for o in await asyncio.gather(*s.refs)] for s in self.slots if s.collected]
+        out = []
+        for s in self.slots:
+            if s.collected:
+                try:
+                    values = [_frame.read_reply(v) if isinstance(r, ray.ObjectRef) else v
+                              for r, v in zip(s.refs, await asyncio.gather(*s.refs))]
+                except _backend.ReplyUnreadable as e:
+                    raise convert_error(e, self.group, self.endpoint, s.rank) from None
+                out.append([_as_output(v, s.rank) for v in values])
+        return out
 
     async def _received(self) -> list[list[Output]]:
         """Per collected slot, its outputs as received (waiting for every rank to finish): never handed out."""

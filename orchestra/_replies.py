@@ -26,7 +26,9 @@ from typing import Any
 
 import ray
 
-__all__ = ["FAST_WINDOW_S", "MIN_BATCH", "batched", "quiesce", "stop"]
+from . import _backend, _frame
+
+__all__ = ["FAST_WINDOW_S", "MIN_BATCH", "batched", "one", "quiesce", "stop"]
 
 log = logging.getLogger("orchestra")
 
@@ -137,7 +139,15 @@ def _batch(loop: asyncio.AbstractEventLoop,
     except BaseException as e:  # noqa: BLE001 - Ray itself failed: every reply fails with that error
         log.debug("orchestra: batched reply fetch failed (%r)", e)
         return [(f, None, e) for _, f in pairs]
-    return [(f, v, None) for (_, f), v in zip(pairs, values)]
+    return [_read(f, v) for (_, f), v in zip(pairs, values)]
+
+
+def _read(fut: asyncio.Future, value: Any) -> tuple[asyncio.Future, Any, BaseException | None]:
+    """The outcome of one reply: its frame unpickled here, in the lane (``_frame.read_reply``), or why it could not."""
+    try:
+        return fut, _frame.read_reply(value), None
+    except _backend.ReplyUnreadable as e:
+        return fut, None, e
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
@@ -155,6 +165,17 @@ def _deliver(outcomes: list[tuple[asyncio.Future, Any, BaseException | None]]) -
             fut.set_result(value)
         else:
             fut.set_exception(error)
+
+
+def one(ref: Any) -> asyncio.Future:
+    """A future on the running loop for one reply ``ref``, its frame read (``_frame.read_reply``): Ray's per-ref
+    completion for an ObjectRef; an in-process reply (never a frame) as it comes."""
+    if not isinstance(ref, ray.ObjectRef):
+        return asyncio.wrap_future(ref.future())
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    _per_ref(loop, ref, fut)
+    return fut
 
 
 def _per_ref(loop: asyncio.AbstractEventLoop, ref: Any, fut: asyncio.Future) -> None:
@@ -175,4 +196,8 @@ def _copy(src: concurrent.futures.Future, fut: asyncio.Future) -> None:
     elif src.exception() is not None:
         fut.set_exception(src.exception())
     else:
-        fut.set_result(src.result())
+        _, value, error = _read(fut, src.result())
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)

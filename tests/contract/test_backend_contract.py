@@ -262,6 +262,17 @@ async def test_an_awaited_value_changed_by_the_caller_is_not_what_a_later_reader
     assert (await fut)[0] == {"k": "orig", "lst": [1]}
 
 
+async def test_a_bytes_value_comes_back_as_bytes(bed):
+    """A reply that is a frame is bytes on the wire: a bytes value an endpoint returns still comes back as itself,
+    awaited, awaited again and forwarded."""
+    g = bed["e2"]
+    value = b"\x00\x01 looks like a frame"
+    fut = g.take_value(value)
+    assert await fut == [value, value]
+    assert await fut == [value, value]
+    assert await g.take_value(fut) == [[value, value]] * 2
+
+
 async def test_writes_into_a_plain_value_from_outputs_reach_no_await(bed):
     """``outputs()`` hands out its own copy of a plain value, as of rows: a write into it changes neither the first
     await (which takes the reply as received) nor a later ``outputs()``; and a write into what the first await gave

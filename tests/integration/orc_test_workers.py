@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from typing import Any
 
@@ -309,6 +310,22 @@ class Scorer(Worker):
     def tensor_of(self, n: int) -> torch.Tensor:
         """A new tensor of ``n`` bytes (a plain value: it travels in the reply, and the controller can weakref it)."""
         return torch.full((n,), self.rank, dtype=torch.uint8)
+
+    @endpoint(D.broadcast())
+    def rows_with(self, what: str) -> Batch:
+        """4 rows whose object column holds ``what`` the reply cannot carry: "lock" (cannot be pickled) or
+        "rank_class" (an instance of a class made on the rank, which the controller cannot import by name)."""
+        if what == "lock":
+            objs = [threading.Lock() for _ in range(4)]
+        else:
+            import sys
+            import types
+
+            mod = types.ModuleType("made_on_the_rank")
+            exec("class Local:\n    pass\n", mod.__dict__)
+            sys.modules["made_on_the_rank"] = mod
+            objs = [mod.Local() for _ in range(4)]
+        return Batch.from_dict({"x": torch.arange(4), "obj": objs})
 
     @endpoint(D.broadcast())
     def fail_one_block_others(self) -> int:

@@ -128,3 +128,47 @@ async def test_writes_into_a_small_results_headers_reach_no_reader(scorers):
     assert (await fut)["x"].tolist() == list(range(8))
     assert (await g2.echo(fut))["x"].tolist() == list(range(8))
     assert (await g2.echo(fut))["x"].tolist() == list(range(8))
+
+
+async def test_a_batch_result_travels_as_one_frame_and_reads_back_the_same(scorers):
+    """On the general path a Batch result's reply is one frame (bytes, which Ray carries as they are, with no
+    cloudpickle pass of its own): the first await, a second await, ``outputs()`` and a reader all get the rows the
+    ranks made."""
+    import ray
+
+    g2 = scorers[2]
+    on = g2.fast_path
+    g2.fast_path = False
+    try:
+        fut = g2.echo(xs(8))
+        await fut.wait()
+        assert all(type(v) is bytes for v in ray.get([s.call_refs[0] for s in fut._inv.slots]))
+        assert (await fut)["x"].tolist() == list(range(8))
+        assert (await fut)["x"].tolist() == list(range(8))  # fetched again: the frames read once more
+        assert [p.ref["x"].tolist() for outs in await fut.outputs() for o in outs for p in o.parts] == [
+            [0, 1, 2, 3], [4, 5, 6, 7]]
+        assert (await g2.echo(fut))["x"].tolist() == list(range(8))  # each reader rank reads its upstream's frame
+        assert (await g2.echo_all(g2.echo(xs(8))))[1]["x"].tolist() == list(range(8))  # sent before it landed
+    finally:
+        g2.fast_path = on
+
+
+@pytest.mark.parametrize("fast", [False, True])
+async def test_a_batch_result_that_cannot_travel_fails_with_its_ranks_error(scorers, fast):
+    """Rows the reply cannot carry fail the call with a WorkerError naming group, rank and endpoint, on either
+    path: a column that cannot be pickled, and one whose class the controller cannot import."""
+    g2 = scorers[2]
+    on = g2.fast_path
+    g2.fast_path = fast
+    try:
+        for _ in range(6 if fast else 0):  # repeated small calls: the fast path's channel opens
+            await g2.rank_and(0)
+        with pytest.raises(orc.WorkerError, match="lock") as e:
+            await g2.rows_with("lock")
+        assert (e.value.group, e.value.endpoint) == (g2.name, "rows_with") and e.value.rank in (0, 1)
+        with pytest.raises(orc.WorkerError, match="could not be unpickled") as e:
+            await g2.rows_with("rank_class")
+        assert (e.value.group, e.value.endpoint) == (g2.name, "rows_with") and e.value.rank in (0, 1)
+        assert await g2.rank_and(1) == [(0, 1), (1, 1)]
+    finally:
+        g2.fast_path = on
