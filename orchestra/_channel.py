@@ -309,6 +309,11 @@ class Channel:
             finally:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 _DIRS.discard(self._dir)
+        if error is None:  # the ranks live on (a loop that ended): results they keep for unread replies are dropped
+            for rank, ids in self._pending_by_rank.items():
+                if ids:
+                    self._hosts[rank].discard_kept.remote(sorted(ids))  # Ray owns it; its reply carries nothing
+                    ids.clear()
 
     def _stop_listening(self) -> None:
         srv, self._srv = self._srv, None

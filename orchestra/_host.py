@@ -452,15 +452,33 @@ class Host:
                     if kind == "err":  # an error too large for a frame: cut down, it stays an error
                         payload = _frame.dumps_frame(_shrunk(value))
                     else:
+                        kept = self._snapshot(value)
                         with self._kept_lock:
-                            self._kept[call_id] = value
+                            self._kept[call_id] = kept
                         kind, payload = "kept", b""
                 except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
                     kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
-                _channel.send_frame(sock, pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+                try:
+                    _channel.send_frame(sock, pickle.dumps((call_id, kind, payload),
+                                                           protocol=pickle.HIGHEST_PROTOCOL))
+                except OSError as e:  # the controller closed its side (its loop ended): no one reads replies now
+                    with self._kept_lock:
+                        self._kept.pop(call_id, None)  # nor takes this one
+                    log.debug("group %r rank %d: fast-path reply not sent, the controller left (%r)", self.group,
+                              self.rank, e)
+                    return served
                 served += 1
         finally:
             sock.close()
+
+    def _snapshot(self, value: Any) -> tuple[bool, Any]:
+        """A fast-path result kept until the controller takes it, as it is now: put into the object store at once
+        (pickled, as Ray pickles a general-path reply when its call returns), since the next call may write into
+        the objects it holds (a state dict, an array) before the controller takes it. A Batch result's Output is
+        kept as it is: its rows are already stored parts, and the Output is frozen. (put?, value or its ref)."""
+        if isinstance(value, Output):
+            return False, value
+        return True, self.runtime.put(value)
 
     @ray.method(concurrency_group=CONTROL)
     def take_result(self, call_id: str, discard: bool = False) -> Any:
@@ -468,8 +486,18 @@ class Host:
         the object store: their refs travel with Ray, which tracks who holds them); ``discard`` drops it (its call
         already ended)."""
         with self._kept_lock:
-            value = self._kept.pop(call_id)
-        return None if discard else _not_a_frame(value, self.rank)
+            put, value = self._kept.pop(call_id)
+        if discard:
+            return None
+        return _not_a_frame(ray.get(value) if put else value, self.rank)
+
+    @ray.method(concurrency_group=CONTROL)
+    def discard_kept(self, call_ids: list[str]) -> None:
+        """Drop the kept results of these fast-path calls, if any: the controller will not take them (the channel
+        closed with their replies unread)."""
+        with self._kept_lock:
+            for call_id in call_ids:
+                self._kept.pop(call_id, None)
 
     # -- data plane -----------------------------------------------------------------------------------------------
     def _reply(self, out: Any, role: str, name: str) -> Any:

@@ -60,6 +60,32 @@ class Recorder(Worker):
         return {"k": "orig", "lst": [1]}
 
     @endpoint
+    def live_state(self, big: bool) -> dict:
+        """This rank's state itself, not a copy: with a 2 MiB array (too large for a frame), or with an ObjectRef
+        (only Ray may carry one); either way the fast path keeps the reply on the rank until the controller takes
+        it (``Host.take_result``)."""
+        import numpy as np
+        import ray
+
+        if not hasattr(self, "state"):
+            self.state = {"step": 0, "arr": np.zeros(1 << 18), "ref": ray.put("held")}
+        return {"step": self.state["step"], "arr": self.state["arr"]} if big else self.state
+
+    @endpoint
+    def kept_here(self) -> int:
+        """How many fast-path results this rank's host keeps for the controller to take (a test's look inside)."""
+        import gc
+
+        return sum(len(o._kept) for o in gc.get_objects() if type(o).__name__ == "Host" and hasattr(o, "_kept"))
+
+    @endpoint
+    def bump_state(self) -> int:
+        """Write the state in place, as a training step writes its weights."""
+        self.state["step"] += 1
+        self.state["arr"] += 1
+        return self.state["step"]
+
+    @endpoint
     def fail_on(self, rank: int) -> int:
         if self.rank == rank:
             raise ValueError(f"boom on rank {rank}")

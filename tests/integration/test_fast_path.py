@@ -162,6 +162,21 @@ async def test_awaited_values_are_private_copies(g):
     assert await g.echo(fut) == [[{"k": "orig", "lst": [1]}] * 2] * 2  # a later reader: the original
 
 
+@pytest.mark.parametrize("big", [True, False])
+async def test_a_kept_reply_is_the_value_as_the_call_returned_it(g, big):
+    """A reply the rank keeps (over a frame's size, or holding a ref) is the value as its call returned it, as on
+    the general path, where Ray pickles it at once: the next call's write into the same objects must not show (it
+    was pickled only when the controller took it, after the next call had run)."""
+    await _open(g)
+    for _ in range(4):
+        state, bumped = g.live_state(big), g.bump_state()
+        got, after = await state, await bumped
+        assert [v["step"] for v in got] == [a - 1 for a in after]
+        if big:
+            assert [float(v["arr"][0]) for v in got] == [float(a - 1) for a in after]
+    assert g._shared.channel is not None
+
+
 async def test_a_rank_error_names_group_rank_and_endpoint(g):
     await _open(g)
     with pytest.raises(orc.WorkerError) as e:
@@ -434,6 +449,31 @@ async def test_no_socket_here_means_ray_not_a_failed_call(monkeypatch, caplog):
     assert any("could not open a socket" in r.getMessage() for r in caplog.records)
     assert os.listdir(long_dir) == []  # the socket directory it tried is gone again
     os.rmdir(long_dir)
+
+
+def test_results_kept_for_replies_no_loop_will_read_are_dropped():
+    """Replies the rank keeps (too large for a frame) of calls still unread when their event loop ended are
+    dropped on the ranks once the channel closes; they stayed there until the group closed (2 MiB each)."""
+    async def run():
+        g6 = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder, group_name="kept")
+        await g6.ready()
+        await _open(g6)
+        for _ in range(3):
+            g6.live_state(True)  # never awaited: their replies are not read before this loop ends
+        return g6
+
+    g6 = asyncio.run(run())
+
+    async def again():
+        try:
+            assert await g6.note("second loop") == [(0, "second loop"), (1, "second loop")]  # the channel closed
+            for h in g6._shared.hosts:  # the control lane runs in call order: the close's discard ran before it
+                await h.discard_kept.remote([])
+            assert await g6.kept_here() == [0, 0]
+        finally:
+            await g6.aclose()
+
+    asyncio.run(again())
 
 
 def test_a_fast_call_left_running_when_the_loop_ends_does_not_break_shutdown():
