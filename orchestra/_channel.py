@@ -42,6 +42,7 @@ import socket
 import struct
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -49,7 +50,7 @@ import ray
 from . import _backend
 from ._frame import loads_frame
 
-__all__ = ["Channel", "ChannelReply", "recv_frame", "send_frame", "enabled", "threshold"]
+__all__ = ["Channel", "ChannelReply", "call_number", "recv_frame", "send_frame", "enabled", "threshold"]
 
 log = logging.getLogger("orchestra")
 
@@ -85,6 +86,11 @@ def threshold() -> int:
     return n
 
 
+def call_number(call_id: str) -> int:
+    """The place of fast-path call ``call_id`` in the order its controller made them (``Channel.new_id``)."""
+    return int(call_id.rsplit("-", 1)[1])
+
+
 def send_frame(sock: socket.socket, body: bytes) -> None:
     """Write one frame (blocking socket; the rank's side)."""
     sock.sendall(_LEN.pack(len(body)) + body)
@@ -115,10 +121,10 @@ class ChannelReply:
     future of the first copy. ``forwardable()`` is what a downstream call carries: the Output itself (it rides in
     the downstream call's arguments) or, for a reply the rank kept, the Ray ref of ``Host.take_result``."""
 
-    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref")
+    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref", "channel")
 
-    def __init__(self, call_id: str, rank: int, out: asyncio.Future) -> None:
-        self.call_id, self.rank, self.out = call_id, rank, out
+    def __init__(self, call_id: str, rank: int, out: asyncio.Future, channel: Channel) -> None:
+        self.call_id, self.rank, self.out, self.channel = call_id, rank, out, channel
         self.payload: bytes | None = None
         self.ray_ref: Any = None
 
@@ -134,7 +140,19 @@ class ChannelReply:
     def __await__(self) -> Any:
         return self._fetch().__await__()
 
-    async def forwardable(self) -> Any:
+    async def forwardable(self, hurry: Callable[[], asyncio.Future] | None = None) -> Any:
+        """What a reading call carries for this reply: once it is here, the reply itself (a fresh copy) or the ref
+        of a kept one. ``hurry``: a future that is done when a later call of the reader's group waits for the
+        reader to be sent; the reader then carries a Ray ref to the outcome instead (``Host.retain``: the rank
+        keeps it for ``Host.retained``), so that it is sent now and holds back no later call (which the upstream
+        call may be waiting for). Without ``hurry`` (or when the rank says the call is done) it waits."""
+        if not self.out.done() and hurry is not None:
+            later = hurry()
+            await asyncio.wait({self.out, later}, return_when=asyncio.FIRST_COMPLETED)
+            if not self.out.done():
+                ref = await self.channel.ask(self)
+                if ref is not None:
+                    return ref
         await asyncio.shield(self.out)
         # a fresh copy: the first awaiter may have written into the value it got
         return self.ray_ref if self.ray_ref is not None else loads_frame(self.payload)
@@ -257,11 +275,22 @@ class Channel:
         """Send one call's frame (already pickled with ``dumps_frame``) to ``rank``."""
         if rank == 0:
             self.sent += 1
-        reply = ChannelReply(call_id, rank, self.loop.create_future())
+        reply = ChannelReply(call_id, rank, self.loop.create_future(), self)
         self._pending[call_id] = reply
         self._pending_by_rank[rank].add(call_id)
         self._write(rank, _LEN.pack(len(frame)) + frame)
         return reply
+
+    async def ask(self, reply: ChannelReply) -> Any:
+        """A Ray ref to ``reply``'s outcome, which its rank keeps for a reader (``Host.retain``/``retained``); None
+        when the call already finished there (its reply is on its way here) or never ran (its reply fails)."""
+        host = self._hosts[reply.rank]
+        try:
+            answer = await host.retain.remote(self._path, reply.call_id)
+        except (ray.exceptions.RayActorError, _backend.RankDied) as e:  # the rank is gone: its reply fails with it
+            log.debug("group %r rank %d: retain of %s failed: %r", self.group, reply.rank, reply.call_id, e)
+            return None
+        return host.retained.remote(reply.call_id) if answer == "retaining" else None
 
     @staticmethod
     def new_id() -> str:

@@ -46,6 +46,7 @@ class _Gate:
         self._open = 0
         self._done: set[int] = set()
         self._waiters: dict[int, asyncio.Future] = {}
+        self._hurry: dict[int, asyncio.Future] = {}  # ticket -> done once a later ticket waits (see ``later``)
 
     def ticket(self) -> int:
         t = self._next
@@ -55,8 +56,22 @@ class _Gate:
     def is_turn(self, ticket: int) -> bool:
         return self._open == ticket
 
+    def later(self, ticket: int) -> asyncio.Future:
+        """A future that is done once a call after ``ticket`` waits for its turn: a call holding its turn while it
+        waits for something (a reading call, for a fast-path reply) sends itself at once then, so that it holds
+        back no later call (which the thing it waits for may itself be waiting for)."""
+        f = self._hurry.get(ticket)
+        if f is None:
+            f = self._hurry[ticket] = asyncio.get_running_loop().create_future()
+            if any(t > ticket for t in self._waiters):
+                f.set_result(None)
+        return f
+
     async def turn(self, ticket: int) -> None:
         if self._open < ticket:
+            for t, f in self._hurry.items():
+                if t < ticket and not f.done():
+                    f.set_result(None)
             w = self._waiters[ticket] = asyncio.get_running_loop().create_future()
             try:
                 await w
@@ -67,6 +82,7 @@ class _Gate:
         if ticket < self._open or ticket in self._done:  # idempotent
             return
         self._done.add(ticket)
+        self._hurry.pop(ticket, None)
         while self._open in self._done:
             self._done.discard(self._open)
             self._open += 1

@@ -95,7 +95,9 @@ def _counters() -> dict[str, float]:
 COMPUTE = "compute"
 CONTROL = "control"
 WATCH = "watch"  # one call per rank that never returns while the process lives: the controller's death notice
-CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1}
+FORWARD = "forward"  # a reader's fetch of a fast-path result that is still being computed (Host.retained)
+CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1, FORWARD: 4}
+_SESSIONS_KEPT = 64  # fast-path channel sessions a rank remembers (how far each got), newest last
 
 
 _DONE = object()
@@ -157,6 +159,16 @@ def _method(role: str, name: str, streaming: bool) -> Any:
             return self._reply(self._call(role, name, args, kwargs), role, name)
     m.__name__ = m.__qualname__ = name
     return ray.method(concurrency_group=COMPUTE)(m)
+
+
+class _Retained:
+    """A fast-path call's outcome kept for a reader that asked before the call finished (``Host.retain``)."""
+
+    __slots__ = ("path", "outcome")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.outcome: tuple[str, Any] | None = None
 
 
 def _not_a_frame(value: Any, rank: int) -> Any:
@@ -305,6 +317,10 @@ class Host:
         self._fast_call: str | None = None  # the id of the fast-path call running now on the compute lane
         self._kept: dict[str, Any] = {}  # fast-path results a frame cannot carry (refs, > 1 MiB), until taken
         self._kept_lock = threading.Lock()
+        # fast-path results a reader asked for before its call finished (Host.retain); under _fast_cond
+        self._fast_cond = threading.Condition()
+        self._retaining: dict[str, _Retained] = {}
+        self._sessions: collections.OrderedDict[str, list] = collections.OrderedDict()  # path -> [last done, ended]
         self.tracing = False
         self.events = _Events()
 
@@ -430,6 +446,7 @@ class Host:
         exactly as on the general path; its reply (or error) is written back as one frame."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         served = 0
+        self._session_state(path)
         try:
             sock.connect(path)  # a rank that cannot connect fails this call: the controller then releases the others
             _channel.send_frame(sock, pickle.dumps(self.rank))
@@ -458,6 +475,7 @@ class Host:
                         kind, payload = "kept", b""
                 except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
                     kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
+                self._fast_done(path, call_id, kind, payload, value)  # before the reply: see Host.retain
                 try:
                     _channel.send_frame(sock, pickle.dumps((call_id, kind, payload),
                                                            protocol=pickle.HIGHEST_PROTOCOL))
@@ -470,6 +488,78 @@ class Host:
                 served += 1
         finally:
             sock.close()
+            self._session_ended(path)
+
+    def _session_state(self, path: str) -> list:
+        """[number of the last call done, ended?] of fast-path session ``path`` (made when first named)."""
+        with self._fast_cond:
+            state = self._sessions.get(path)
+            if state is None:
+                state = self._sessions[path] = [-1, False]
+                while len(self._sessions) > _SESSIONS_KEPT:
+                    self._sessions.popitem(last=False)
+            return state
+
+    def _fast_done(self, path: str, call_id: str, kind: str, payload: bytes, value: Any) -> None:
+        """A fast-path call finished: note how far the session got, and hand its outcome to a reader that asked
+        (``retain``) — the value as the call returned it (the reply frame, or the kept snapshot), or its error."""
+        state = self._session_state(path)
+        with self._fast_cond:
+            state[0] = _channel.call_number(call_id)
+            slot = self._retaining.get(call_id)
+            if slot is not None:
+                if kind == "kept":
+                    with self._kept_lock:
+                        slot.outcome = ("kept", self._kept[call_id])
+                elif kind == "ok":
+                    slot.outcome = ("ok", payload)
+                else:
+                    slot.outcome = ("err", value if isinstance(value, BaseException) else _frame.loads_frame(payload))
+                self._fast_cond.notify_all()
+
+    def _session_ended(self, path: str) -> None:
+        """A session's loop returned: a reader still waiting for one of its calls waits for a call that never ran."""
+        state = self._session_state(path)
+        with self._fast_cond:
+            state[1] = True
+            for slot in self._retaining.values():
+                if slot.path == path and slot.outcome is None:
+                    slot.outcome = ("never", None)
+            self._fast_cond.notify_all()
+
+    @ray.method(concurrency_group=CONTROL)
+    def retain(self, path: str, call_id: str) -> str:
+        """A reader of fast-path call ``call_id`` is about to be sent while its reply has not reached the controller:
+        "done" when the call already finished here (its reply is on its way: the controller waits for it), "never"
+        when its session ended without it, else "retaining": its outcome is kept for ``retained``, which the
+        reader fetches. Decided under the lock the serve loop takes when a call finishes, so nothing is missed."""
+        n = _channel.call_number(call_id)
+        state = self._session_state(path)
+        with self._fast_cond:
+            if n <= state[0]:
+                return "done"
+            if state[1]:
+                return "never"
+            self._retaining[call_id] = _Retained(path)
+            return "retaining"
+
+    @ray.method(concurrency_group=FORWARD)
+    def retained(self, call_id: str) -> Any:
+        """The outcome of a fast-path call ``retain`` kept, once it finished: returned as its general-path reply
+        would be (a reader's ``_split_refs`` reads it), or raised. On its own lane: it waits for the call to run."""
+        with self._fast_cond:
+            slot = self._retaining[call_id]
+            self._fast_cond.wait_for(lambda: slot.outcome is not None)
+            del self._retaining[call_id]
+        kind, v = slot.outcome
+        if kind == "ok":
+            return v  # the reply frame itself
+        if kind == "kept":
+            put, value = v
+            return _not_a_frame(ray.get(value) if put else value, self.rank)
+        if kind == "err":
+            raise v
+        raise RuntimeError(f"fast-path call {call_id} never ran on rank {self.rank}: its channel ended first")
 
     def _snapshot(self, value: Any) -> tuple[bool, Any]:
         """A fast-path result kept until the controller takes it, as it is now: put into the object store at once

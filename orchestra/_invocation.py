@@ -404,17 +404,18 @@ class Invocation:
         the guards: refs of the outputs of the upstream ranks whose results are not kept (see ``guard_refs``)."""
         spec = plan.shard
         comps = components(a)
-        guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs()]
+        hurry = self._hurry
+        guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs(hurry)]
         if spec is None:  # broadcast: every rank reads everything
             if len(comps) == 1 and not isinstance(comps[0], Batch):
-                slots = await comps[0].forwardables()
+                slots = await comps[0].forwardables(hurry)
                 kind = forwarded_as(comps[0].spec.dispatch, comps[0].plan)
                 if kind == "per_rank":  # each rank's outputs apart
                     return {0: (slots, Layout("per_rank"), guards)}
                 # rows, or the plain values await gives: the slot boundaries let a rank rebuild await's list
                 return {0: ([[o for s in slots for o in s]],
                             Layout("whole", slots=tuple(len(s) for s in slots), one=kind == "one"), guards)}
-            return {0: ([await self._all_outputs(c, plan) for c in comps], Layout("whole"), guards)}
+            return {0: ([await self._all_outputs(c, plan, hurry) for c in comps], Layout("whole"), guards)}
         D = spec.dp_size
         slot_lists = []
         for c in comps:
@@ -423,7 +424,7 @@ class Invocation:
                                                                 if len(p)])
                 slot_lists.append([parts])
             else:
-                slot_lists.append(await c.forwardables())
+                slot_lists.append(await c.forwardables(hurry))
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
@@ -432,24 +433,31 @@ class Invocation:
         return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty), guards)
                 for d in range(D)}
 
-    async def _all_outputs(self, c: Any, plan: Plan) -> list[Any]:
+    async def _all_outputs(self, c: Any, plan: Plan, hurry: Callable[[], asyncio.Future]) -> list[Any]:
         if isinstance(c, Batch):
             return [await anyio.to_thread.run_sync(_put, c, plan, "argument")]
-        return [o for s in await c.forwardables() for o in s]
+        return [o for s in await c.forwardables(hurry) for o in s]
 
-    async def forwardables(self) -> list[list[Any]]:
-        """What a reader carries for each output of each collected slot (see ``_forwardable``)."""
-        return await self._forwardables(collected=True)
+    def _hurry(self) -> asyncio.Future:
+        """Done once a later call of this call's group waits for it to be sent (``_Gate.later``)."""
+        return self.shared.gate.later(self._ticket)
 
-    async def guard_refs(self) -> list[Any]:
+    async def forwardables(self, hurry: Callable[[], asyncio.Future] | None = None) -> list[list[Any]]:
+        """What a reader carries for each output of each collected slot (see ``_forwardable``; ``hurry``: the
+        reader's ``_hurry``)."""
+        return await self._forwardables(collected=True, hurry=hurry)
+
+    async def guard_refs(self, hurry: Callable[[], asyncio.Future] | None = None) -> list[Any]:
         """The refs a reader carries for the outputs of every slot whose results are not kept (a ``from_rank``
         call's other ranks, a mesh's non-collector TP/PP ranks): never read, but fetched with its inputs so that a
         failure of any rank of this call fails the reader with that rank's own error, exactly as a collector's
         failure does (a call that failed somewhere has no result). A reply already here, well, needs no ref.
         (Non-collectors should return little, e.g. None, as a ``from_rank`` endpoint's other ranks do.)"""
-        return [o for outs in await self._forwardables(collected=False) for o in outs if _backend.is_ref(o)]
+        return [o for outs in await self._forwardables(collected=False, hurry=hurry) for o in outs
+                if _backend.is_ref(o)]
 
-    async def _forwardables(self, collected: bool) -> list[list[Any]]:
+    async def _forwardables(self, collected: bool,
+                            hurry: Callable[[], asyncio.Future] | None = None) -> list[list[Any]]:
         """What a reader carries for each output of the slots that are (or are not) ``collected`` (see
         ``_forwardable``), once every call is sent and every stream of them finished; a failure seen here raises
         this call's outcome (the reader's error)."""
@@ -465,7 +473,7 @@ class Invocation:
         out = []
         for s in slots:
             try:
-                out.append([await _forwardable(r, o) for r, o in zip(s.refs, s.outputs)])
+                out.append([await _forwardable(r, o, hurry) for r, o in zip(s.refs, s.outputs)])
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - a reply failed: the reader fails with this call's outcome
@@ -964,17 +972,20 @@ async def _drain(gen: Any, slot: Slot) -> None:
         slot.finish(e)
 
 
-async def _forwardable(ref: Any, out: asyncio.Future | None = None) -> Any:
+async def _forwardable(ref: Any, out: asyncio.Future | None = None,
+                       hurry: Callable[[], asyncio.Future] | None = None) -> Any:
     """What a downstream call carries for an upstream output. A fast-path reply: the Output itself (small: it rides
-    in the call), or the Ray ref the rank stored a large one under. A Ray reply already here (``out``, its reply
-    future, done well) that holds Batch rows: the Output as the controller received it (headers, and rows under
-    ``INLINE_BYTES`` that rode in the reply, of which the controller hands out only copies: ``private_output``), so
-    that no reader fetches it from the controller again. Anything else: the ref, which the reading rank fetches
-    when the call runs. Nothing is waited for here: a reading call is sent at once, so that it holds back no later
-    call of its group (a plain value stays in the object store however large; an in-process reference cannot leave
-    its process, and is refused by a Ray group's call)."""
-    if isinstance(ref, _channel.ChannelReply):
-        return await ref.forwardable()
+    in the call), or the Ray ref the rank stored a large one under; until it is here the reader waits for it (a
+    loop of chains stays on the fast path), unless ``hurry`` says a later call of the reader's group waits behind
+    it: then a Ray ref to the outcome, which the rank keeps for the reader (``ChannelReply.forwardable``). A Ray
+    reply already here (``out``, its reply future, done well) that holds Batch rows: the Output as the controller
+    received it (headers, and rows under ``INLINE_BYTES`` that rode in the reply, of which the controller hands out
+    only copies: ``private_output``), so that no reader fetches it from the controller again. Anything else: the
+    ref, which the reading rank fetches when the call runs. A Ray reply is never waited for: a reading call is sent
+    at once, so that it holds back no later call of its group (a plain value stays in the object store however
+    large; an in-process reference cannot leave its process, and is refused by a Ray group's call)."""
+    if isinstance(ref, _channel.ChannelReply):  # waits for the reply, unless a later call is held back (hurry)
+        return await ref.forwardable(hurry)
     if (isinstance(ref, ray.ObjectRef) and out is not None and out.done() and not out.cancelled()
             and out.exception() is None):
         value = out.result()

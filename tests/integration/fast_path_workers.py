@@ -71,6 +71,26 @@ class Recorder(Worker):
             self.state = {"step": 0, "arr": np.zeros(1 << 18), "ref": ray.put("held")}
         return {"step": self.state["step"], "arr": self.state["arr"]} if big else self.state
 
+    @endpoint(D.broadcast() | D.only_ranks(0))
+    def wait_for_file(self, path: str, bound: float = 60.0) -> str:
+        """Rank 0 runs until ``path`` exists (a later call on rank 1 makes it), it is cancelled, or ``bound`` passes."""
+        end = time.monotonic() + bound
+        while not os.path.exists(path):
+            if self.cancelled() or time.monotonic() > end:
+                return "gave up"
+            time.sleep(0.002)
+        return "found"
+
+    @endpoint(D.broadcast() | D.only_ranks(0))
+    def on_rank_zero(self, v):  # noqa: ANN001, ANN201 - any value
+        return v
+
+    @endpoint(D.broadcast() | D.only_ranks(1))
+    def make_file(self, path: str) -> str:
+        with open(path, "w"):
+            pass
+        return "made"
+
     @endpoint
     def kept_here(self) -> int:
         """How many fast-path results this rank's host keeps for the controller to take (a test's look inside)."""

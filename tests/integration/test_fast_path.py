@@ -196,6 +196,23 @@ async def test_a_deadline_fails_the_call_and_the_late_reply_is_dropped(g):
     assert g.calls_in_flight() == []
 
 
+async def test_a_reader_of_a_running_fast_call_holds_back_no_later_call(g, tmp_path):
+    """Rank 0's upstream call waits for a later call of the same group on rank 1, and a reader of it (on rank 0)
+    waits for its reply. The later call must be sent meanwhile, as on the general path (where the reader is sent at
+    once, carrying the upstream's refs): the reader held the group's call order until the fast reply came, and the
+    later call was never sent (a deadlock, until the upstream's own bound ran out)."""
+    await _open(g)
+    path = str(tmp_path / "flag")
+    up = g.wait_for_file(path)
+    down = g.on_rank_zero(up)
+    with anyio.fail_after(50):  # bounded: a result, not a timing (the upstream gives up at 60 s)
+        assert await g.make_file(path) == ["made"]
+    assert await up == ["found"]
+    assert await down == [["found"]]  # the reply the rank kept for it: as await gives it
+    assert await g.note("after") == [(0, "after"), (1, "after")]
+    assert g.calls_in_flight() == []
+
+
 async def test_a_reader_timing_out_before_it_was_sent_says_what_it_waited_for(g):
     """A reading call whose upstream is a fast call waits for that reply before it is sent: its deadline names
     that wait (it said "rank(s) [] still running", naming no rank and nothing to look at)."""
