@@ -15,7 +15,10 @@ which the general path's Ray calls use too), after
 (``release``): the rank's loop returns after the frames already written, and the Ray call queued behind it runs next,
 so every rank still sees the group's calls in the order they were made. A reply holding a Batch of
 ``INLINE_BYTES`` or more (or a value of more than ``FRAME_BYTES``) is kept by the rank and taken over Ray's control
-lane (``Host.take_result``), so large payloads still go to the object store and never through the controller.
+lane (``Host.take_result``), so large payloads still go to the object store and never through the controller; it is
+put into the object store when its call returns (``Host._snapshot``: the next call may write into it). A reading call
+waits for a fast reply before it is sent, unless a later call of its group waits behind it: then it carries a Ray
+ref to the outcome, which the rank keeps for it (``ChannelReply.forwardable``, ``Host.retain``/``retained``).
 
 Semantics do not change: the rank runs the same ``Host._call`` (private inputs, padding, stats, traces, errors with
 group, rank and endpoint); cancellation names the call's own id (``Worker.cancelled()`` sees it); deadlines,

@@ -11,6 +11,9 @@ rank's queue); ``loads_call`` puts them back. A ref given as an argument itself 
 before the call: the caller leaves it a top-level argument of the Ray call and puts ``Resolved(i)`` in the frame,
 which ``loads_call`` replaces by that value. ``dumps_frame`` (the socket, which Ray does not see) refuses refs and
 handles with ``NeedsRay``.
+
+Replies too: on the general path a Batch result's Output comes back from the rank as one frame (``Host._reply``),
+which Ray carries as plain bytes; ``read_reply`` reads it in the controller's reply lane and on reading ranks.
 """
 
 from __future__ import annotations
