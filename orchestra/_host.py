@@ -446,7 +446,7 @@ class Host:
         exactly as on the general path; its reply (or error) is written back as one frame."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         served = 0
-        self._session_state(path)
+        session = self._session_state(path)
         try:
             sock.connect(path)  # a rank that cannot connect fails this call: the controller then releases the others
             _channel.send_frame(sock, pickle.dumps(self.rank))
@@ -475,7 +475,7 @@ class Host:
                         kind, payload = "kept", b""
                 except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
                     kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
-                self._fast_done(path, call_id, kind, payload, value)  # before the reply: see Host.retain
+                self._fast_done(session, call_id, kind, payload, value)  # before the reply: see Host.retain
                 try:
                     _channel.send_frame(sock, pickle.dumps((call_id, kind, payload),
                                                            protocol=pickle.HIGHEST_PROTOCOL))
@@ -500,13 +500,12 @@ class Host:
                     self._sessions.popitem(last=False)
             return state
 
-    def _fast_done(self, path: str, call_id: str, kind: str, payload: bytes, value: Any) -> None:
-        """A fast-path call finished: note how far the session got, and hand its outcome to a reader that asked
+    def _fast_done(self, session: list, call_id: str, kind: str, payload: bytes, value: Any) -> None:
+        """A fast-path call finished: note how far its ``session`` got, and hand its outcome to a reader that asked
         (``retain``) — the value as the call returned it (the reply frame, or the kept snapshot), or its error."""
-        state = self._session_state(path)
         with self._fast_cond:
-            state[0] = _channel.call_number(call_id)
-            slot = self._retaining.get(call_id)
+            session[0] = _channel.call_number(call_id)
+            slot = self._retaining.get(call_id) if self._retaining else None
             if slot is not None:
                 if kind == "kept":
                     with self._kept_lock:
