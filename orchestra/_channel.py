@@ -288,12 +288,15 @@ class Channel:
         """A Ray ref to ``reply``'s outcome, which its rank keeps for a reader (``Host.retain``/``retained``); None
         when the call already finished there (its reply is on its way here) or never ran (its reply fails)."""
         host = self._hosts[reply.rank]
+        # both sent before any await: ``retained`` ends the rank's entry whatever happens to this task meanwhile
+        answer_ref = host.retain.remote(self._path, reply.call_id)
+        value_ref = host.retained.remote(reply.call_id)
         try:
-            answer = await host.retain.remote(self._path, reply.call_id)
-        except (ray.exceptions.RayActorError, _backend.RankDied) as e:  # the rank is gone: its reply fails with it
+            answer = await answer_ref
+        except ray.exceptions.RayActorError as e:  # the rank is gone: its reply fails with it
             log.debug("group %r rank %d: retain of %s failed: %r", self.group, reply.rank, reply.call_id, e)
             return None
-        return host.retained.remote(reply.call_id) if answer == "retaining" else None
+        return value_ref if answer == "retaining" else None
 
     @staticmethod
     def new_id() -> str:

@@ -164,10 +164,11 @@ def _method(role: str, name: str, streaming: bool) -> Any:
 class _Retained:
     """A fast-path call's outcome kept for a reader that asked before the call finished (``Host.retain``)."""
 
-    __slots__ = ("path", "outcome")
+    __slots__ = ("path", "decision", "outcome")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None) -> None:
         self.path = path
+        self.decision: str | None = None  # retain's answer: "retaining", "done" or "never"
         self.outcome: tuple[str, Any] | None = None
 
 
@@ -469,10 +470,14 @@ class Host:
                     if kind == "err":  # an error too large for a frame: cut down, it stays an error
                         payload = _frame.dumps_frame(_shrunk(value))
                     else:
-                        kept = self._snapshot(value)
-                        with self._kept_lock:
-                            self._kept[call_id] = kept
-                        kind, payload = "kept", b""
+                        try:
+                            kept = self._snapshot(value)
+                        except Exception as e:  # noqa: BLE001 - a result that cannot be stored fails its call only
+                            kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
+                        else:
+                            with self._kept_lock:
+                                self._kept[call_id] = kept
+                            kind, payload = "kept", b""
                 except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
                     kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
                 self._fast_done(session, call_id, kind, payload, value)  # before the reply: see Host.retain
@@ -506,7 +511,7 @@ class Host:
         with self._fast_cond:
             session[0] = _channel.call_number(call_id)
             slot = self._retaining.get(call_id) if self._retaining else None
-            if slot is not None:
+            if slot is not None and slot.decision == "retaining":
                 if kind == "kept":
                     with self._kept_lock:
                         slot.outcome = ("kept", self._kept[call_id])
@@ -522,7 +527,7 @@ class Host:
         with self._fast_cond:
             state[1] = True
             for slot in self._retaining.values():
-                if slot.path == path and slot.outcome is None:
+                if slot.path == path and slot.decision == "retaining" and slot.outcome is None:
                     slot.outcome = ("never", None)
             self._fast_cond.notify_all()
 
@@ -531,25 +536,33 @@ class Host:
         """A reader of fast-path call ``call_id`` is about to be sent while its reply has not reached the controller:
         "done" when the call already finished here (its reply is on its way: the controller waits for it), "never"
         when its session ended without it, else "retaining": its outcome is kept for ``retained``, which the
-        reader fetches. Decided under the lock the serve loop takes when a call finishes, so nothing is missed."""
+        reader fetches. Decided under the lock the serve loop takes when a call finishes, so nothing is missed.
+        The controller sends ``retained`` with it, always (no await in between): that call ends the entry."""
         n = _channel.call_number(call_id)
         state = self._session_state(path)
         with self._fast_cond:
-            if n <= state[0]:
-                return "done"
-            if state[1]:
-                return "never"
-            self._retaining[call_id] = _Retained(path)
-            return "retaining"
+            slot = self._retaining.get(call_id)
+            if slot is None:
+                slot = self._retaining[call_id] = _Retained(path)
+            slot.path = path
+            slot.decision = "done" if n <= state[0] else "never" if state[1] else "retaining"
+            self._fast_cond.notify_all()
+            return slot.decision
 
     @ray.method(concurrency_group=FORWARD)
     def retained(self, call_id: str) -> Any:
         """The outcome of a fast-path call ``retain`` kept, once it finished: returned as its general-path reply
-        would be (a reader's ``_split_refs`` reads it), or raised. On its own lane: it waits for the call to run."""
+        would be (a reader's ``_split_refs`` reads it), or raised; None when ``retain`` kept nothing (the reader
+        does not read this). On its own lane, since it waits: for ``retain`` (it may run first), then for the call."""
         with self._fast_cond:
-            slot = self._retaining[call_id]
-            self._fast_cond.wait_for(lambda: slot.outcome is not None)
+            slot = self._retaining.get(call_id)
+            if slot is None:
+                slot = self._retaining[call_id] = _Retained(None)
+            self._fast_cond.wait_for(lambda: slot.decision is not None and
+                                     (slot.decision != "retaining" or slot.outcome is not None))
             del self._retaining[call_id]
+        if slot.decision != "retaining":
+            return None
         kind, v = slot.outcome
         if kind == "ok":
             return v  # the reply frame itself

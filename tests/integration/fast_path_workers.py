@@ -93,10 +93,12 @@ class Recorder(Worker):
 
     @endpoint
     def kept_here(self) -> int:
-        """How many fast-path results this rank's host keeps for the controller to take (a test's look inside)."""
+        """How many fast-path results this rank's host keeps for the controller or a reader to take (a test's look
+        inside: ``Host._kept`` and ``Host._retaining``)."""
         import gc
 
-        return sum(len(o._kept) for o in gc.get_objects() if type(o).__name__ == "Host" and hasattr(o, "_kept"))
+        return sum(len(o._kept) + len(o._retaining) for o in gc.get_objects()
+                   if type(o).__name__ == "Host" and hasattr(o, "_kept"))
 
     @endpoint
     def bump_state(self) -> int:

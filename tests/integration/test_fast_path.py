@@ -211,6 +211,7 @@ async def test_a_reader_of_a_running_fast_call_holds_back_no_later_call(g, tmp_p
     assert await down == [["found"]]  # the reply the rank kept for it: as await gives it
     assert await g.note("after") == [(0, "after"), (1, "after")]
     assert g.calls_in_flight() == []
+    assert await g.kept_here() == [0, 0]  # what rank 0 kept for the reader was taken
 
 
 async def test_a_reader_timing_out_before_it_was_sent_says_what_it_waited_for(g):
