@@ -289,8 +289,9 @@ class Channel:
         when the call already finished there (its reply is on its way here) or never ran (its reply fails)."""
         host = self._hosts[reply.rank]
         # both sent before any await: ``retained`` ends the rank's entry whatever happens to this task meanwhile
-        answer_ref = host.retain.remote(self._path, reply.call_id)
-        value_ref = host.retained.remote(reply.call_id)
+        ask = f"{reply.call_id}:{next(_ids)}"  # this reader's own request: several may read one call
+        answer_ref = host.retain.remote(self._path, reply.call_id, ask)
+        value_ref = host.retained.remote(ask)
         try:
             answer = await answer_ref
         except ray.exceptions.RayActorError as e:  # the rank is gone: its reply fails with it

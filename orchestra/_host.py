@@ -162,19 +162,24 @@ def _method(role: str, name: str, streaming: bool) -> Any:
 
 
 class _Retained:
-    """A fast-path call's outcome kept for a reader that asked before the call finished (``Host.retain``)."""
+    """A fast-path call's outcome kept for one reader that asked before the call finished (``Host.retain``)."""
 
-    __slots__ = ("path", "decision", "outcome")
+    __slots__ = ("call_id", "path", "decision", "outcome")
 
-    def __init__(self, path: str | None) -> None:
-        self.path = path
+    def __init__(self) -> None:
+        self.call_id: str | None = None
+        self.path: str | None = None
         self.decision: str | None = None  # retain's answer: "retaining", "done" or "never"
         self.outcome: tuple[str, Any] | None = None
 
 
+_SCALARS = frozenset((type(None), bool, int, float, str))  # replies Ray encodes itself (see Host._reply)
+
+
 def _not_a_frame(value: Any, rank: int) -> Any:
-    """``value`` as a reply that is not a frame: a bare ``bytes`` value inside an Output (see ``Host._reply``)."""
-    return Output(rank, value=value) if type(value) is bytes else value
+    """``value`` as a reply that is not a frame: a bytes-like value inside an Output (see ``Host._reply``; Ray
+    hands a bytearray or a bytes subclass back as plain bytes, which would read as a frame)."""
+    return Output(rank, value=value) if isinstance(value, (bytes, bytearray, memoryview)) else value
 
 
 def _shrunk(e: WorkerError, limit: int = 64 << 10) -> WorkerError:
@@ -510,16 +515,21 @@ class Host:
         (``retain``) — the value as the call returned it (the reply frame, or the kept snapshot), or its error."""
         with self._fast_cond:
             session[0] = _channel.call_number(call_id)
-            slot = self._retaining.get(call_id) if self._retaining else None
-            if slot is not None and slot.decision == "retaining":
-                if kind == "kept":
-                    with self._kept_lock:
-                        slot.outcome = ("kept", self._kept[call_id])
-                elif kind == "ok":
-                    slot.outcome = ("ok", payload)
-                else:
-                    slot.outcome = ("err", value if isinstance(value, BaseException) else _frame.loads_frame(payload))
-                self._fast_cond.notify_all()
+            if not self._retaining:  # the usual case: no reader asked
+                return
+            slots = [s for s in self._retaining.values() if s.call_id == call_id and s.decision == "retaining"]
+            if not slots:
+                return
+            if kind == "kept":
+                with self._kept_lock:
+                    outcome = ("kept", self._kept[call_id])
+            elif kind == "ok":
+                outcome = ("ok", payload)
+            else:
+                outcome = ("err", value if isinstance(value, BaseException) else _frame.loads_frame(payload))
+            for slot in slots:
+                slot.outcome = outcome
+            self._fast_cond.notify_all()
 
     def _session_ended(self, path: str) -> None:
         """A session's loop returned: a reader still waiting for one of its calls waits for a call that never ran."""
@@ -532,35 +542,36 @@ class Host:
             self._fast_cond.notify_all()
 
     @ray.method(concurrency_group=CONTROL)
-    def retain(self, path: str, call_id: str) -> str:
+    def retain(self, path: str, call_id: str, ask: str) -> str:
         """A reader of fast-path call ``call_id`` is about to be sent while its reply has not reached the controller:
         "done" when the call already finished here (its reply is on its way: the controller waits for it), "never"
         when its session ended without it, else "retaining": its outcome is kept for ``retained``, which the
         reader fetches. Decided under the lock the serve loop takes when a call finishes, so nothing is missed.
-        The controller sends ``retained`` with it, always (no await in between): that call ends the entry."""
+        ``ask`` names this reader's request (each reader has its own); the controller sends ``retained`` with it,
+        always (no await in between): that call ends the entry."""
         n = _channel.call_number(call_id)
         state = self._session_state(path)
         with self._fast_cond:
-            slot = self._retaining.get(call_id)
+            slot = self._retaining.get(ask)
             if slot is None:
-                slot = self._retaining[call_id] = _Retained(path)
-            slot.path = path
+                slot = self._retaining[ask] = _Retained()
+            slot.call_id, slot.path = call_id, path
             slot.decision = "done" if n <= state[0] else "never" if state[1] else "retaining"
             self._fast_cond.notify_all()
             return slot.decision
 
     @ray.method(concurrency_group=FORWARD)
-    def retained(self, call_id: str) -> Any:
+    def retained(self, ask: str) -> Any:
         """The outcome of a fast-path call ``retain`` kept, once it finished: returned as its general-path reply
         would be (a reader's ``_split_refs`` reads it), or raised; None when ``retain`` kept nothing (the reader
         does not read this). On its own lane, since it waits: for ``retain`` (it may run first), then for the call."""
         with self._fast_cond:
-            slot = self._retaining.get(call_id)
+            slot = self._retaining.get(ask)
             if slot is None:
-                slot = self._retaining[call_id] = _Retained(None)
+                slot = self._retaining[ask] = _Retained()
             self._fast_cond.wait_for(lambda: slot.decision is not None and
                                      (slot.decision != "retaining" or slot.outcome is not None))
-            del self._retaining[call_id]
+            del self._retaining[ask]
         if slot.decision != "retaining":
             return None
         kind, v = slot.outcome
@@ -571,7 +582,7 @@ class Host:
             return _not_a_frame(ray.get(value) if put else value, self.rank)
         if kind == "err":
             raise v
-        raise RuntimeError(f"fast-path call {call_id} never ran on rank {self.rank}: its channel ended first")
+        raise RuntimeError(f"fast-path call {slot.call_id} never ran on rank {self.rank}: its channel ended first")
 
     def _snapshot(self, value: Any) -> tuple[bool, Any]:
         """A fast-path result kept until the controller takes it, as it is now: put into the object store at once
@@ -603,13 +614,14 @@ class Host:
 
     # -- data plane -----------------------------------------------------------------------------------------------
     def _reply(self, out: Any, role: str, name: str) -> Any:
-        """What an endpoint's Ray call returns: a Batch result's Output pickled into one frame, or the output itself
-        when it holds refs or is larger than a frame (Ray must carry those), and a plain value as it is. Ray carries
-        a ``bytes`` reply as it is; an Output object it pickles with cloudpickle and unpickles in the controller's
-        reply thread, which costs more per call (a 4-row Batch result: ``python -m bench.fast_path``). The controller reads it with ``_frame.read_reply``:
-        ``bytes`` always means a frame, so a bytes value returned as is travels inside an Output. A result that
-        cannot be pickled fails its call with this rank's error, as on the fast path."""
-        if self.runtime.own_process and isinstance(out, Output):  # plain values: Ray's msgpack handles the usual
+        """What an endpoint's Ray call returns: its output pickled into one frame, as the fast path's reply is, or
+        the output itself when it holds refs or is larger than a frame (Ray must carry those), or is a scalar (None,
+        a number, a string: Ray's own encoding of those costs nothing to speak of). Ray carries a ``bytes`` reply as
+        it is, where it pickles an Output with cloudpickle; and a value comes back exactly as the fast path gives it
+        (Ray turns a bytearray in a list into bytes). The controller reads it with ``_frame.read_reply``: ``bytes``
+        always means a frame, so a bytes-like value returned as is travels inside an Output. A result that cannot
+        be pickled fails its call with this rank's error, as on the fast path."""
+        if self.runtime.own_process and type(out) not in _SCALARS:
             try:
                 return _frame.dumps_frame(out)
             except _frame.NeedsRay:

@@ -273,6 +273,22 @@ async def test_a_bytes_value_comes_back_as_bytes(bed):
     assert await g.take_value(fut) == [[value, value]] * 2
 
 
+async def test_bytes_like_values_come_back_as_themselves(bed):
+    """A reply frame is bytes on the wire: a bytes-like value (Ray hands a bytearray or a bytes subclass back as
+    plain bytes) is never read as one, even when it holds what a frame would (it came back as ``{'evil': 1}``)."""
+    import pickle
+
+    import numpy as np
+
+    g = bed["e2"]
+    looks_like_a_frame = b"\x00" + pickle.dumps({"evil": 1})
+    for value in (bytearray(looks_like_a_frame), np.bytes_(looks_like_a_frame), np.bytes_(b"abc")):
+        fut = g.take_value(value)
+        for got in (await fut, await fut, await g.take_value(fut)):
+            flat = got if not isinstance(got[0], list) else [x for row in got for x in row]
+            assert all(type(x) is type(value) and x == value for x in flat), (value, got)
+
+
 async def test_writes_into_a_plain_value_from_outputs_reach_no_await(bed):
     """``outputs()`` hands out its own copy of a plain value, as of rows: a write into it changes neither the first
     await (which takes the reply as received) nor a later ``outputs()``; and a write into what the first await gave

@@ -204,11 +204,13 @@ async def test_a_reader_of_a_running_fast_call_holds_back_no_later_call(g, tmp_p
     await _open(g)
     path = str(tmp_path / "flag")
     up = g.wait_for_file(path)
-    down = g.on_rank_zero(up)
+    down, again = g.on_rank_zero(up), g.on_rank_zero(up)  # two readers: each asks rank 0 to keep it for it
     with anyio.fail_after(50):  # bounded: a result, not a timing (the upstream gives up at 60 s)
         assert await g.make_file(path) == ["made"]
     assert await up == ["found"]
-    assert await down == [["found"]]  # the reply the rank kept for it: as await gives it
+    with anyio.fail_after(50):  # two readers of one call once shared the rank's entry: the first never returned
+        assert await down == [["found"]]  # the reply the rank kept for it: as await gives it
+        assert await again == [["found"]]
     assert await g.note("after") == [(0, "after"), (1, "after")]
     assert g.calls_in_flight() == []
     assert await g.kept_here() == [0, 0]  # what rank 0 kept for the reader was taken
