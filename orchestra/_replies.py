@@ -5,7 +5,8 @@ and a Python callback on Ray's I/O thread, a concurrent future and a loop wake-u
 CPU per reply than a synchronous ``ray.get`` here, on the thread that also receives every other reply. ``batched``
 hands all of one call's reply refs to a *reply lane*, a thread that fetches them with one blocking ``ray.get`` (as a
 synchronous controller would), then resolves every reply future in one loop callback (``python -m bench.replies``
-compares the three ways on the same actors).
+compares the three ways on the same actors). A reply that is a frame (``Host._reply``) is unpickled there too, off
+the event loop (``_frame.read_reply``; a per-ref reply on the loop, ``one``).
 
 Replies not back within ``FAST_WINDOW_S`` (a long call: a training step, a generation), and a call whose ranks
 failed, go to Ray's per-ref async callbacks: a long call never holds a lane, every rank's reply gets its own
