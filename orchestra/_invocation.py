@@ -1281,8 +1281,9 @@ def _plain(e: WorkerError) -> WorkerError:
 
 def _died(e: BaseException, group: str, endpoint: str, rank: int | None) -> WorkerDiedError:
     return WorkerDiedError(
-        f"the worker process died while running this call ({type(e).__name__}); check the worker's log for an OOM "
-        f"kill or crash, then recreate the group", group=group, rank=rank, endpoint=endpoint,
+        f"the worker process{'' if rank is None else f' of rank {rank}'} died while running this call "
+        f"({type(e).__name__}{f': {e}' if isinstance(e, _backend.RankDied) and str(e) else ''}); check the worker's "
+        f"log for an OOM kill or crash, then recreate the group", group=group, rank=rank, endpoint=endpoint,
         exc_type="WorkerDied")
 
 

@@ -316,6 +316,7 @@ async def test_a_rank_that_dies_fails_the_fast_call_with_worker_died():
             with anyio.fail_after(60):  # bounds a broken build only
                 await fut
         assert e.value.group == "dies" and e.value.rank == 1
+        assert "rank 1" in str(e.value), str(e.value)  # the message names it too, as the general path's does
 
 
 async def test_a_rank_that_dies_releases_the_other_ranks_loops():

@@ -31,3 +31,15 @@ def test_a_call_count_below_one_or_not_whole_is_refused(monkeypatch, value):
     monkeypatch.setenv("ORCHESTRA_FAST_PATH_AFTER", value)
     with pytest.raises(ValueError, match="ORCHESTRA_FAST_PATH_AFTER"):
         _channel.threshold()
+
+
+def test_a_rank_death_seen_on_its_socket_names_the_rank():
+    """The fast path learns of a death from the rank's socket, often before supervision does; that error's message
+    named no rank ("the worker process died while running this call (RankDied)")."""
+    import orchestra as orc
+    from orchestra import _backend
+    from orchestra._invocation import convert_error
+
+    err = convert_error(_backend.RankDied("rank 1's fast-path socket closed with 1 call(s) unanswered"), "g", "step", 1)
+    assert isinstance(err, orc.WorkerDiedError) and (err.group, err.rank, err.endpoint) == ("g", 1, "step")
+    assert "rank 1 died" in str(err) and "socket closed" in str(err), str(err)
