@@ -578,8 +578,7 @@ class Host:
         if kind == "ok":
             return v  # the reply frame itself
         if kind == "kept":
-            put, value = v
-            return _not_a_frame(ray.get(value) if put else value, self.rank)
+            return self._unkept(v)
         if kind == "err":
             raise v
         raise RuntimeError(f"fast-path call {slot.call_id} never ran on rank {self.rank}: its channel ended first")
@@ -599,9 +598,12 @@ class Host:
         the object store: their refs travel with Ray, which tracks who holds them); ``discard`` drops it (its call
         already ended)."""
         with self._kept_lock:
-            put, value = self._kept.pop(call_id)
-        if discard:
-            return None
+            kept = self._kept.pop(call_id)
+        return None if discard else self._unkept(kept)
+
+    def _unkept(self, kept: tuple[bool, Any]) -> Any:
+        """A kept result (``_snapshot``) as a Ray reply that is not a frame."""
+        put, value = kept
         return _not_a_frame(ray.get(value) if put else value, self.rank)
 
     @ray.method(concurrency_group=CONTROL)

@@ -38,7 +38,7 @@ from ._errors import (
     WorkerError,
 )
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Layout, Output, PartInfo, RefAt, Source, Span, private_output, rank_value)
+                    Layout, Output, PartInfo, RefAt, Source, Span, rank_value)
 from .dispatch import Plan, check_final, forwarded_as
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
@@ -168,7 +168,8 @@ class Invocation:
         self._deadline_timer: asyncio.TimerHandle | None = None  # ends the call at its deadline (see start)
         self._written: _WriteCheck | None = None  # the caller's Batches as the call was made (see start)
         self._looked = False  # something awaited this call or read it as an input (see failed_calls_not_awaited)
-        self._waiting_for = "its turn to be sent"  # what a call not sent yet waits for (named by its timeout error)
+        self._waiting_for: Any = "its turn to be sent"  # what a call not sent yet waits for: a text, or a data
+        # argument whose inputs it is describing (named when its timeout error is made: ``_waiting_text``)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -390,8 +391,7 @@ class Invocation:
         for a in plan.data_args():
             if id(a) in out:
                 continue
-            self._waiting_for = "its inputs: " + (", ".join(c.where() if isinstance(c, Invocation) else "a Batch"
-                                                           for c in components(a)))
+            self._waiting_for = a
             if isinstance(a, Batch):
                 if plan.shard is not None:
                     out[id(a)] = await anyio.to_thread.run_sync(_describe_batch, a, plan.shard, plan)
@@ -621,11 +621,17 @@ class Invocation:
                 return s
         return None
 
+    def _waiting_text(self) -> str:
+        w = self._waiting_for
+        if isinstance(w, str):
+            return w
+        return "its inputs: " + ", ".join(c.where() if isinstance(c, Invocation) else "a Batch" for c in components(w))
+
     def _timeout_error(self, running: list[int]) -> CallTimeoutError:
         if not self.submitted.done():
             return CallTimeoutError(
                 f"{self.where()}: no result after {self.timeout} s; it was not sent: it waited for "
-                f"{self._waiting_for}. Raise the timeout with .options(timeout=...) or look at what it waited for.",
+                f"{self._waiting_text()}. Raise the timeout with .options(timeout=...) or look at what it waited for.",
                 group=self.group, endpoint=self.endpoint, pending_ranks=[])
         return CallTimeoutError(
             f"{self.where()}: no result after {self.timeout} s; rank(s) {running} still running. Raise the timeout "
@@ -744,13 +750,10 @@ class Invocation:
             ended.remove_done_callback(on_done)
 
     async def outputs(self) -> list[list[Output]]:
-        """Per collected slot, its output headers (waiting for every rank to finish); rows that rode in a reply, and
-        plain values, are copies (``private_output``): the controller's own stay as received, for an await and for
-        forwarding. Once the first await took the replies as received, they are fetched again, as a later await
-        fetches them (what that await's caller wrote into its value must not show here)."""
-        if self._awaited:
-            return await self._fetched_again()
-        return [[private_output(o) for o in outs] for outs in await self._received()]
+        """Per collected slot, its output headers (waiting for every rank to finish), fetched again from the
+        backend as a later await fetches them: rows that rode in a reply and plain values are the caller's own,
+        while the controller's stay as received, for the first await and for forwarding."""
+        return await self._fetched_again()
 
     async def _fetched_again(self) -> list[list[Output]]:
         """Per collected slot, its outputs fetched again from the backend: a fresh deserialization of each reply."""
@@ -979,8 +982,8 @@ async def _forwardable(ref: Any, out: asyncio.Future | None = None,
     loop of chains stays on the fast path), unless ``hurry`` says a later call of the reader's group waits behind
     it: then a Ray ref to the outcome, which the rank keeps for the reader (``ChannelReply.forwardable``). A Ray
     reply already here (``out``, its reply future, done well) that holds Batch rows: the Output as the controller
-    received it (headers, and rows under ``INLINE_BYTES`` that rode in the reply, of which the controller hands out
-    only copies: ``private_output``), so that no reader fetches it from the controller again. Anything else: the
+    received it (headers, and rows under ``INLINE_BYTES`` that rode in the reply, which the controller never hands
+    out: ``outputs()`` fetches its own), so that no reader fetches it from the controller again. Anything else: the
     ref, which the reading rank fetches when the call runs. A Ray reply is never waited for: a reading call is sent
     at once, so that it holds back no later call of its group (a plain value stays in the object store however
     large; an in-process reference cannot leave its process, and is refused by a Ray group's call)."""

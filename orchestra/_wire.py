@@ -7,7 +7,6 @@ so that it is unit-testable without Ray.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from ._batch import Batch, balanced_sizes
 
 __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "overlapping", "reader_cuts",
-           "private_part", "private_output", "private_value", "RefAt",
+           "private_part", "RefAt",
            "REFS_KWARG", "SHARED_KWARG", "FRAME_KWARG", "FRAME_REFS_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
@@ -132,29 +131,6 @@ def private_part(p: PartInfo) -> PartInfo:
     """``p`` with its rows copied when they ride inline (a Batch the controller holds, not a ref): what is handed
     to a caller, so that writing into it reaches no other reader (an await, a call the future is forwarded into)."""
     return replace(p, ref=p.ref.clone()) if isinstance(p.ref, Batch) else p
-
-
-def private_output(o: Output) -> Output:
-    """``o`` with the rows of its inline parts copied (``private_part``), or its plain value copied (``private_value``);
-    ``o`` itself when it holds nothing a write could reach."""
-    if o.parts is None:
-        v = private_value(o.value)
-        return o if v is o.value else replace(o, value=v)
-    if not any(isinstance(p.ref, Batch) for p in o.parts):
-        return o
-    return replace(o, parts=tuple(private_part(p) for p in o.parts))
-
-
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes)
-
-
-def private_value(v: Any) -> Any:
-    """A deep copy of a plain value the controller holds as received (``v`` itself when nothing in it can be
-    written: a number, a string, a tuple of those), so that a write into what a caller is handed reaches no other
-    reader (an await, a later ``outputs()``). Refs and actor handles inside are copied as the same handles."""
-    if isinstance(v, _IMMUTABLE) or (type(v) is tuple and all(isinstance(x, _IMMUTABLE) for x in v)):
-        return v
-    return copy.deepcopy(v)
 
 
 def rank_value(outs: list[Output], rows: Callable[[list[PartInfo]], Any]) -> Any:

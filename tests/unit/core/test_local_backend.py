@@ -63,9 +63,8 @@ async def test_a_killed_rank_fails_its_running_and_queued_calls(backend):
     running, queued = g.block(), g.first()
     backend.kill(g.actors[0])
     for fut in (running, queued):
-        with pytest.raises(orc.WorkerDiedError) as info:
+        with pytest.raises(orc.WorkerDiedError):
             await fut
-        assert info.value.rank == 0 and "rank 0" in str(info.value)  # the message names the rank too
     with pytest.raises(orc.WorkerDiedError):  # the control lane is gone too
         await g.ping()
     await g.aclose()
