@@ -618,9 +618,9 @@ class Host:
     def _reply(self, out: Any, role: str, name: str) -> Any:
         """What an endpoint's Ray call returns: its output pickled into one frame, as the fast path's reply is, or
         the output itself when it holds refs or is larger than a frame (Ray must carry those), or is a scalar (None,
-        a number, a string: Ray's own encoding of those costs nothing to speak of). Ray carries a ``bytes`` reply as
-        it is, where it pickles an Output with cloudpickle; and a value comes back exactly as the fast path gives it
-        (Ray turns a bytearray in a list into bytes). The controller reads it with ``_frame.read_reply``: ``bytes``
+        a number, a string: Ray encodes those itself). Ray carries a ``bytes`` reply as it is, where it pickles an
+        Output with cloudpickle (``python -m bench.reply_encoding``: 4–13 % less wall time for a 4-row Batch result
+        here); and a value comes back exactly as the fast path gives it (Ray turns a bytearray in a list into bytes). The controller reads it with ``_frame.read_reply``: ``bytes``
         always means a frame, so a bytes-like value returned as is travels inside an Output. A result that cannot
         be pickled fails its call with this rank's error, as on the fast path."""
         if self.runtime.own_process and type(out) not in _SCALARS:
