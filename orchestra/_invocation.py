@@ -761,9 +761,9 @@ class Invocation:
         out = []
         for s in self.slots:
             if s.collected:
-                try:
-                    values = [_frame.read_reply(v) if isinstance(r, ray.ObjectRef) else v
-                              for r, v in zip(s.refs, await asyncio.gather(*s.refs))]
+                try:  # a Ray reply's frame read off the event loop (``_replies.one``)
+                    values = await asyncio.gather(*[_replies.one(r) if isinstance(r, ray.ObjectRef) else r
+                                                    for r in s.refs])
                 except _backend.ReplyUnreadable as e:
                     raise convert_error(e, self.group, self.endpoint, s.rank) from None
                 out.append([_as_output(v, s.rank) for v in values])

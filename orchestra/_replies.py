@@ -6,7 +6,7 @@ CPU per reply than a synchronous ``ray.get`` here, on the thread that also recei
 hands all of one call's reply refs to a *reply lane*, a thread that fetches them with one blocking ``ray.get`` (as a
 synchronous controller would), then resolves every reply future in one loop callback (``python -m bench.replies``
 compares the three ways on the same actors). A reply that is a frame (``Host._reply``) is unpickled there too, off
-the event loop (``_frame.read_reply``; a per-ref reply on the loop, ``one``).
+the event loop (``_frame.read_reply``; a per-ref reply on Ray's thread, ``one``).
 
 Replies not back within ``FAST_WINDOW_S`` (a long call: a training step, a generation), and a call whose ranks
 failed, go to Ray's per-ref async callbacks: a long call never holds a lane, every rank's reply gets its own
@@ -180,25 +180,19 @@ def one(ref: Any) -> asyncio.Future:
 
 
 def _per_ref(loop: asyncio.AbstractEventLoop, ref: Any, fut: asyncio.Future) -> None:
-    """Resolve ``fut`` (on ``loop``) from Ray's own async completion of ``ref``: one callback for this ref."""
+    """Resolve ``fut`` (on ``loop``) from Ray's own async completion of ``ref``: one callback for this ref. A frame
+    is read on Ray's thread, where Ray deserialized the reply, not on the event loop."""
     def done(src: concurrent.futures.Future) -> None:  # on Ray's thread
-        _call_soon(loop, _copy, src, fut)
+        if src.cancelled():
+            _call_soon(loop, _cancel, fut)
+        elif src.exception() is not None:
+            _call_soon(loop, _deliver, [(fut, None, src.exception())])
+        else:
+            _call_soon(loop, _deliver, [_read(fut, src.result())])
 
     ref.future().add_done_callback(done)
 
 
-def _copy(src: concurrent.futures.Future, fut: asyncio.Future) -> None:
-    if fut.done():
-        if not src.cancelled():
-            src.exception()  # retrieved: the reply's own future already has its outcome
-        return
-    if src.cancelled():
+def _cancel(fut: asyncio.Future) -> None:
+    if not fut.done():
         fut.cancel()
-    elif src.exception() is not None:
-        fut.set_exception(src.exception())
-    else:
-        _, value, error = _read(fut, src.result())
-        if error is None:
-            fut.set_result(value)
-        else:
-            fut.set_exception(error)
