@@ -10,7 +10,12 @@ given each rank's arguments), which is what verl's blocking controller does (~1.
 Calls: ``await g.noop()`` (broadcast, no argument), ``await g.step(batch)`` (16 rows sharded over the ranks,
 each rank returns a dict of two floats, collected into a list) — a training loop's repeated call — and ``await
 g.read(g.make())`` (``chain``: a DataFuture argument; each rank makes a 4-row Batch, and every rank reads all of
-them; raw: two blocking ``ray.get`` rounds, the second given the first's Batches). ``chains_to_open``: how many
+them). The chain's raw baselines run on N plain Ray actors of the same two methods (``_Bare``): ``raw_sync``, two
+blocking ``ray.get`` rounds, the second given the Batches the first returned (a blocking controller's chain);
+``raw_nested``, the second round sent before the first is fetched, each reader fetching the first round's replies
+itself (what orchestra's general path does for a reader it sends at once: the Ray-level floor of that design);
+``rawnone_sync``, the baseline before 2026-12-04 (the first round returned None, on ``Host.noop``, so it skipped
+making and returning the Batches; kept to compare with earlier runs). ``chains_to_open``: how many
 chains a loop of nothing else makes before its channel opens (None: not within 100). The three are
 interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the controller's CPU ms per call (all
 its threads); ``*_rank_cpu_ms``: each rank process's CPU ms per call (``/proc/<pid>/stat``, averaged over the
@@ -64,9 +69,41 @@ class Stepper(Worker):
         return len(b)
 
 
-def _raw_chain(actors: list, made: list[Batch]) -> list:
-    """A blocking controller's chain: every rank's first call, fetched, then the second call given what it made (a
+@ray.remote(num_cpus=0.01)
+class _Bare:
+    """A plain Ray actor with the chain's two methods, for its raw baselines."""
+
+    def make(self) -> Batch:
+        return Batch.from_dict({"x": torch.arange(4)})
+
+    def read(self, b: list) -> int:
+        return len(b)
+
+    def read_nested(self, box: list) -> int:
+        return len(ray.get(box[0]))  # the refs of the first round's replies, fetched by the reader itself
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _raw_chain(bare: list) -> list:
+    """A blocking controller's chain: every rank's first call, fetched, then the second call given what they made (a
     broadcast reader gets the list of every rank's 4-row Batch)."""
+    made = ray.get([a.make.remote() for a in bare])
+    return ray.get([a.read.remote(made) for a in bare])
+
+
+def _raw_nested_chain(bare: list) -> list:
+    """The chain sent at once: the readers get the first round's reply refs (nested, so each fetches them itself)
+    before those replies are in; the controller fetches the first round too, as an async controller does."""
+    made = [a.make.remote() for a in bare]
+    out = [a.read_nested.remote([made]) for a in bare]
+    ray.get(made)
+    return ray.get(out)
+
+
+def _rawnone_chain(actors: list, made: list[Batch]) -> list:
+    """The chain's baseline before 2026-12-04: its first round returned None (``Host.noop``), not the Batches."""
     ray.get([a.noop.remote() for a in actors])
     return ray.get([a.noop.remote(made) for a in actors])
 
@@ -188,6 +225,9 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
         batch = Batch.from_dict({"x": torch.arange(16)})
         shards = batch.chunk(n)
         made = [Batch.from_dict({"x": torch.arange(4)}) for _ in range(n)]  # what make() gives read() on each rank
+        bare = [_Bare.remote() for _ in range(n)]
+        bare_pids = ray.get([a.pid.remote() for a in bare])
+        assert _raw_chain(bare) == _raw_nested_chain(bare) == [n] * n
         for _ in range(10):  # warm up both paths (the fast group opens its channel here)
             await fast.step(batch)
             await general.step(batch)
@@ -206,13 +246,17 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             "step_raw_sync": (lambda: ray.get([a.noop.remote(s) for a, s in zip(actors, shards)]), False),
             "chain_fast": (lambda: fast.read(fast.make()), True),
             "chain_general": (lambda: general.read(general.make()), True),
-            "chain_raw_sync": (lambda: _raw_chain(actors, made), False),
+            "chain_raw_sync": (lambda: _raw_chain(bare), False),
+            "chain_raw_nested": (lambda: _raw_nested_chain(bare), False),
+            "chain_rawnone_sync": (lambda: _rawnone_chain(actors, made), False),
             "noop_socket_floor": (lambda: floor.noop(), True),
             "step_socket_floor": (lambda: floor.step(batch), True),
         }
         pids = {"fast": [d["pid"] for d in await fast.describe()],
                 "general": [d["pid"] for d in await general.describe()],
                 "raw_sync": [d["pid"] for d in await general.describe()],
+                "chain_raw_sync": bare_pids, "raw_nested": bare_pids,
+                "rawnone_sync": [d["pid"] for d in await general.describe()],
                 "socket_floor": [p.pid for p in floor.procs]}
         assert await fast.read(fast.make()) == [4] * n and fast._shared.channel is not None  # a chain stays on it
         wall: dict[str, list[float]] = {k: [] for k in cases}
@@ -221,7 +265,8 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
         calls_before = fast._shared.fast_calls
         for _ in range(rounds):
             for k, (fn, is_async) in cases.items():
-                await _sample(fn, iters, is_async, wall[k], cpu[k], pids[k.split("_", 1)[1]], rank_cpu[k])
+                await _sample(fn, iters, is_async, wall[k], cpu[k], pids.get(k) or pids[k.split("_", 1)[1]],
+                              rank_cpu[k])
         fast_calls = fast._shared.fast_calls - calls_before
         floor.close()
 
@@ -251,6 +296,8 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
         out[f"{k}_ms"] = round(statistics.median(wall[k]), 4)
         out[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]), 4)
         out[f"{k}_rank_cpu_ms"] = round(statistics.median(rank_cpu[k]), 4)
+    out["chain_general_over_raw_sync"] = round(out["chain_general_ms"] / out["chain_raw_sync_ms"], 2)
+    out["chain_general_over_raw_nested"] = round(out["chain_general_ms"] / out["chain_raw_nested_ms"], 2)
     for c in ("noop", "step", "chain"):
         out[f"{c}_fast_vs_raw_sync"] = round(out[f"{c}_raw_sync_ms"] / out[f"{c}_fast_ms"], 2)
         out[f"{c}_fast_vs_general"] = round(out[f"{c}_general_ms"] / out[f"{c}_fast_ms"], 2)

@@ -50,7 +50,7 @@ from typing import Any
 
 import ray
 
-from . import _backend
+from . import _backend, _replies
 from ._frame import loads_frame
 
 __all__ = ["Channel", "ChannelReply", "call_number", "recv_frame", "send_frame", "enabled", "threshold"]
@@ -137,8 +137,8 @@ class ChannelReply:
     async def _fetch(self) -> Any:
         await asyncio.shield(self.out)
         if self.ray_ref is not None:
-            return await self.ray_ref
-        return loads_frame(self.payload)
+            return await _replies.one(self.ray_ref)  # its frame read off the event loop
+        return loads_frame(self.payload, private=True)  # each read its own buffers: the bytes are read again
 
     def __await__(self) -> Any:
         return self._fetch().__await__()
@@ -157,7 +157,7 @@ class ChannelReply:
                 if ref is not None:
                     return ref
         await asyncio.shield(self.out)
-        # a fresh copy: the first awaiter may have written into the value it got
+        # unpickled again (from bytes every read copies first): only pickled into the reader's frame
         return self.ray_ref if self.ray_ref is not None else loads_frame(self.payload)
 
     def __repr__(self) -> str:
@@ -404,7 +404,7 @@ class Channel:
             return
         if kind in ("ok", "err"):
             try:
-                value = loads_frame(payload)
+                value = loads_frame(payload, private=True)  # the first copy: later reads unpickle ``payload`` again
             except Exception as e:  # noqa: BLE001 - e.g. a class the controller cannot import: this call fails
                 reply.out.set_exception(_backend.ReplyUnreadable(e))
                 return
@@ -422,7 +422,7 @@ class Channel:
             asyncio.wrap_future(ref.future()).add_done_callback(_retrieve)
             return
         reply.ray_ref = ref
-        wrapped = asyncio.wrap_future(ref.future())
+        wrapped = _replies.one(ref)  # the kept result's frame (``Host._snapshot``), read off the event loop
 
         def copy(f: asyncio.Future) -> None:
             if reply.out.done():

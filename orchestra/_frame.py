@@ -132,12 +132,15 @@ def dumps_frame(obj: Any, limit: int = FRAME_BYTES) -> bytes:
     return _framed(*_pickle(obj, _refuse), limit)
 
 
-def loads_frame(data: bytes) -> Any:
+def loads_frame(data: bytes, private: bool = False) -> Any:
     """The object ``dumps_frame`` pickled; its out-of-band buffers are read-only views of ``data`` (a numpy array
-    arrives read-only, as from Ray's object store)."""
+    arrives read-only, as from Ray's object store). A Batch's tensors are views too, and torch lets them be
+    written: ``private`` unpickles from a copy of ``data``, for bytes that are read again (a fast-path reply)."""
     view = memoryview(data)
     if view[:1] == _PLAIN:
         return pickle.loads(view[1:])
+    if private:
+        data = view = memoryview(bytes(view))  # a copy: every read of ``data`` gets buffers of its own
     n, body = struct.unpack_from("!IQ", data, 1)
     sizes = struct.unpack_from(f"!{n}Q", data, 13)
     at = 13 + 8 * n

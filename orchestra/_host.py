@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -37,6 +38,7 @@ log = logging.getLogger("orchestra")
 __all__ = ["Host"]
 
 PART_BYTES = int(os.environ.get("ORCHESTRA_PART_BYTES", 8 << 20))
+_UNBOUNDED = sys.maxsize  # a reply frame's size limit: none (a large value Ray hands out as a copy; see _reply)
 MIN_PART_BYTES = 1 << 20
 
 
@@ -590,7 +592,10 @@ class Host:
         kept as it is: its rows are already stored parts, and the Output is frozen. (put?, value or its ref)."""
         if isinstance(value, Output):
             return False, value
-        return True, self.runtime.put(value)
+        try:  # a frame (bytes), as the general path's reply would be: each read of it gets buffers of its own
+            return True, self.runtime.put(_frame.dumps_frame(value, limit=_UNBOUNDED))
+        except _frame.NeedsRay:  # it holds a ref: only Ray may carry it
+            return True, self.runtime.put(value)
 
     @ray.method(concurrency_group=CONTROL)
     def take_result(self, call_id: str, discard: bool = False) -> Any:
@@ -602,9 +607,12 @@ class Host:
         return None if discard else self._unkept(kept)
 
     def _unkept(self, kept: tuple[bool, Any]) -> Any:
-        """A kept result (``_snapshot``) as a Ray reply that is not a frame."""
+        """A kept result (``_snapshot``) as a Ray reply: its frame, or the value when it holds a ref."""
         put, value = kept
-        return _not_a_frame(ray.get(value) if put else value, self.rank)
+        if not put:
+            return value
+        got = ray.get(value)
+        return got if type(got) is bytes else _not_a_frame(got, self.rank)  # ``bytes``: the frame _snapshot made
 
     @ray.method(concurrency_group=CONTROL)
     def discard_kept(self, call_ids: list[str]) -> None:
@@ -617,16 +625,18 @@ class Host:
     # -- data plane -----------------------------------------------------------------------------------------------
     def _reply(self, out: Any, role: str, name: str) -> Any:
         """What an endpoint's Ray call returns: its output pickled into one frame, as the fast path's reply is, or
-        the output itself when it holds refs or is larger than a frame (Ray must carry those), or is a scalar (None,
-        a number, a string: Ray encodes those itself). Ray carries a ``bytes`` reply as it is, where it pickles an
+        the output itself when it holds refs (Ray must carry those) or is a scalar (None, a number, a string: Ray
+        encodes those itself). A frame of any size: Ray hands a large one out of its object store as a ``bytes``
+        copy, so the Batches a plain value holds are each reader's own (as an object, they were writable views of
+        the store's shared memory: ``test_writes_into_a_batch_inside_a_plain_value_reach_no_other_reader``). Ray carries a ``bytes`` reply as it is, where it pickles an
         Output with cloudpickle (``python -m bench.reply_encoding``: 4–13 % less wall time for a 4-row Batch result
         here); and a value comes back exactly as the fast path gives it (Ray turns a bytearray in a list into bytes). The controller reads it with ``_frame.read_reply``: ``bytes``
         always means a frame, so a bytes-like value returned as is travels inside an Output. A result that cannot
         be pickled fails its call with this rank's error, as on the fast path."""
         if self.runtime.own_process and type(out) not in _SCALARS:
             try:
-                return _frame.dumps_frame(out)
-            except _frame.NeedsRay:
+                return _frame.dumps_frame(out, limit=_UNBOUNDED)
+            except _frame.NeedsRay:  # it holds a ref
                 pass
             except Exception as e:  # noqa: BLE001 - the call fails with it, naming rank and endpoint
                 raise self._error(e, role, name) from None

@@ -307,6 +307,19 @@ class Scorer(Worker):
         return self.rank, x
 
     @endpoint(D.broadcast())
+    def rows_in_dict(self, n: int) -> dict:
+        """A plain value holding a Batch of ``n`` float64 rows 0..n-1 (over 1 MiB from 131 073 rows)."""
+        return {"b": Batch.from_dict({"x": torch.arange(n, dtype=torch.float64)}), "rank": self.rank}
+
+    @endpoint(D.broadcast())
+    def scribble(self, values: list) -> list[float]:
+        """Each rank's value from ``rows_in_dict`` as this rank got it: the sums it saw, then -1 written into it."""
+        seen = [float(v["b"]["x"].sum()) for v in values]
+        for v in values:
+            v["b"]["x"][:] = -1
+        return seen
+
+    @endpoint(D.broadcast())
     def tensor_of(self, n: int) -> torch.Tensor:
         """A new tensor of ``n`` bytes (a plain value: it travels in the reply, and the controller can weakref it)."""
         return torch.full((n,), self.rank, dtype=torch.uint8)

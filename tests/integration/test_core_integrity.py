@@ -154,6 +154,37 @@ async def test_a_batch_result_travels_as_one_frame_and_reads_back_the_same(score
 
 
 @pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("rows", [8, 200_000])  # in a frame; over 1 MiB (kept on the fast path's ranks)
+async def test_writes_into_a_batch_inside_a_plain_value_reach_no_other_reader(scorers, fast, rows):
+    """A Batch inside a plain value (a dict) is each reader's own, whichever path its call took and however
+    large: a write into the first await, into ``outputs()`` or on a reading rank changes no later await and no
+    other reader. (The fast path unpickled every read of a small reply from the same bytes, so its tensors were
+    views of them; a large one read from the object store was a writable view of its shared memory.)"""
+    g2 = scorers[2]
+    on = g2.fast_path
+    g2.fast_path = fast
+    try:
+        for _ in range(6 if fast else 0):  # repeated small calls: the fast path's channel opens
+            await g2.rank_and(0)
+        total = float(sum(range(rows)))
+        before = g2._shared.fast_calls
+        fut = g2.rows_in_dict(rows)
+        first = await fut
+        first[0]["b"]["x"][:] = -5
+        assert [float(v["b"]["x"].sum()) for v in await fut] == [total, total]
+        for outs in await fut.outputs():
+            outs[0].value["b"]["x"][:] = -6
+        assert [float(v["b"]["x"].sum()) for v in await fut] == [total, total]
+        assert await g2.scribble(fut) == [[total, total]] * 2  # each rank writes -1 into what it got
+        assert await g2.scribble(fut) == [[total, total]] * 2  # the next readers got the producer's rows
+        assert [float(v["b"]["x"].sum()) for v in await fut] == [total, total]
+        if fast and rows == 8:
+            assert g2._shared.fast_calls - before == 3  # the call and both readers took the fast path
+    finally:
+        g2.fast_path = on
+
+
+@pytest.mark.parametrize("fast", [False, True])
 async def test_a_batch_result_that_cannot_travel_fails_with_its_ranks_error(scorers, fast):
     """Rows the reply cannot carry fail the call with a WorkerError naming group, rank and endpoint, on either
     path: a column that cannot be pickled, and one whose class the controller cannot import."""
