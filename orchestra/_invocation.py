@@ -194,7 +194,8 @@ class Invocation:
             finally:
                 gate.release(self._ticket)
             return
-        self._written = _WriteCheck(plan)  # sent later: the caller's Batches must still be as they were now
+        self.plan = plan = _held(plan)  # sent later: its other arguments as they are now (a copy)
+        self._written = _WriteCheck(plan)  # and the caller's Batches must still be as they were now
         self._root = self.loop.create_task(self._run(), name=f"orchestra:{self.group}.{self.endpoint}")
         self._root.add_done_callback(_retrieve_task)
 
@@ -863,6 +864,34 @@ class Invocation:
         self.shared.live.discard(self)
 
 
+_IMMUTABLE = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _held(plan: Plan) -> Plan:
+    """``plan`` with its plain arguments as they are now, for a call sent later than it is made: each pickled and
+    unpickled here (a rank gets a copy either way), so a caller's write before the send reaches no rank, as for a
+    call sent at once (before, they were read at send time: on the fast path, a reader of a running call got them as
+    they were when that call replied, where the general path had sent them). Batches stay: ``_WriteCheck`` refuses
+    one written meanwhile (copying would cost a copy of every large argument); so do DataFutures and immutable
+    scalars."""
+    def held(a: Any) -> Any:
+        if type(a) in _IMMUTABLE or isinstance(a, Batch) or hasattr(type(a), "_orc_sources"):
+            return a
+        try:
+            return _frame.loads_frame(_frame.dumps_frame(a, limit=_UNBOUNDED), private=True)
+        except Exception:  # noqa: BLE001 - not lost: the send pickles it again and names it (or Ray carries its refs)
+            return a
+
+    def args_of(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(held(a) for a in args), {k: held(v) for k, v in kwargs.items()}
+
+    args, kwargs = args_of(plan.args, plan.kwargs)
+    return plan.with_(args=args, kwargs=kwargs, per_rank={r: args_of(*ak) for r, ak in plan.per_rank.items()})
+
+
+_UNBOUNDED = 1 << 62  # no size limit on the copy ``_held`` makes
+
+
 class _WriteCheck:
     """The caller's Batches of a call as it was made, to refuse sending them changed. A call sent later than it was
     made (its Batch large and stored first, a union with a future, its group starting, calls queued before it)
@@ -898,12 +927,25 @@ class _WriteCheck:
 
 def _mark(b: Batch) -> tuple:
     tensors = {k: (t, t._version) for k, t in b.tensors.items(include_nested=True, leaves_only=True)}
-    return tuple(b.keys()), tensors, {k: (a, a.copy()) for k, a in b.non_tensors.items()}, dict(b.meta)
+    return (tuple(b.keys()), tensors, {k: (a, _fingerprint(a)) for k, a in b.non_tensors.items()}, dict(b.meta),
+            _fingerprint(b.meta))
+
+
+def _fingerprint(x: Any) -> bytes | None:
+    """What ``x`` holds, to compare: a numeric array's bytes (-0.0 is not 0.0 here), anything else (an object
+    column, the meta) pickled, so a dict inside it written in place shows. None: it cannot be pickled (its send
+    says so), compared by identity."""
+    if isinstance(x, np.ndarray) and x.dtype != object:
+        return x.tobytes()
+    try:
+        return _frame.dumps_frame(x, limit=_UNBOUNDED)
+    except Exception:  # noqa: BLE001 - not lost: the send pickles it again and names what failed
+        return None
 
 
 def _changed(b: Batch, mark: tuple) -> str | None:
     """What changed in ``b`` since ``mark`` (None: nothing)."""
-    keys, tensors, non_tensors, meta = mark
+    keys, tensors, non_tensors, meta, meta_print = mark
     if tuple(b.keys()) != keys:
         added, gone = sorted(set(b.keys()) - set(keys), key=str), sorted(set(keys) - set(b.keys()), key=str)
         return f"column(s) {', '.join(map(repr, added + gone))} {'added' if added else 'removed'}"
@@ -913,18 +955,18 @@ def _changed(b: Batch, mark: tuple) -> str | None:
             return f"column {k!r} replaced"
         if t._version != version:
             return f"column {k!r} written in place"
-    for k, (arr, a) in non_tensors.items():
+    for k, (arr, printed) in non_tensors.items():
         cur = b.non_tensors[k]
         if cur is not arr:
             return f"column {k!r} replaced"
-        if cur.shape != a.shape:
-            return f"column {k!r} changed"
-        same = (all(x is y for x, y in zip(cur.ravel(), a.ravel())) if a.dtype == object  # objects: by identity
-                else np.array_equal(cur, a, equal_nan=a.dtype.kind in "fc"))
-        if not same:
+        if printed is None:
+            continue
+        if _fingerprint(cur) != printed:
             return f"column {k!r} changed"
     if b.meta.keys() != meta.keys() or any(b.meta[k] is not v for k, v in meta.items()):
         return "its meta changed"
+    if meta_print is not None and _fingerprint(b.meta) != meta_print:
+        return "its meta changed in place"
     return None
 
 

@@ -56,3 +56,53 @@ async def test_a_non_tensor_column_written_after_a_large_call_was_made_fails_the
     mine["tag"][3] = "b"
     with pytest.raises(orc.DispatchError, match=r"written after the call was made \(column 'tag' changed\)"):
         await fut
+
+
+@pytest.mark.parametrize("how", ["queued", "reads a future"])
+async def test_a_plain_argument_of_a_call_sent_later_is_as_it_was_when_the_call_was_made(bed, how):
+    """A call's other arguments (a dict, a list, an array, a tensor) are taken when the call is made, as a call
+    sent at once takes them: a caller's write before the call is sent reaches no rank. They were read at send time,
+    with no check, so the ranks got the values as written (or, on the fast path, a reader of a call still running
+    got them as they were when that call replied, where the general path sent them at once)."""
+    import numpy as np
+
+    g = bed["e2"]
+    cfg = {"k": "orig", "lst": [1], "arr": np.zeros(3), "t": torch.zeros(3)}
+    offsets = [10, 20]
+    if how == "queued":  # a call queued before it: it is sent when that one is
+        g.echo(g.echo(xs(4)))
+        fut = g.take_value(cfg)
+        rows = g.offset_rows(xs(4), offsets)
+    else:  # it reads a future: it is sent once that call's outputs are known
+        g.take_value(g.make_value())  # queued before it, reading a future
+        fut = g.take_value(cfg)
+        rows = g.offset_rows(g.echo(xs(4)), offsets)
+    cfg["k"], cfg["arr"][0], cfg["t"][0] = "changed", 7.0, 7.0
+    cfg["lst"].append(2)
+    offsets[0] = 1000
+    for got in await fut:  # one per rank
+        assert got["k"] == "orig" and got["lst"] == [1]
+        assert got["arr"].tolist() == [0.0] * 3 and got["t"].tolist() == [0.0] * 3
+    assert (await rows)["x"].tolist() == [10, 11, 22, 23]
+
+
+@pytest.mark.parametrize("how", ["negative zero", "object in place", "meta in place"])
+async def test_a_batch_written_in_place_beyond_its_tensors_fails_a_call_sent_later(bed, how):
+    """A write the check missed: -0.0 over 0.0 in a numeric column (equal as numbers, not as bytes), an object of
+    an object column changed in place, and a meta value changed in place (compared by identity before)."""
+    import numpy as np
+
+    g = bed["e2"]
+    mine = Batch.from_dict({"x": torch.arange(4), "f": np.zeros(4), "o": [{"i": 1} for _ in range(4)]})
+    mine.meta["cfg"] = {"lr": 0.1}
+    g.echo(g.echo(xs(4)))  # queued before it: the call is sent later
+    fut = g.echo(mine)
+    if how == "negative zero":
+        mine["f"][1] = -0.0
+    elif how == "object in place":
+        mine["o"][0]["i"] = 100
+    else:
+        mine.meta["cfg"]["lr"] = 100
+    with pytest.raises(orc.DispatchError, match=r"written after the call was made"):
+        await fut
+    assert (await g.echo(xs(8)))["x"].tolist() == list(range(8))

@@ -40,7 +40,8 @@ async def test_unserializable_rows_for_one_rank_run_on_no_rank(scorers):
 
 async def test_a_calls_arguments_are_pickled_once_for_the_check_and_the_send(scorers):
     """The bytes checked before any rank is sent anything are the bytes the ranks unpickle: one pickle of an argument
-    that every rank is given, and one per rank when each rank's call differs (it reads its own parts)."""
+    that every rank is given, and one per rank when each rank's call differs (it reads its own parts), plus one when
+    the call is made for a call sent later (its arguments as they were then: ``_held``)."""
     g4 = scorers[4]
     on = g4.fast_path
     g4.fast_path = False  # the general path: Ray carries each rank's frame
@@ -51,7 +52,7 @@ async def test_a_calls_arguments_are_pickled_once_for_the_check_and_the_send(sco
         Counted.pickled = 0
         out = await g4.tagged(g4.echo(xs(8)), Counted(3))  # a future: each rank's frame names its own parts
         assert out["tag"].tolist() == [3] * 8 and out["x"].tolist() == list(range(8))
-        assert Counted.pickled == 4
+        assert Counted.pickled == 5  # sent after its input's call: taken as it was when made, then one per rank
     finally:
         g4.fast_path = on
 
