@@ -791,6 +791,13 @@ class _Endpoint:
         shared = g._shared
         if shared.closed is not None:
             raise closed_error(g.name, shared.closed)
+        home = shared.home_loop()
+        if home is not None and _runtime.runs_elsewhere(home):
+            raise RuntimeError(
+                f"group {g.name!r}, endpoint {spec.name!r}: called in thread {threading.current_thread().name!r}, "
+                f"but the group's event loop runs in another thread, where its calls live (two loops' calls would "
+                f"race for its call order); nothing was sent. Make the call on that loop: "
+                f"asyncio.run_coroutine_threadsafe(<coroutine awaiting the call>, loop)")
         shared.follow_loop()
         death = shared.first_death()
         if death is not None:

@@ -781,3 +781,27 @@ async def test_describe_and_stats(bed):
     st = [s["scale_x"] for s in await g.stats()]
     assert [s["calls"] for s in st] == [1, 1] and [s["rows_out"] for s in st] == [3, 2]
     assert await g.ping() == [0, 1]
+
+
+async def test_a_call_from_another_thread_while_the_groups_loop_runs_is_refused(bed):
+    """A group's calls live on its event loop. A call made on another loop in another thread while that loop ran
+    was accepted, and under load some such calls never completed and the ranks saw the two loops' calls in
+    different orders; it is now refused before anything is sent, naming what to do instead."""
+    import asyncio
+
+    g = bed["e2"]
+    before = await g.seen_calls()
+
+    async def call() -> object:
+        return await g.seen_calls()
+
+    def from_another_thread() -> object:
+        return asyncio.run(call())
+
+    with pytest.raises(RuntimeError, match=r"group 'e2'.*endpoint 'seen_calls'.*another thread.*run_coroutine_threadsafe"):
+        await anyio.to_thread.run_sync(from_another_thread)
+    assert await g.seen_calls() == before  # the group works
+    loop = asyncio.get_running_loop()
+    got = await anyio.to_thread.run_sync(
+        lambda: asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=60))
+    assert got == before  # handed to the group's loop, as the message says
