@@ -115,10 +115,10 @@ class _CloudPickler(cloudpickle.CloudPickler):
         super().__init__(file, **kwargs)
 
 
-def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int) -> bytes:
+def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int | None) -> bytes:
     raws = [b.raw() for b in buffers]
     size = buf.tell() + sum(r.nbytes for r in raws)
-    if size > limit:
+    if limit is not None and size > limit:
         raise NeedsRay(f"{size} bytes")
     if not raws:
         return _PLAIN + buf.getvalue()
@@ -126,8 +126,8 @@ def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int) -> 
     return b"".join([head, buf.getvalue(), *raws])
 
 
-def dumps_frame(obj: Any, limit: int = FRAME_BYTES) -> bytes:
-    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than ``limit``. Out-of-band buffers
+def dumps_frame(obj: Any, limit: int | None = FRAME_BYTES) -> bytes:
+    """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than ``limit`` (None: no limit). Out-of-band buffers
     (numpy arrays) travel after the pickle, so that ``loads_frame`` hands them out read-only, as Ray does."""
     return _framed(*_pickle(obj, _refuse), limit)
 

@@ -444,6 +444,15 @@ def _on_this_node(node_ids: list[Any]) -> bool:
     return bool(node_ids) and all(n == here for n in node_ids)
 
 
+def _refuse_off_its_loop(shared: Any, what: str, fix: str) -> None:
+    """Refuse ``what`` (RuntimeError, nothing changed) while the group's event loop runs in another thread: its
+    calls and supervision live there, and are touched from that thread only."""
+    loop = shared.home_loop()
+    if loop is not None and _runtime.runs_elsewhere(loop):
+        raise RuntimeError(f"{what} in thread {threading.current_thread().name!r}, but the group's event loop runs "
+                           f"in another thread, where its calls and supervision live; nothing was changed. {fix}")
+
+
 def _cancel_on_its_loop(f: asyncio.Future) -> None:
     """Cancel ``f`` on the loop it belongs to: here, or scheduled there; nothing when that loop is closed."""
     loop = f.get_loop()
@@ -673,13 +682,9 @@ class WorkerGroup:
         The group's calls and supervision live on the event loop it is used from: while that loop runs in another
         thread, this refuses (RuntimeError, nothing changed); hand the close to it instead with
         ``asyncio.run_coroutine_threadsafe(group.aclose(), loop).result()``."""
-        loop = self._shared.home_loop()
-        if loop is not None and _runtime.runs_elsewhere(loop):
-            raise RuntimeError(
-                f"group {self.name!r}: shutdown() was called in thread {threading.current_thread().name!r}, but the "
-                f"group's event loop runs in another thread, where its calls and supervision live; nothing was "
-                f"changed. Close it on that loop: asyncio.run_coroutine_threadsafe(group.aclose(), loop).result() "
-                f"from this thread, or await group.aclose() there")
+        _refuse_off_its_loop(self._shared, f"group {self.name!r}: shutdown() was called",
+                             "Close it on that loop: asyncio.run_coroutine_threadsafe(group.aclose(), loop).result() "
+                             "from this thread, or await group.aclose() there")
         hosts = self._shared.close()
         if hosts or self._shared.holds_pool_ref():
             self._shared.finish_close(hosts)
@@ -791,13 +796,9 @@ class _Endpoint:
         shared = g._shared
         if shared.closed is not None:
             raise closed_error(g.name, shared.closed)
-        home = shared.home_loop()
-        if home is not None and _runtime.runs_elsewhere(home):
-            raise RuntimeError(
-                f"group {g.name!r}, endpoint {spec.name!r}: called in thread {threading.current_thread().name!r}, "
-                f"but the group's event loop runs in another thread, where its calls live (two loops' calls would "
-                f"race for its call order); nothing was sent. Make the call on that loop: "
-                f"asyncio.run_coroutine_threadsafe(<coroutine awaiting the call>, loop)")
+        _refuse_off_its_loop(shared, f"group {g.name!r}, endpoint {spec.name!r}: called",
+                             "Two loops' calls would race for its call order. Make the call on that loop: "
+                             "asyncio.run_coroutine_threadsafe(<coroutine awaiting the call>, loop)")
         shared.follow_loop()
         death = shared.first_death()
         if death is not None:

@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -38,7 +37,6 @@ log = logging.getLogger("orchestra")
 __all__ = ["Host"]
 
 PART_BYTES = int(os.environ.get("ORCHESTRA_PART_BYTES", 8 << 20))
-_UNBOUNDED = sys.maxsize  # a reply frame's size limit: none (a large value Ray hands out as a copy; see _reply)
 MIN_PART_BYTES = 1 << 20
 
 
@@ -593,7 +591,7 @@ class Host:
         if isinstance(value, Output):
             return False, value
         try:  # a frame (bytes), as the general path's reply would be: each read of it gets buffers of its own
-            return True, self.runtime.put(_frame.dumps_frame(value, limit=_UNBOUNDED))
+            return True, self.runtime.put(_frame.dumps_frame(value, limit=None))
         except _frame.NeedsRay:  # it holds a ref: only Ray may carry it
             return True, self.runtime.put(value)
 
@@ -635,7 +633,7 @@ class Host:
         be pickled fails its call with this rank's error, as on the fast path."""
         if self.runtime.own_process and type(out) not in _SCALARS:
             try:
-                return _frame.dumps_frame(out, limit=_UNBOUNDED)
+                return _frame.dumps_frame(out, limit=None)
             except _frame.NeedsRay:  # it holds a ref
                 pass
             except Exception as e:  # noqa: BLE001 - the call fails with it, naming rank and endpoint

@@ -878,7 +878,7 @@ def _held(plan: Plan) -> Plan:
         if type(a) in _IMMUTABLE or isinstance(a, Batch) or hasattr(type(a), "_orc_sources"):
             return a
         try:
-            return _frame.loads_frame(_frame.dumps_frame(a, limit=_UNBOUNDED), private=True)
+            return _frame.loads_frame(_frame.dumps_frame(a, limit=None))  # fresh bytes: no one else reads them
         except Exception:  # noqa: BLE001 - not lost: the send pickles it again and names it (or Ray carries its refs)
             return a
 
@@ -887,9 +887,6 @@ def _held(plan: Plan) -> Plan:
 
     args, kwargs = args_of(plan.args, plan.kwargs)
     return plan.with_(args=args, kwargs=kwargs, per_rank={r: args_of(*ak) for r, ak in plan.per_rank.items()})
-
-
-_UNBOUNDED = 1 << 62  # no size limit on the copy ``_held`` makes
 
 
 class _WriteCheck:
@@ -938,7 +935,7 @@ def _fingerprint(x: Any) -> bytes | None:
     if isinstance(x, np.ndarray) and x.dtype != object:
         return x.tobytes()
     try:
-        return _frame.dumps_frame(x, limit=_UNBOUNDED)
+        return _frame.dumps_frame(x, limit=None)
     except Exception:  # noqa: BLE001 - not lost: the send pickles it again and names what failed
         return None
 

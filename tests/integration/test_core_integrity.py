@@ -7,7 +7,9 @@ in-process by tests/unit/core/test_group_semantics_local.py and on both backends
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -20,6 +22,20 @@ from orc_test_workers import Counted, Pinger, Secret, redact, unredact
 
 def xs(n: int) -> Batch:
     return Batch.from_dict({"x": torch.arange(n)})
+
+
+@contextlib.asynccontextmanager
+async def _on_path(g: orc.WorkerGroup, fast: bool) -> AsyncIterator[None]:
+    """``g``'s calls on the fast path (its channel opened by repeated small calls) or the general path, for the
+    block; the group's setting as it was after."""
+    on = g.fast_path
+    g.fast_path = fast
+    try:
+        for _ in range(6 if fast else 0):
+            await g.rank_and(0)
+        yield
+    finally:
+        g.fast_path = on
 
 
 async def test_unserializable_rows_for_one_rank_run_on_no_rank(scorers):
@@ -162,11 +178,7 @@ async def test_writes_into_a_batch_inside_a_plain_value_reach_no_other_reader(sc
     other reader. (The fast path unpickled every read of a small reply from the same bytes, so its tensors were
     views of them; a large one read from the object store was a writable view of its shared memory.)"""
     g2 = scorers[2]
-    on = g2.fast_path
-    g2.fast_path = fast
-    try:
-        for _ in range(6 if fast else 0):  # repeated small calls: the fast path's channel opens
-            await g2.rank_and(0)
+    async with _on_path(g2, fast):
         total = float(sum(range(rows)))
         before = g2._shared.fast_calls
         fut = g2.rows_in_dict(rows)
@@ -181,8 +193,6 @@ async def test_writes_into_a_batch_inside_a_plain_value_reach_no_other_reader(sc
         assert [float(v["b"]["x"].sum()) for v in await fut] == [total, total]
         if fast and rows == 8:
             assert g2._shared.fast_calls - before == 3  # the call and both readers took the fast path
-    finally:
-        g2.fast_path = on
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -190,11 +200,7 @@ async def test_a_batch_result_that_cannot_travel_fails_with_its_ranks_error(scor
     """Rows the reply cannot carry fail the call with a WorkerError naming group, rank and endpoint, on either
     path: a column that cannot be pickled, and one whose class the controller cannot import."""
     g2 = scorers[2]
-    on = g2.fast_path
-    g2.fast_path = fast
-    try:
-        for _ in range(6 if fast else 0):  # repeated small calls: the fast path's channel opens
-            await g2.rank_and(0)
+    async with _on_path(g2, fast):
         with pytest.raises(orc.WorkerError, match="lock") as e:
             await g2.rows_with("lock")
         assert (e.value.group, e.value.endpoint) == (g2.name, "rows_with") and e.value.rank in (0, 1)
@@ -202,5 +208,3 @@ async def test_a_batch_result_that_cannot_travel_fails_with_its_ranks_error(scor
             await g2.rows_with("rank_class")
         assert (e.value.group, e.value.endpoint) == (g2.name, "rows_with") and e.value.rank in (0, 1)
         assert await g2.rank_and(1) == [(0, 1), (1, 1)]
-    finally:
-        g2.fast_path = on
