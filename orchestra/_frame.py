@@ -31,8 +31,8 @@ from ray import cloudpickle
 
 from . import _backend
 
-__all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "Resolved", "dumps_frame", "loads_frame", "dumps_call",
-           "loads_call", "read_reply", "reductions"]
+__all__ = ["FRAME_BYTES", "NO_ARGUMENTS", "NeedsRay", "RefFrame", "Resolved", "dumps_frame", "loads_frame",
+           "dumps_call", "loads_call", "dumps_reply", "read_reply", "reductions"]
 
 FRAME_BYTES = 1 << 20  # a frame larger than this is not made: the call takes Ray's own per-argument path
 _PLAIN, _OUT_OF_BAND = b"\x00", b"\x01"  # a frame's first byte: a pickle alone, or a pickle and its buffers
@@ -153,14 +153,40 @@ def loads_frame(data: bytes, private: bool = False) -> Any:
     return pickle.loads(main, buffers=buffers)
 
 
+class RefFrame:
+    """A reply frame whose value holds ObjectRefs or actor handles, lifted out next to it (``dumps_call``): Ray
+    pickles this small object, so it sees and tracks every ref, while the value itself stays one private pickle.
+    (Returned as Ray's own object, a value's Batch was deserialized as a view of the buffer Ray keeps — its object
+    store's shared memory, or the owner's in-process copy of a small one — the same memory for every reader.)"""
+
+    __slots__ = ("data", "refs")
+
+    def __init__(self, data: bytes, refs: list[Any]) -> None:
+        self.data, self.refs = data, refs
+
+    def __reduce__(self) -> tuple[type, tuple[bytes, list[Any]]]:
+        return RefFrame, (self.data, self.refs)
+
+
+def dumps_reply(obj: Any) -> bytes | RefFrame:
+    """``obj`` as a reply Ray carries, whatever its size: a frame (``bytes``), or a RefFrame when it holds refs.
+    Each read (``read_reply``) unpickles its own copy: Ray hands out ``bytes`` — alone or inside a RefFrame — as a
+    fresh copy, so no two readers share the buffers of a Batch in it."""
+    try:
+        return dumps_frame(obj, limit=None)
+    except NeedsRay:  # it holds a ref or a handle: Ray carries those next to the frame
+        return RefFrame(*dumps_call(obj, limit=None))
+
+
 def read_reply(x: Any) -> Any:
     """A rank's Ray reply as its value: a frame (exactly ``bytes``: ``Host._reply`` returns an output that fits a
-    frame as one, and never a bare bytes value otherwise) unpickled, anything else as it came. A frame that cannot
-    be rebuilt here raises ``ReplyUnreadable``, as Ray's deserializer failing does."""
-    if type(x) is not bytes:
+    frame as one, and never a bare bytes value otherwise) or a RefFrame unpickled, anything else as it came. A frame
+    that cannot be rebuilt here raises ``ReplyUnreadable``, as Ray's deserializer failing does."""
+    kind = type(x)
+    if kind is not bytes and kind is not RefFrame:
         return x
     try:
-        return loads_frame(x)
+        return loads_frame(x) if kind is bytes else loads_call(x.data, x.refs)
     except Exception as e:  # noqa: BLE001 - reported as the reply's own failure (convert_error names the rank)
         raise _backend.ReplyUnreadable(e) from None
 
@@ -190,10 +216,10 @@ class Resolved:
         return _value_at, (self.i,)
 
 
-def dumps_call(obj: Any, limit: int = FRAME_BYTES, base: dict | None = None) -> tuple[bytes, list[Any]]:
+def dumps_call(obj: Any, limit: int | None = FRAME_BYTES, base: dict | None = None) -> tuple[bytes, list[Any]]:
     """A frame of ``obj`` for a Ray call, and the ObjectRefs and actor handles it holds, lifted out in order (each
     distinct one once): Ray carries the list, so it knows every ref and handle the call holds. NeedsRay when the
-    frame is larger than ``limit``. ``base``: the call's ``reductions()``, read once for all its ranks."""
+    frame is larger than ``limit`` (None: no limit). ``base``: the call's ``reductions()``, read once for all its ranks."""
     refs: list[Any] = []
     index: dict[Any, int] = {}
 

@@ -590,10 +590,8 @@ class Host:
         kept as it is: its rows are already stored parts, and the Output is frozen. (put?, value or its ref)."""
         if isinstance(value, Output):
             return False, value
-        try:  # a frame (bytes), as the general path's reply would be: each read of it gets buffers of its own
-            return True, self.runtime.put(_frame.dumps_frame(value, limit=None))
-        except _frame.NeedsRay:  # it holds a ref: only Ray may carry it
-            return True, self.runtime.put(value)
+        # a frame (or, holding refs, a RefFrame), as the general path's reply would be: each read gets its own copy
+        return True, self.runtime.put(_frame.dumps_reply(value))
 
     @ray.method(concurrency_group=CONTROL)
     def take_result(self, call_id: str, discard: bool = False) -> Any:
@@ -605,12 +603,9 @@ class Host:
         return None if discard else self._unkept(kept)
 
     def _unkept(self, kept: tuple[bool, Any]) -> Any:
-        """A kept result (``_snapshot``) as a Ray reply: its frame, or the value when it holds a ref."""
+        """A kept result (``_snapshot``) as a Ray reply: the Output, or the frame (or RefFrame) stored for it."""
         put, value = kept
-        if not put:
-            return value
-        got = ray.get(value)
-        return got if type(got) is bytes else _not_a_frame(got, self.rank)  # ``bytes``: the frame _snapshot made
+        return ray.get(value) if put else value
 
     @ray.method(concurrency_group=CONTROL)
     def discard_kept(self, call_ids: list[str]) -> None:
@@ -630,12 +625,14 @@ class Host:
         Output with cloudpickle (``python -m bench.reply_encoding``: 4–13 % less wall time for a 4-row Batch result
         here); and a value comes back exactly as the fast path gives it (Ray turns a bytearray in a list into bytes). The controller reads it with ``_frame.read_reply``: ``bytes``
         always means a frame, so a bytes-like value returned as is travels inside an Output. A result that cannot
-        be pickled fails its call with this rank's error, as on the fast path."""
+        be pickled fails its call with this rank's error, as on the fast path. A value that holds refs travels as a
+        RefFrame (its refs next to its frame, for Ray to track), but a Batch result's Output whose parts are stored
+        objects as it is: it holds headers and refs, no rows. A streaming endpoint's every yield is such a reply."""
         if self.runtime.own_process and type(out) not in _SCALARS:
+            if isinstance(out, Output) and out.is_batch and any(_backend.is_ref(p.ref) for p in out.parts):
+                return out
             try:
-                return _frame.dumps_frame(out, limit=None)
-            except _frame.NeedsRay:  # it holds a ref
-                pass
+                return _frame.dumps_reply(out)
             except Exception as e:  # noqa: BLE001 - the call fails with it, naming rank and endpoint
                 raise self._error(e, role, name) from None
         return _not_a_frame(out, self.rank)
@@ -708,7 +705,7 @@ class Host:
                     now = time.time()
                     self._event(role, f"{name}[{seq}]", start, now, fetched, out)
                     start, fetched, seq = now, [], seq + 1
-                yield out
+                yield self._reply(out, role, name)
         except (WorkerError, GeneratorExit):  # GeneratorExit: Ray closed the stream (its consumer went away)
             raise
         except BaseException as e:

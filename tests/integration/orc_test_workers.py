@@ -312,6 +312,19 @@ class Scorer(Worker):
         return {"b": Batch.from_dict({"x": torch.arange(n, dtype=torch.float64)}), "rank": self.rank}
 
     @endpoint(D.broadcast())
+    def rows_and_ref_in_dict(self, n: int) -> dict:
+        """``rows_in_dict``'s value, also holding an ObjectRef (which only Ray may carry)."""
+        import ray
+        return {"b": Batch.from_dict({"x": torch.arange(n, dtype=torch.float64)}), "rank": self.rank,
+                "ref": ray.put(self.rank)}
+
+    @endpoint(D.broadcast())
+    def rows_in_dicts(self, n: int, k: int = 2):
+        """A stream of ``k`` plain values, each holding a Batch of ``n`` float64 rows 0..n-1."""
+        for _ in range(k):
+            yield {"b": Batch.from_dict({"x": torch.arange(n, dtype=torch.float64)}), "rank": self.rank}
+
+    @endpoint(D.broadcast())
     def scribble(self, values: list) -> list[float]:
         """Each rank's value from ``rows_in_dict`` as this rank got it: the sums it saw, then -1 written into it."""
         seen = [float(v["b"]["x"].sum()) for v in values]

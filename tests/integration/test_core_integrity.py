@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -193,6 +194,55 @@ async def test_writes_into_a_batch_inside_a_plain_value_reach_no_other_reader(sc
         assert [float(v["b"]["x"].sum()) for v in await fut] == [total, total]
         if fast and rows == 8:
             assert g2._shared.fast_calls - before == 3  # the call and both readers took the fast path
+
+
+def _sums(value: Any) -> list[float]:
+    """The sums of column "x" of every Batch in ``value`` (dicts, lists and Outputs walked in order)."""
+    if isinstance(value, Batch):
+        return [float(value["x"].sum())]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _sums(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _sums(v)]
+    return _sums(value.value) if hasattr(value, "value") else []
+
+
+def _scribble(value: Any) -> None:
+    """Write -7 into column "x" of every Batch in ``value``."""
+    if isinstance(value, Batch):
+        value["x"][:] = -7
+    elif isinstance(value, dict):
+        for v in value.values():
+            _scribble(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _scribble(v)
+    elif hasattr(value, "value"):
+        _scribble(value.value)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("kind", ["with_ref", "stream"])
+@pytest.mark.parametrize("rows", [8, 200_000])
+async def test_a_batch_in_a_plain_value_with_a_ref_or_from_a_stream_is_each_readers_own(scorers, fast, kind, rows):
+    """As above, for a plain value that also holds an ObjectRef (only Ray may carry it) and for the values a
+    streaming endpoint yields: a write into one await, into ``outputs()`` or on a reading rank reaches no other
+    reader. (Both came back as Ray's own objects, a large Batch in them a writable view of the object store's
+    shared memory, the same memory for every reader.)"""
+    g2 = scorers[2]
+    async with _on_path(g2, fast):
+        total = float(sum(range(rows)))
+        fut = g2.rows_and_ref_in_dict(rows) if kind == "with_ref" else g2.rows_in_dicts(rows)
+        want = _sums(await fut)
+        assert want == [total] * len(want) and want
+        _scribble(await fut)
+        assert _sums(await fut) == want
+        _scribble(await fut.outputs())
+        assert _sums(await fut) == want
+        if kind == "with_ref":
+            assert await g2.scribble(fut) == [[total, total]] * 2  # each rank writes -1 into what it got
+            assert await g2.scribble(fut) == [[total, total]] * 2
+        assert _sums(await fut) == want
 
 
 @pytest.mark.parametrize("fast", [False, True])
