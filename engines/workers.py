@@ -106,8 +106,10 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
         raise ValueError(f"{what}: the update has {total} rows over {engine.dp_size} data-parallel rank(s), fewer "
                          f"than mini_batches={mini_batches}; lower mini_batches or pass more rows (every mini-batch "
                          f"needs a row)")
-    start = sum(sizes[: engine.dp_rank])
-    return [batch[torch.arange((i - start) % mini_batches, len(batch), mini_batches)] for i in range(mini_batches)]
+    start, n = sum(sizes[: engine.dp_rank]), len(batch)
+    # local row j is global row start + j; a mini-batch whose first local row would be past n has none here (an
+    # arange counting backwards raised on this rank alone, after the others had entered the update's collectives)
+    return [batch[torch.arange(min((i - start) % mini_batches, n), n, mini_batches)] for i in range(mini_batches)]
 
 
 def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,

@@ -55,3 +55,24 @@ def test_mini_batches_take_every_kth_row_and_every_rank_works_on_each():
     with pytest.raises(ValueError, match=r"update: the update has 3 rows over 1 data-parallel rank\(s\), fewer than "
                                          r"mini_batches=4"):
         _mini_batches(eng, Batch.from_dict({"x": torch.arange(3)}), 4, "update")
+
+
+@pytest.mark.parametrize("rank, want", [(0, [[0], [1], [2], []]), (1, [[4], [], [], [3]])])
+def test_a_rank_holding_fewer_rows_than_mini_batches_has_none_of_some(monkeypatch, rank, want):
+    """5 rows over 2 ranks (3 + 2) in 4 mini-batches: global row g goes to mini-batch g % 4, so rank 1 (global rows
+    3 and 4) has rows for mini-batches 0 and 3 only. (Its first row's mini-batch offset was past its row count, and
+    ``torch.arange`` counting backwards raised on that rank alone, while rank 0 entered the update's collectives.)"""
+    import types
+
+    from engines import workers
+    from orchestra import Batch
+
+    def all_gather(out: list, _counts: torch.Tensor) -> None:
+        for t, n in zip(out, (3, 2)):
+            t.fill_(n)
+
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    eng = types.SimpleNamespace(device="cpu", dp_size=2, dp_rank=rank)
+    rows = torch.arange(3) if rank == 0 else torch.arange(3, 5)
+    pieces = workers._mini_batches(eng, Batch.from_dict({"x": rows}), 4, "update")
+    assert [p["x"].tolist() for p in pieces] == want
