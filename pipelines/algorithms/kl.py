@@ -110,5 +110,6 @@ class AdaptiveKLController:
         return {"coef": self.coef, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.coef, self.target, self.horizon = float(state["coef"]), float(state["target"]), int(state["horizon"])
+        """Restore the coefficient :meth:`state_dict` saved. Target and horizon stay this run's settings: a resume
+        may change them, as it may change the optimizer's (the checkpoint's overwrote them silently)."""
+        self.coef = float(state["coef"])

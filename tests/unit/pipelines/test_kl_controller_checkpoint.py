@@ -40,3 +40,17 @@ async def test_adaptive_kl_state_is_saved_and_restored(tmp_path):
     assert second.kl_ctl.coef == 0.1
     await second._restore()
     assert second.kl_ctl.state_dict() == first.kl_ctl.state_dict() and second.start_step == 4
+
+
+async def test_a_resume_with_a_new_kl_target_and_horizon_uses_them(tmp_path):
+    """A resume that changes algorithm.kl_target / kl_horizon (logged as a change) runs with the new ones; only the
+    coefficient comes from the checkpoint. (The checkpoint's target and horizon overwrote the config's, silently.)"""
+    first = _runner(tmp_path)
+    first.kl_ctl.update(0.5, n_steps=10)
+    saved = await first.save(3)
+    cfg = load_config(None, [f"runner.output_dir={tmp_path / 'run'}", "algorithm.kl_coef=0.1",
+                             "algorithm.kl_target=5.0", "algorithm.kl_horizon=80"])
+    second = Runner(cfg, progress=False, resume_from=saved)
+    second.cluster = _FakeCluster()
+    await second._restore()
+    assert second.kl_ctl.state_dict() == {"coef": pytest.approx(0.102, rel=1e-12), "target": 5.0, "horizon": 80}
