@@ -146,12 +146,16 @@ def test_adaptive_kl_lowers_the_coefficient_when_kl_is_below_target():
 
 
 def test_adaptive_kl_state_survives_a_json_round_trip():
+    """The coefficient comes back; target and horizon are the loading run's settings (a resume may change them)."""
     a = AdaptiveKLController(0.2, target=0.05, horizon=100)
     a.update(0.1)
-    b = AdaptiveKLController(1.0, target=1.0, horizon=1)
+    b = AdaptiveKLController(1.0, target=0.05, horizon=100)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert b.state_dict() == a.state_dict()
     assert b.update(0.01) == a.update(0.01)
+    c = AdaptiveKLController(1.0, target=1.0, horizon=1000)
+    c.load_state_dict(a.state_dict())
+    assert c.state_dict() == {"coef": a.coef, "target": 1.0, "horizon": 1000}
 
 
 def test_adaptive_kl_refuses_a_non_finite_kl():
