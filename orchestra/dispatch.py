@@ -409,26 +409,42 @@ class _Metrics(Dispatch):
             bad = next(type(r).__name__ for r in results if not isinstance(r, dict))
             raise TypeError(f"{plan.where()}: metrics() expects every rank to return a dict, got {bad}")
         fn = _REDUCERS[self.reduce] if isinstance(self.reduce, str) else self.reduce
-        keys: dict[str, None] = {}
-        for r in results:
-            keys.update(dict.fromkeys(r))
-        out = {}
-        for k in keys:
-            vals = [float(r[k]) for r in results if k in r and _is_number(r[k])]
-            if vals:
-                out[k] = fn(vals)
-        return out
+        ranks = _result_ranks(plan, len(results))
+        vals: dict[str, list[float]] = {}  # a key a rank leaves out is reduced over the ranks that return it
+        for rank, r in zip(ranks, results):
+            for k, v in r.items():
+                if not _is_number(v):
+                    raise TypeError(f"{plan.where()}: metrics() needs one number per key, but rank {rank} returned "
+                                    f"{k!r} = {v!r:.60} ({type(v).__name__}); return a float (or leave the key out "
+                                    f"on that rank), and send other values through an endpoint without metrics()")
+                vals.setdefault(k, []).append(float(v))
+        return {k: fn(v) for k, v in vals.items()}
 
     def __repr__(self) -> str:
         return f"metrics(reduce={self.reduce!r})"
 
 
 def _is_number(x: Any) -> bool:
+    """One real number: a float, int or bool, a numpy scalar, a one-element tensor or array (not a string that
+    parses as one)."""
+    if isinstance(x, (str, bytes)):
+        return False
     try:
         float(x)
-        return not isinstance(x, (str, bytes))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         return False
+    return True
+
+
+def _result_ranks(plan: Plan, n: int) -> list[int]:
+    """The rank each of a call's ``n`` collected results came from, in the order ``collect`` gets them: a shard
+    call's collectors by the DP replica they serve, other calls' in rank order."""
+    if plan.shard is not None:
+        spec = plan.shard
+        ranks = sorted(spec.collectors, key=lambda r: spec.dp_of_rank[r])
+    else:
+        ranks = sorted(plan.collectors if plan.collectors is not None else plan.ranks)
+    return ranks if len(ranks) == n else list(range(n))
 
 
 _REDUCERS: dict[str, Callable[[list[float]], float]] = {

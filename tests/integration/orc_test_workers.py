@@ -164,12 +164,14 @@ class Scorer(Worker):
         return f"{path}:{self.rank}"
 
     @endpoint(D.broadcast() | D.metrics())
-    def report(self) -> dict:
-        return {"loss": float(self.rank), "tokens": 10.0 * (self.rank + 1)}
+    def report(self, tag_rank: int | None = None) -> dict:
+        """``tag_rank``: that rank also returns a value that is not a number (metrics() refuses it)."""
+        out: dict = {"loss": float(self.rank), "tokens": 10.0 * (self.rank + 1)}
+        return out | {"tag": f"rank{self.rank}"} if self.rank == tag_rank else out
 
     @endpoint(D.shard() | D.metrics("sum"))
-    def count(self, batch: Batch) -> dict:
-        return {"rows": len(batch)}
+    def count(self, batch: Batch, tag_rank: int | None = None) -> dict:
+        return {"rows": len(batch)} | ({"first": batch["x"][:2]} if self.rank == tag_rank else {})
 
     @endpoint(D.shard())
     def apply(self, fn, batch: Batch) -> Batch:

@@ -8,6 +8,7 @@ import asyncio
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,9 +244,19 @@ def test_metrics_reduce(reduce, expected):
     assert out == {"loss": expected([1.0, 3.0, 2.0]), "tokens": expected([10.0, 30.0, 20.0])}
 
 
-def test_metrics_skips_missing_and_non_numeric_values():
-    out = D.metrics().collect(plan(world=3), [{"a": 1, "tag": "x"}, {"a": 3, "b": torch.tensor(2.0)}, {"b": True}])
-    assert out == {"a": 2.0, "b": 1.5}
+def test_metrics_reduces_each_key_over_the_ranks_that_return_it():
+    out = D.metrics().collect(plan(world=3), [{"a": 1}, {"a": 3, "b": torch.tensor(2.0)}, {"b": np.float32(1.0), "c": True}])
+    assert out == {"a": 2.0, "b": 1.5, "c": 1.0}  # a flag averages to a rate
+
+
+@pytest.mark.parametrize("value, kind", [("x", "str"), (None, "NoneType"), ([1.0], "list"),
+                                         (torch.ones(2), "Tensor")])
+def test_metrics_refuses_a_value_that_is_not_one_number_naming_key_and_rank(value, kind):
+    """A value that is not one number was left out of the reduced dict without a word (a rank's tag, a None for
+    'no value this step', a 2-element tensor), so a metric could vanish from the logs unnoticed."""
+    with pytest.raises(TypeError, match=rf"group 'actor', endpoint 'step': metrics\(\) needs one number per key, "
+                                        rf"but rank 1 returned 'tag' = .* \({kind}\)"):
+        D.metrics().collect(plan(world=2), [{"a": 1.0}, {"a": 2.0, "tag": value}])
 
 
 def test_metrics_errors():

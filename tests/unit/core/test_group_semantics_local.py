@@ -114,6 +114,18 @@ async def test_broadcast_scatter_rank_zero_metrics(bed):
         await g4.set_scale(2.0)
 
 
+async def test_metrics_refuses_a_rank_value_that_is_not_a_number_naming_the_rank(bed):
+    """One rank's string (or 2-element tensor) was dropped from the reduced dict without a word."""
+    g4 = bed["d4"]
+    with pytest.raises(TypeError, match=r"endpoint 'report': metrics\(\) needs one number per key, but rank 2 "
+                                        r"returned 'tag' = 'rank2' \(str\)"):
+        await g4.report(tag_rank=2)
+    with pytest.raises(TypeError, match=r"endpoint 'count': metrics\(\) needs one number per key, but rank 3 "
+                                        r"returned 'first' = .* \(Tensor\)"):
+        await g4.count(xs(10), tag_rank=3)
+    assert await g4.report() == {"loss": 1.5, "tokens": 25.0}  # the group goes on
+
+
 async def test_function_broadcast_with_sharded_data(bed):
     out = await bed["d4"].apply(lambda t: t * t, xs(9))
     assert torch.equal(out["out"], torch.arange(9) ** 2)
