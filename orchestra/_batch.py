@@ -94,11 +94,19 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out.view(first.dtype) if view is not None else out
 
 
+_IMMUTABLE = (str, int, float, bool, bytes, type(None))
+
+
 def _own(arr: np.ndarray) -> np.ndarray:
-    """``arr`` with its elements deep-copied when they are Python objects (numbers and strings are immutable)."""
-    if arr.dtype != object or all(type(x) in (str, int, float, bool, bytes, type(None)) for x in arr.flat):
+    """``arr`` with each element deep-copied on its own when they are Python objects (numbers and strings are
+    immutable): a row repeated in ``arr`` gets a copy of its own, not one copy shared by its repeats (a deepcopy of
+    the whole array would keep that sharing)."""
+    if arr.dtype != object or all(type(x) in _IMMUTABLE for x in arr.flat):
         return arr
-    return copy.deepcopy(arr)
+    out = np.empty(arr.shape, dtype=object)
+    for i, x in enumerate(arr.flat):
+        out.flat[i] = x if type(x) in _IMMUTABLE else copy.deepcopy(x)
+    return out
 
 
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
@@ -295,7 +303,8 @@ class Batch:
                 raise TypeError(f"row positions must be integers, got {idx.dtype}")
             idx = idx.to(torch.long)
             np_idx = idx.numpy()
-            td, nt = self._td[idx], {k: v[np_idx] for k, v in self._nt.items()}
+            # rows picked by position are copies, as the tensor columns' are: a row's objects too, each repeat its own
+            td, nt = self._td[idx], {k: _own(v[np_idx]) for k, v in self._nt.items()}
         return Batch(td, nt, self.meta, _validate=False)
 
     def slice(self, start: int, stop: int) -> Batch:

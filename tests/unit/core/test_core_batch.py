@@ -395,3 +395,26 @@ def test_concat_of_large_columns_matches_torch_cat(dtype):
     before = x.clone()
     b["x"][0] = b["x"][1]  # a private, writable copy: the inputs do not change
     assert torch.equal(x.view(torch.uint8), before.view(torch.uint8))
+
+
+def _dict_rows(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n), "info": [{"row": i, "seen": []} for i in range(n)]})
+
+
+@pytest.mark.parametrize("op", ["repeat", "tile", "pad", "index", "clone_of_repeat", "concat_of_repeat",
+                                "wire_of_repeat"])
+def test_rows_made_by_repeating_a_row_each_hold_their_own_objects(op):
+    """A row repeated by repeat(), pad_to_multiple() or a list of positions shared one dict with the row it copied
+    (and with the source batch), and clone() kept that sharing: a write to one row's dict showed in the others.
+    Tensor columns are copies there, so object columns must be too."""
+    src = _dict_rows(3)
+    made = {"repeat": lambda: src.repeat(2), "tile": lambda: src.repeat(2, interleave=False),
+            "pad": lambda: src.pad_to_multiple(4), "index": lambda: src[[0, 0, 1]],
+            "clone_of_repeat": lambda: src.repeat(2).clone(),
+            "concat_of_repeat": lambda: Batch.concat([src.repeat(2), src[0:1]]),
+            "wire_of_repeat": lambda: pickle.loads(pickle.dumps(src.repeat(2)))}[op]()
+    first = made["info"][0]
+    first["seen"].append("written")
+    others = [d for d in made["info"][1:]] + list(src["info"])
+    assert all(d["seen"] == [] for d in others), [d["seen"] for d in others]
+    assert [d["row"] for d in made["info"]][:2] in ([0, 0], [0, 1])
