@@ -55,7 +55,8 @@ group's timeout, 30 minutes on gloo by default: a hung job with no error). The f
 (with a note saying so), the others an :class:`EngineAbortedError` naming it and what it raised. The process groups
 are gone, so the engine, and every other engine of the process made before the abort, refuses later calls with an
 ``EngineAbortedError``: restart the ranks (a new process group). With one rank there is no peer to release, and
-nothing is aborted.
+nothing is aborted. A caller's own per-rank work that leads into the engine's collectives (a worker's mini-batch
+split before ``train_step``) goes under the same guard with :meth:`FSDPEngine.collective`.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ ModelKind = Literal["auto", "causal_lm", "value"]
 LOSS_SCALES = ("tokens", "sequences", "rows")
 
 _FAILED_KEY = "orchestra/engine_failed/"  # + rank: what a rank raised alone inside a collective (process-group store)
+_ABORTED_FOR = "orc_aborted_for"  # set on the error a guard aborted the process groups for: outer guards pass it on
 _aborts: list[str] = []  # why this process's process groups were aborted, each time (engines made before refuse)
 
 
@@ -580,18 +582,29 @@ class FSDPEngine:
         """``error`` is raised on every rank by agreement (after a collective that told each rank): no abort."""
         return agreed(error)
 
+    def collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Around a caller's own per-rank work that leads into this engine's collective calls (a worker's update
+        that splits its rows, then calls ``train_step``): an error one rank raises there, before the engine's own
+        guard, stops every rank as one raised inside the engine does (module docstring), instead of leaving the
+        peers in the engine's collectives until the process group's timeout. ``what`` names the call in the errors.
+        Errors raised on every rank alike pass as they are when marked ``engines._dist.agreed``."""
+        return self._collective(what)
+
     @contextlib.contextmanager
     def _collective(self, what: str, deterministic: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
         """Around a call's collective work: an error this rank raises that the ranks did not agree on aborts the
         process groups, so that no peer waits for ever in a collective (module docstring). Errors marked
         ``_dist.agreed`` pass as they are, and so do those of the types in ``deterministic``: errors every rank raises
-        alike from the same inputs before any collective (a checkpoint's unsupported layout)."""
+        alike from the same inputs before any collective (a checkpoint's unsupported layout), and those an inner
+        guard already aborted for (guards nest: a worker's around the engine's)."""
         try:
             yield
         except BaseException as e:
-            if is_agreed(e) or isinstance(e, deterministic) or self._world == 1:
+            if (is_agreed(e) or isinstance(e, deterministic) or self._world == 1 or hasattr(e, _ABORTED_FOR)
+                    or isinstance(e, EngineAbortedError)):
                 raise
             raised = self._abort(what, e)
+            setattr(raised, _ABORTED_FOR, what)
             if raised is e:
                 raise
             raise raised from e

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from engines.rollout import RolloutEngine, SamplingParams
@@ -76,7 +75,9 @@ class RolloutWorker(Worker):
         meta = {**batch.meta, "weights_version": self._version}
         for piece in batch.chunk(min(micro_batches, len(batch))):
             out = self.engine.generate(piece.tensors, params, generator=gen)
-            yield Batch(out, {k: np.repeat(v, params.n) for k, v in piece.non_tensors.items()}, meta)
+            # each response row its own copy of its prompt's objects (np.repeat gave the n rows one shared object)
+            nt = piece.select(*piece.non_tensors).repeat(params.n).non_tensors if piece.non_tensors else {}
+            yield Batch(out, nt, meta)
 
     @endpoint(D.broadcast())
     def save(self, directory: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines._dist import agreed
 from engines.fsdp import EngineConfig, FSDPEngine, LossFn
 from engines.rollout import RolloutEngine, SamplingParams
 from orchestra import Batch, Worker, endpoint
@@ -77,6 +78,8 @@ def _own_config(model: ModelConfig) -> ModelConfig:
 
 
 def _rows_of(batch: Batch, what: str) -> None:
+    """Refuse an empty shard in an endpoint without collectives (one that has them leaves it to the engine, which
+    refuses it on every rank: raised here on one rank alone, the others would wait in the engine's collectives)."""
     if len(batch) < 1:
         raise ValueError(f"{what}: this rank got an empty shard; pass at least as many rows as the data-parallel size")
 
@@ -90,8 +93,8 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
     (collective when ``mini_batches > 1`` on several ranks: the ranks exchange their row counts)."""
     import torch.distributed as dist
 
-    if mini_batches < 1:
-        raise ValueError(f"{what}: mini_batches must be >= 1, got {mini_batches}")
+    if mini_batches < 1:  # the same argument on every rank: every rank raises
+        raise agreed(ValueError(f"{what}: mini_batches must be >= 1, got {mini_batches}"))
     if mini_batches == 1:
         return [batch]
     counts = torch.tensor([len(batch)], dtype=torch.int64, device=engine.device)
@@ -102,10 +105,10 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
     else:
         sizes = [len(batch)]
     total = sum(sizes)
-    if total < mini_batches:
-        raise ValueError(f"{what}: the update has {total} rows over {engine.dp_size} data-parallel rank(s), fewer "
+    if total < mini_batches:  # every rank learned the same total
+        raise agreed(ValueError(f"{what}: the update has {total} rows over {engine.dp_size} data-parallel rank(s), fewer "
                          f"than mini_batches={mini_batches}; lower mini_batches or pass more rows (every mini-batch "
-                         f"needs a row)")
+                         f"needs a row)"))
     start, n = sum(sizes[: engine.dp_rank]), len(batch)
     # local row j is global row start + j; a mini-batch whose first local row would be past n has none here (an
     # arange counting backwards raised on this rank alone, after the others had entered the update's collectives)
@@ -122,14 +125,17 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     if not callable(loss_fn):
         raise TypeError(f"{what}: loss_fn must be a callable loss_fn(outputs, micro_batch) -> (loss, metrics), "
                         f"got {type(loss_fn).__name__}")
-    pieces = _mini_batches(engine, batch, mini_batches, what)
     steps: list[dict[str, float]] = []
     seconds: list[float] = []
-    for _ in range(ppo_epochs):
-        for mb in pieces:
-            t0 = time.perf_counter()
-            steps.append(engine.train_step(mb.tensors, loss_fn, **train_kw))
-            seconds.append(time.perf_counter() - t0)
+    # this rank's own work before the engine's collectives is guarded too: an error on one rank alone stops every
+    # rank (the engine aborts the process groups) instead of leaving the others in train_step's collectives
+    with engine.collective(what):
+        pieces = _mini_batches(engine, batch, mini_batches, what)
+        for _ in range(ppo_epochs):
+            for mb in pieces:
+                t0 = time.perf_counter()
+                steps.append(engine.train_step(mb.tensors, loss_fn, **train_kw))
+                seconds.append(time.perf_counter() - t0)
     out: dict[str, float] = {}
     for k in dict.fromkeys(k for s in steps for k in s):  # a skipped step may lack the loss_fn metrics
         vals = [s[k] for s in steps if k in s]
@@ -288,7 +294,6 @@ class ActorRolloutRefWorker(Worker):
         if sampling_overrides.get("pad_to_max_new_tokens") is False:
             raise ValueError("generate pads every part to max_new_tokens so that parts and ranks concatenate; drop "
                              "pad_to_max_new_tokens=False")
-        _rows_of(batch, "generate")
         base = sampling_overrides.pop("seed", None)
         sampling_overrides.pop("pad_to_max_new_tokens", None)
         try:
@@ -297,7 +302,9 @@ class ActorRolloutRefWorker(Worker):
             known = sorted(f for f in SamplingParams.__dataclass_fields__ if f not in ("seed", "pad_to_max_new_tokens"))
             raise TypeError(f"generate: unknown sampling override(s) {sorted(sampling_overrides)}; SamplingParams "
                             f"fields are {known} (plus seed)") from None
-        self._sync_rollout()
+        with self.actor.collective("generate"):  # an empty shard on one rank alone must not leave the others in
+            _rows_of(batch, "generate")         # the weight sync's collectives
+            self._sync_rollout()
         call = self._gen_calls
         self._gen_calls += 1
         gen = torch.Generator(device=self.rollout.device)
@@ -305,7 +312,8 @@ class ActorRolloutRefWorker(Worker):
         meta = {**batch.meta, "weights_version": self._version}
         for piece in batch.chunk(min(micro_batches, len(batch))):
             out = self.rollout.generate(piece.tensors, params, generator=gen)
-            nt = {k: np.repeat(v, params.n) for k, v in piece.non_tensors.items()}
+            # each response row its own copy of its prompt's objects (np.repeat gave the n rows one shared object)
+            nt = piece.select(*piece.non_tensors).repeat(params.n).non_tensors if piece.non_tensors else {}
             yield Batch(out, nt, meta)
 
     # -- scoring ----------------------------------------------------------------------------------------------------
@@ -319,7 +327,6 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, batch: Batch, temperature: float | None = None, with_entropy: bool = False) -> Batch:
         """Actor log-probs of the responses -> ``old_log_probs`` [B, R] (+ ``entropy``); temperature defaults to
         the sampling temperature (1 when greedy)."""
-        _rows_of(batch, "compute_log_prob")
         out = self.actor.compute_log_prob(batch.tensors, self._temperature(temperature), with_entropy)
         cols = {"old_log_probs": out["log_probs"]}
         if with_entropy:
@@ -332,7 +339,6 @@ class ActorRolloutRefWorker(Worker):
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob: this worker was built with with_ref=False; build it with "
                                "with_ref=True (or drop the KL term that needs reference log-probs)")
-        _rows_of(batch, "compute_ref_log_prob")
         out = self.ref.compute_log_prob(batch.tensors, self._temperature(temperature), False)
         return Batch.from_dict({"ref_log_probs": out["log_probs"]})
 
@@ -436,7 +442,6 @@ class CriticWorker(Worker):
     @endpoint(D.shard(mesh="critic"))
     def compute_values(self, batch: Batch) -> Batch:
         """Values of the states before each response token -> ``values`` [B, R] (0 where response_mask is 0)."""
-        _rows_of(batch, "compute_values")
         return Batch.from_dict({"values": self.critic.compute_values(batch.tensors)["values"]})
 
     @endpoint(D.shard(mesh="critic") | D.metrics())

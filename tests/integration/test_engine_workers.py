@@ -158,6 +158,18 @@ async def test_errors_say_what_to_change(groups):
     assert len(await actor.compute_log_prob(g)) == 3  # no rank was left waiting in a collective
 
 
+async def test_the_responses_of_one_prompt_each_hold_their_own_objects(groups):
+    """Was: the n response rows of a prompt held one shared object (a dict written for one response changed the
+    others): generate repeated the prompt's values with np.repeat, and the copy an await makes (clone, concat) deep-
+    copied the whole column, which keeps that sharing. Both now copy each row's objects on their own."""
+    actor, _, _ = groups
+    data = prompts(2) | Batch.from_dict({"info": [{"prompt": 0, "notes": []}, {"prompt": 1, "notes": []}]})
+    g = await actor.generate(data)
+    assert [d["prompt"] for d in g["info"]] == [i for i in range(2) for _ in range(N_SAMPLES)]
+    g["info"][0]["notes"].append("graded")
+    assert [d["notes"] for d in g["info"]][1:] == [[]] * (2 * N_SAMPLES - 1)
+
+
 def inplace_backward_loss_on_rank_1(outputs, mb):
     """Token-mean NLL, except on data-parallel rank 1, where the loss writes into a tensor its own backward needs:
     autograd raises inside that rank's backward, while rank 0 waits in the backward's gradient collectives."""

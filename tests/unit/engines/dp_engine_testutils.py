@@ -342,3 +342,31 @@ def load_fails_after_its_checks_on_one_rank_worker(rank: int, world: int, direct
 
         ckpt._Shards.read = failing
     return _failure_outcomes(lambda: eng.load(os.path.join(directory, "ckpt")), eng, batch, aborted)
+
+
+def update_prep_fails_on_one_rank_worker(rank: int, world: int) -> dict[str, str]:
+    """Rank 1 fails in a worker's update before the engine's first collective (its mini-batch split raises, as an
+    arange counting backwards once did), rank 0 does not and goes on into the update's collectives. Every rank must
+    raise at once, rank 1 its own error, rank 0 one naming it (not the process group's 60 s timeout), and a later
+    call must be refused. Per rank: the error text, the later call's, and what ``on_abort`` was told."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import engines.workers as workers
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+    from orchestra import Batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    aborted: list[str] = []
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2), on_abort=aborted.append)
+    tensors = make_batch(B=6, seed=rank)
+    if rank == 1:
+        def split_fails(*a: Any, **k: Any) -> Any:
+            raise RuntimeError("upper bound and lower bound inconsistent with step sign")
+
+        workers._mini_batches = split_fails
+    return _failure_outcomes(
+        lambda: workers._train(eng, Batch.from_dict(tensors), masked_token_mean_loss, 1, 2, "actor", "update_actor"),
+        eng, tensors, aborted)

@@ -90,3 +90,19 @@ def test_a_load_that_fails_on_one_rank_after_its_checks_stops_every_rank(tmp_pat
     # rank 0's own load may finish (its copy is local), but it trains no more: its next collective names rank 1
     assert "EngineAbortedError" in r0["error"] + r0["later"], r0
     assert "rank(s) [1] failed inside" in r0["error"] + r0["later"], r0
+
+
+@pytest.mark.slow  # spawns ranks
+def test_a_worker_update_failing_on_one_rank_before_the_engines_collectives_stops_every_rank():
+    """Was: rank 1's update raised in its mini-batch split, before any collective, while rank 0 went on into the
+    update's collectives and waited there until the process group's timeout (30 minutes on gloo by default)."""
+    from dp_engine_testutils import update_prep_fails_on_one_rank_worker
+
+    r0, r1 = spawn(update_prep_fails_on_one_rank_worker, 2)
+    assert r1["error"].startswith("RuntimeError: upper bound and lower bound inconsistent"), r1["error"]
+    assert "note: update_actor on rank 1: this error was raised inside the call's collective work" in r1["error"], r1
+    assert r0["error"].startswith("EngineAbortedError: update_actor on rank 0: rank(s) [1] failed inside the call's "
+                                  "collective work (rank 1: RuntimeError: upper bound"), r0["error"]
+    for r in (r0, r1):
+        assert r["later"].startswith("EngineAbortedError: FSDPEngine.train_step: this engine can no longer be used"), r
+        assert r["on_abort"].count("FSDPEngine.update_actor") == 1 and "train_step" not in r["on_abort"], r
