@@ -5,6 +5,7 @@ rows (4x with ppo_epochs=4), while ``actor/rows`` was per mini-batch."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -20,6 +21,9 @@ class _Engine:
     """Enough of an engine for ``_train``: each step reports the rows and response tokens it trained on."""
 
     dp_size, dp_rank, device = 1, 0, torch.device("cpu")
+
+    def collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # one rank: nothing to guard
 
     def train_step(self, tensors: object, loss_fn: object, **kw: object) -> dict[str, float]:
         mask = tensors["response_mask"]
