@@ -12,7 +12,8 @@ from typing import Any
 
 from orchestra import ResourcePool, WorkerGroup
 
-from .config import ActorConfig, Config, ConfigError, CriticConfig, model_dir, model_positions, read_model_config
+from .config import (ActorConfig, Config, ConfigError, CriticConfig, kv_heads, model_dir, model_positions,
+                     read_model_config)
 from .join import join
 from .taskspec import TaskSpec, longest_prompt
 from .advantage_worker import AdvantageWorker
@@ -27,7 +28,7 @@ def model_overrides(cfg: Config, vocab_size: int) -> dict[str, Any]:
     """Overrides of the tiny Qwen2 config built from the ``model`` section."""
     m = cfg.model
     return {"vocab_size": m.vocab_size or vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads or max(1, m.num_heads // 2),
+            "num_attention_heads": m.num_heads, "num_key_value_heads": kv_heads(m),
             "intermediate_size": m.intermediate_size or 2 * m.hidden_size, "max_position_embeddings": m.max_seq_len,
             "tie_word_embeddings": m.tie_embeddings}
 

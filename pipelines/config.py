@@ -147,10 +147,12 @@ class ModelConfig(_Model):
                              "actor, reference, rollout and critic load; its vocabulary must cover the task's "
                              "tokenizer. null: a tiny random Qwen2 from the knobs below (which a path replaces)")
     vocab_size: int | None = Field(None, ge=1, description="Vocabulary of the tiny model; null: the task tokenizer's")
-    hidden_size: int = Field(64, ge=1, description="Hidden width of the tiny model (a multiple of num_heads)")
+    hidden_size: int = Field(64, ge=1, description="Hidden width of the tiny model (a multiple of 2 x num_heads: "
+                             "its rotary embedding needs an even head size)")
     num_layers: int = Field(2, ge=1, description="Decoder layers of the tiny model")
     num_heads: int = Field(4, ge=1, description="Attention heads of the tiny model (must divide hidden_size)")
-    num_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query); null: num_heads // 2")
+    num_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query: must divide num_heads); "
+                                     "null: num_heads // 2")
     intermediate_size: int | None = Field(None, ge=1, description="MLP width of the tiny model; null: 2 x hidden_size")
     tie_embeddings: bool = Field(False, description="Share the input embedding and the output projection weights")
     max_seq_len: int = Field(64, ge=2, description="Positions of the tiny model: prompt + response tokens")
@@ -167,7 +169,8 @@ class DataConfig(_Model):
                                    "generates them")
     prompt_key: str = Field("prompt", description="Column of train_path that holds the prompt")
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step (each sampled rollout.n times)")
-    shuffle: bool = Field(True, description="Shuffle the prompt order every epoch")
+    shuffle: bool = Field(True, description="Shuffle the prompt order every epoch (each drops another remainder past "
+                          "the last full batch); false: file order, wrapping around so every record is trained on")
     seed: int = Field(0, ge=0, description="Seed of the prompt order")
 
 
@@ -267,7 +270,8 @@ class RunnerConfig(_Model):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of model init and the global torch RNG (32 bits: "
                       "numpy's global seed takes 32)")
     total_steps: int = Field(200, ge=1, description="Training steps of the run")
-    max_bad_steps: int = Field(3, ge=1, description="Stop after this many consecutive non-finite loss/grad-norm steps")
+    max_bad_steps: int = Field(3, ge=1, description="Stop after this many consecutive non-finite loss/grad-norm steps "
+                               "(the count is checkpointed: a resume or restart continues it)")
     max_staleness: int = Field(0, ge=0, le=1, description="1: step k+1's rollout overlaps step k's update")
     micro_batches_per_step: int = Field(1, ge=1, description="Stream each step through the stages in parts")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint interval, in steps (the last step is "
@@ -449,10 +453,7 @@ class Config(_Model):
                 raise ConfigError(f"data.train_path: {train.absolute()} is not a file; set it to a .jsonl or .parquet "
                                   "file of prompts with answers", "data.train_path")
         if self.model.path is None:
-            if self.model.hidden_size % self.model.num_heads:
-                raise ConfigError(
-                    f"model.num_heads: bad value {self.model.num_heads}; must divide model.hidden_size "
-                    f"({self.model.hidden_size})", "model.num_heads")
+            _check_heads(self.model)
             if self.rollout.max_new_tokens >= self.model.max_seq_len:
                 raise ConfigError(
                     f"rollout.max_new_tokens: bad value {self.rollout.max_new_tokens}; must be below "
@@ -497,6 +498,36 @@ class Config(_Model):
 _TINY_MODEL_KNOBS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                      "tie_embeddings", "max_seq_len")
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def kv_heads(m: ModelConfig) -> int:
+    """The tiny model's key/value heads: ``model.num_kv_heads``, or ``num_heads // 2`` (at least 1) when null."""
+    return m.num_kv_heads or max(1, m.num_heads // 2)
+
+
+def _check_heads(m: ModelConfig) -> None:
+    """The tiny Qwen2's attention shapes, which it needs to build and run: ``num_heads`` divides ``hidden_size``,
+    the head size ``hidden_size / num_heads`` is even (its rotary embedding rotates halves of each head), and the
+    key/value heads divide ``num_heads`` (grouped-query attention shares each among as many query heads)."""
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.num_heads: bad value {m.num_heads}; must divide model.hidden_size ({m.hidden_size})",
+                          "model.num_heads")
+    head = m.hidden_size // m.num_heads
+    if head % 2:
+        step = 2 * m.num_heads
+        raise ConfigError(
+            f"model.hidden_size: bad value {m.hidden_size}; its {m.num_heads} heads (model.num_heads) would have "
+            f"{head} dimensions each, and the rotary position embedding needs an even head size: use a multiple of "
+            f"2 x num_heads = {step}, e.g. {-(-m.hidden_size // step) * step}", "model.hidden_size")
+    kv = kv_heads(m)
+    if m.num_heads % kv:
+        divisors = ", ".join(str(d) for d in range(1, m.num_heads + 1) if m.num_heads % d == 0)
+        given = (f"bad value {kv}" if m.num_kv_heads is not None
+                 else f"null (the default) takes model.num_heads // 2 = {kv} key/value heads")
+        raise ConfigError(
+            f"model.num_kv_heads: {given}; grouped-query attention shares each key/value head among "
+            f"num_heads / num_kv_heads query heads, so it must divide model.num_heads ({m.num_heads}): set "
+            f"model.num_kv_heads to one of {divisors}", "model.num_kv_heads")
 
 
 def model_dir(path: str) -> Path:

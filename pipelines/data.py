@@ -94,9 +94,14 @@ class PromptSampler:
     """Endless iterator of prompt batches, epoch after epoch, deterministic for a seed.
 
     Epoch ``e`` visits the records in the order of a permutation drawn from ``(seed, e)`` (or in
-    file order with ``shuffle=False``).  The position is two integers, so ``state_dict()`` saved
-    with a checkpoint and ``load_state_dict()`` on a fresh sampler continue with exactly the
-    batches an uninterrupted run would have produced, mid-epoch included.
+    file order with ``shuffle=False``).  With ``drop_last`` (the default) every batch is full: shuffled,
+    the ``len(records) % batch_size`` records left over at the end of an epoch are dropped (other ones
+    each epoch, so every record is seen over epochs); unshuffled, where dropping would skip the same
+    records every pass, the order wraps around instead: the last batch of a pass is filled from the
+    start of the next, so every record is trained on.  ``drop_last=False`` keeps a partial last batch.
+    The position is two integers, so ``state_dict()`` saved with a checkpoint and ``load_state_dict()``
+    on a fresh sampler continue with exactly the batches an uninterrupted run would have produced,
+    mid-epoch included.
     """
 
     def __init__(
@@ -123,20 +128,26 @@ class PromptSampler:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self._epoch = 0
-        self._batch_in_epoch = 0
+        self._start = 0  # where the next batch starts in the epoch's order (a multiple of batch_size unless wrap)
         self._order_epoch = -1
         self._order = np.arange(0)
         self._digest: str | None = None
 
     @property
+    def wraps(self) -> bool:
+        """True when a batch may run past the end of a pass into the next (unshuffled with ``drop_last``)."""
+        return self.drop_last and not self.shuffle
+
+    @property
     def batches_per_epoch(self) -> int:
-        """Batches in one pass over the records (the partial last batch counts unless drop_last)."""
+        """Batches it takes to draw every record once: ``len // batch_size`` when shuffled with drop_last (the
+        remainder is dropped), else rounded up (the partial last batch, or the one that wraps around)."""
         n = len(self._records)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return n // self.batch_size if self.drop_last and self.shuffle else -(-n // self.batch_size)
 
     @property
     def epoch(self) -> int:
-        """Epoch that the next batch comes from."""
+        """Epoch (pass over the records) that the next batch's first record comes from."""
         return self._epoch
 
     def _epoch_order(self) -> np.ndarray:
@@ -156,12 +167,17 @@ class PromptSampler:
 
     def __next__(self) -> list[dict[str, Any]]:
         """The next batch, as a list of (shallow-copied) records."""
-        start = self._batch_in_epoch * self.batch_size
-        idx = self._epoch_order()[start : start + self.batch_size]
-        self._batch_in_epoch += 1
-        if self._batch_in_epoch == self.batches_per_epoch:
-            self._epoch += 1
-            self._batch_in_epoch = 0
+        n, start, size = len(self._records), self._start, self.batch_size
+        if self.wraps:  # file order every pass: the batch runs on into the next pass's first records
+            idx = (start + np.arange(size)) % n
+            self._start += size
+            if self._start >= n:
+                self._epoch, self._start = self._epoch + 1, self._start - n
+        else:
+            idx = self._epoch_order()[start : start + size]
+            self._start += size
+            if self._start // size == self.batches_per_epoch:
+                self._epoch, self._start = self._epoch + 1, 0
         return [dict(self._records[i]) for i in idx]
 
     def records_digest(self) -> str:
@@ -176,26 +192,33 @@ class PromptSampler:
         return self._digest
 
     def state_dict(self) -> dict[str, int | bool | str]:
-        """JSON-serializable position plus the settings a resume must share."""
+        """JSON-serializable position plus the settings a resume must share. The position is ``epoch`` and
+        ``batch_in_epoch``, or with the wrap-around ``epoch`` and ``record_in_epoch`` (``wrap`` says which)."""
+        where: dict[str, int] = ({"record_in_epoch": self._start} if self.wraps
+                                 else {"batch_in_epoch": self._start // self.batch_size})
         return {
             "epoch": self._epoch,
-            "batch_in_epoch": self._batch_in_epoch,
+            **where,
             "seed": self.seed,
             "batch_size": self.batch_size,
             "num_records": len(self._records),
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "wrap": self.wraps,
             "records_sha256": self.records_digest(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the saved position; refuses a state saved with other data or settings."""
+        """Resume at the saved position; refuses a state saved with other data or settings. An unshuffled state
+        written before the wrap-around (no ``wrap`` key) resumes at the same record, with a warning."""
         mine = self.state_dict()
         mismatched = [
             f"{k}: saved {state.get(k)!r}, now {mine[k]!r}"
             for k in ("seed", "batch_size", "num_records", "shuffle", "drop_last")
             if state.get(k) != mine[k]
         ]
+        if "wrap" in state and state["wrap"] != mine["wrap"] and not mismatched:
+            mismatched.append(f"wrap: saved {state['wrap']!r}, now {mine['wrap']!r}")
         if "records_sha256" not in state:
             log.warning("the sampler state predates record digests: cannot check that the resumed run samples the "
                         "same records (only as many)")
@@ -205,10 +228,26 @@ class PromptSampler:
                               f"now: another task.params or data file?)")
         if mismatched:
             raise ValueError("sampler state does not match this sampler: " + "; ".join(mismatched))
-        epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
-        if epoch < 0 or not 0 <= batch < self.batches_per_epoch:
-            raise ValueError(
-                f"sampler state position out of range: epoch={epoch}, batch_in_epoch={batch} "
-                f"(batches per epoch: {self.batches_per_epoch})"
-            )
-        self._epoch, self._batch_in_epoch = epoch, batch
+        n, size = len(self._records), self.batch_size
+        epoch = int(state["epoch"])
+        if state.get("wrap"):
+            start = int(state["record_in_epoch"])
+            ok = 0 <= start < n
+            where = f"record_in_epoch={start} (records: {n})"
+        else:
+            batch = int(state["batch_in_epoch"])
+            start = batch * size
+            # an unshuffled state from before the wrap-around: its batches started at multiples of batch_size
+            last = n // size if self.wraps else self.batches_per_epoch
+            ok = 0 <= batch < last
+            where = f"batch_in_epoch={batch} (batches per epoch: {last})"
+            if ok and self.wraps and n % size:
+                log.warning(
+                    "the prompt sampler state was written before data.shuffle=false wrapped around: the interrupted "
+                    "run never drew the last %d of the %d records of a pass; the resumed run continues at the same "
+                    "record (epoch %d, record %d) and from the end of this pass wraps around to the start of the next, "
+                    "so every record is trained on (its batches after this pass differ from the old run's)",
+                    n % size, n, epoch, start)
+        if epoch < 0 or not ok:
+            raise ValueError(f"sampler state position out of range: epoch={epoch}, {where}")
+        self._epoch, self._start = epoch, start

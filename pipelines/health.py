@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["NonFiniteGuard", "TrainingDivergedError"]
 
@@ -38,6 +39,17 @@ class NonFiniteGuard:
     def __post_init__(self) -> None:
         if self.max_bad_steps < 1:
             raise ValueError(f"max_bad_steps must be >= 1, got {self.max_bad_steps}")
+
+    def state_dict(self) -> dict[str, int]:
+        """The count of consecutive bad steps, for a checkpoint (a resume or restart continues it)."""
+        return {"bad_run": self.bad_run}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the count saved by :meth:`state_dict` (``max_bad_steps`` stays this guard's: the config's)."""
+        bad_run = state.get("bad_run") if isinstance(state, Mapping) else None
+        if isinstance(bad_run, bool) or not isinstance(bad_run, int) or bad_run < 0:
+            raise ValueError(f"non-finite guard state: bad_run must be a whole number >= 0, got {state!r}")
+        self.bad_run = bad_run
 
     def check(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record ``step``'s metrics; raise if the run has diverged."""

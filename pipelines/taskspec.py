@@ -11,7 +11,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from orchestra import Batch
 
 from .config import Config, ConfigError, warm_start_with_kl
 from .data import load_prompts
+
+if TYPE_CHECKING:
+    from .tasks.registry import TaskEntry
 
 __all__ = ["WARM_START_ANSWERS", "TaskSpec", "get_task", "prompt_batch"]
 
@@ -96,7 +99,8 @@ def prompt_batch(records: Sequence[dict], tok: Any, *, responses: Sequence[str] 
 
 def get_task(cfg: Config) -> TaskSpec:
     """The TaskSpec registered as ``task.name`` (``pipelines.tasks``), built from ``task.params``; prompts from
-    ``data.train_path`` when set (the task keeps its reward)."""
+    ``data.train_path`` when set (the task keeps its reward; a ``task.params`` key that only generates prompts is
+    then a ConfigError)."""
     from .tasks import UnknownTaskError, check_task_params, get_task_entry
 
     name, params = cfg.task.name, dict(cfg.task.params)
@@ -113,11 +117,32 @@ def get_task(cfg: Config) -> TaskSpec:
         raise ConfigError(warm_start_with_kl(spec.warm_start_steps, cfg.algorithm.kl_coef),
                           "task.params.warm_start_steps")
     if cfg.data.train_path:
+        _refuse_prompt_params(cfg, entry, spec)
         records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",))
         spec = replace(spec, records=records)
     if cfg.model.path is None:
         _check_positions(cfg, spec)
     return spec
+
+
+def _refuse_prompt_params(cfg: Config, entry: TaskEntry, spec: TaskSpec) -> None:
+    """``data.train_path`` replaces the task's generated records: a ``task.params`` key that only generates them
+    (the registry's ``prompt_params``) would be ignored, so it is a ConfigError naming it; the keys that shape the
+    answer pool (``answer_pool_params``) are kept while a format warm start (random answers) uses that pool."""
+    uses_pool = spec.warm_start_steps > 0 and spec.warm_start_answers == "random"
+    ignored = [k for k in cfg.task.params
+               if k in entry.prompt_params and not (uses_pool and k in entry.answer_pool_params)]
+    if not ignored:
+        return
+    key = ignored[0]
+    pool = (" (it would also shape the answer pool of a format warm start, warm_start_answers=random, which this "
+            "config does not run)" if key in entry.answer_pool_params else "")
+    more = "".join(f" and task.params.{k}" for k in ignored[1:])
+    raise ConfigError(
+        f"task.params.{key}: {cfg.task.params[key]!r} is ignored: it generates the prompts of task "
+        f"{cfg.task.name!r}, and data.train_path ({cfg.data.train_path}) replaces them with the file's{pool}; remove "
+        f"task.params.{key}{more}, or set data.train_path to null to train on the generated prompts",
+        f"task.params.{key}")
 
 
 def longest_prompt(cfg: Config, spec: TaskSpec) -> int:

@@ -28,6 +28,10 @@ PARAMS = (
     "num_digits", "min_carries", "num_prompts", "seed", "format_bonus", "digit_credit", "warm_start_steps",
     "warm_start_answers", "warm_start_lr",
 )
+# the params that generate the prompt records (data.train_path replaces them); the operand ones also shape the answer
+# pool of a format warm start
+POOL_PARAMS = ("num_digits", "min_carries")
+PROMPT_PARAMS = (*POOL_PARAMS, "num_prompts", "seed")
 _MAX_TRIES = 1000  # rejection sampling per record (min_carries <= num_digits always succeeds much sooner)
 
 
@@ -119,7 +123,8 @@ def check_addition_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return p
 
 
-@register_task("addition", params=PARAMS, check=check_addition_params)
+@register_task("addition", params=PARAMS, check=check_addition_params, prompt_params=PROMPT_PARAMS,
+               answer_pool_params=POOL_PARAMS)
 def build_addition(params: Mapping[str, Any]) -> TaskSpec:
     """The addition task from ``task.params``: ``num_digits`` (2), ``min_carries`` (0), ``num_prompts`` (4096)
     generated from ``seed`` (1234), reward ``format_bonus`` (0.1) and ``digit_credit`` (0), ``warm_start_steps``

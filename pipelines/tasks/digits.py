@@ -26,6 +26,10 @@ PARAMS = (
     "max_operand", "min_operand", "ops", "modulo", "num_prompts", "format_bonus", "warm_start_steps",
     "warm_start_answers", "warm_start_lr", "seed",
 )
+# the params that generate the prompt records (data.train_path replaces them); the operand/op ones also shape the
+# answer pool of a format warm start
+POOL_PARAMS = ("max_operand", "min_operand", "ops", "modulo")
+PROMPT_PARAMS = (*POOL_PARAMS, "num_prompts", "seed")
 
 
 def _apply(a: int, op: str, b: int, modulo: int | None) -> int:
@@ -139,7 +143,8 @@ def check_digit_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return p
 
 
-@register_task("digits", params=PARAMS, check=check_digit_params)
+@register_task("digits", params=PARAMS, check=check_digit_params, prompt_params=PROMPT_PARAMS,
+               answer_pool_params=POOL_PARAMS)
 def build_digits(params: Mapping[str, Any]) -> TaskSpec:
     """The digits task from ``task.params``: operands/ops/modulo (see :func:`make_digit_task`), ``num_prompts``
     (4096) generated from ``seed`` (1234), ``format_bonus`` (0.1, in [0, 1)) and ``warm_start_steps`` (0)."""

@@ -22,12 +22,16 @@ TaskBuilder = Callable[[Mapping[str, Any]], "TaskSpec"]
 
 @dataclass(frozen=True)
 class TaskEntry:
-    """A registered task: its name, the builder and the ``task.params`` keys the builder accepts."""
+    """A registered task: its name, the builder and the ``task.params`` keys the builder accepts; ``prompt_params``:
+    those that only shape the generated prompt records (``data.train_path`` replaces them, so there they would be
+    ignored), of which ``answer_pool_params`` also shape the answer pool of a format warm start."""
 
     name: str
     build: TaskBuilder
     params: frozenset[str]
     check: Callable[[Mapping[str, Any]], Any] | None = None  # checks the values of task.params (torch-free)
+    prompt_params: frozenset[str] = frozenset()
+    answer_pool_params: frozenset[str] = frozenset()
 
 
 class UnknownTaskError(ValueError):
@@ -38,13 +42,24 @@ _REGISTRY: dict[str, TaskEntry] = {}
 
 
 def register_task(name: str, build: TaskBuilder | None = None, *, params: Iterable[str] = (),
-                  check: Callable[[Mapping[str, Any]], Any] | None = None, overwrite: bool = False) -> Any:
+                  check: Callable[[Mapping[str, Any]], Any] | None = None, prompt_params: Iterable[str] = (),
+                  answer_pool_params: Iterable[str] = (), overwrite: bool = False) -> Any:
     """Register ``build`` as task ``name`` (``task.name`` in a config); ``params`` are the ``task.params`` keys it
     takes (others are a config error) and ``check(params)`` (optional, torch-free) raises ``ValueError`` naming a
-    key whose value is wrong, when the config is loaded. Use as a decorator, ``@register_task("mytask",
-    params=("seed",))``, or call it with the builder. Registering a taken name raises unless ``overwrite=True``."""
+    key whose value is wrong, when the config is loaded. ``prompt_params``: the keys that only generate the prompt
+    records (refused next to ``data.train_path``, which replaces the records), of which ``answer_pool_params`` also
+    shape the answer pool of a format warm start (``warm_start_answers="random"``; accepted when that uses them).
+    Use as a decorator, ``@register_task("mytask", params=("seed",))``, or call it with the builder. Registering a
+    taken name raises unless ``overwrite=True``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_task: the name must be a non-empty string, got {name!r}")
+    params, prompt_params, answer_pool_params = frozenset(params), frozenset(prompt_params), frozenset(
+        answer_pool_params)
+    for kind, keys, within, of in (("prompt_params", prompt_params, params, "params"),
+                                   ("answer_pool_params", answer_pool_params, prompt_params, "prompt_params")):
+        if not keys <= within:
+            raise ValueError(f"register_task({name!r}): {kind} {sorted(keys - within)} are not in its {of} "
+                             f"{sorted(within)}")
 
     def add(fn: TaskBuilder) -> TaskBuilder:
         if not callable(fn):
@@ -54,7 +69,8 @@ def register_task(name: str, build: TaskBuilder | None = None, *, params: Iterab
                              f"({_REGISTRY[name].build.__module__}); pick another name or pass overwrite=True")
         if check is not None and not callable(check):
             raise TypeError(f"register_task({name!r}): check must be callable, got {type(check).__name__}")
-        _REGISTRY[name] = TaskEntry(name=name, build=fn, params=frozenset(params), check=check)
+        _REGISTRY[name] = TaskEntry(name=name, build=fn, params=params, check=check, prompt_params=prompt_params,
+                                    answer_pool_params=answer_pool_params)
         return fn
 
     return add if build is None else add(build)
