@@ -15,25 +15,35 @@ in it (``roles``: the index and every shard it lists), so a worker that wrote el
 committing a checkpoint without weights. Before anything is loaded the manifest is checked; a
 checkpoint that fails (missing or changed file, truncated JSON) is reported with a warning naming the file and
 the previous good one is used. Only directories named like ours are ever pruned or removed.
+
+A run holds its output_dir (:func:`lock_output_dir`: a ``flock`` on ``<output_dir>/.orchestra.lock``) from before
+it checks anything there to the end of its cleanup, so a second run into the same directory fails at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Sequence
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engines.checkpoint_io import (CheckpointError, read_json, read_regular_file, sha256_file, verify_file,
                                    write_json_atomic)
 
-__all__ = ["LATEST", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
-           "prepare_output_dir", "prune", "read_json", "resolve_output_dir", "stage", "verify", "write_json_atomic",
-           "write_manifest"]
+__all__ = ["LATEST", "LOCK", "MANIFEST", "CheckpointError", "abort", "commit", "committed", "latest_good",
+           "lock_output_dir", "newest_committed", "prepare_output_dir", "prune", "read_json", "resolve_output_dir",
+           "stage", "verify", "write_json_atomic", "write_manifest"]
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -43,6 +53,14 @@ _STAGED = re.compile(r"^(step_\d{6,})\.(tmp|old)-[0-9a-f]{8}$")
 _LATEST_TMP = re.compile(r"^latest\.tmp-[0-9a-f]{8}$")
 ENGINE_INDEX = "index.json"  # what an engine role's save writes last (engines.checkpoint): it lists the shard files
 ENGINE_STATE = "engine_state.json"
+LOCK = ".orchestra.lock"  # in runner.output_dir: flock'ed by the run that writes there (lock_output_dir)
+# what a run of the runner writes into runner.output_dir besides checkpoints/ (--overwrite removes exactly these)
+METRICS = "metrics.jsonl"
+CONFIG = "config.json"
+TENSORBOARD = "tensorboard"
+_OUTPUT_FILES = ("reward.png", "trace.json")
+_TRACE_BEFORE_RESTART = re.compile(r"^trace\.before-restart-\d+\.json$")
+_TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")
 
 log = logging.getLogger("orchestra")
 
@@ -294,6 +312,17 @@ def latest_good(root: Path) -> Path:
                           + "\nrestore the files from a copy, or start over with --overwrite")
 
 
+def newest_committed(root: Path) -> Path | None:
+    """The checkpoint ``--resume`` tries first: the one ``latest`` names, else the newest committed one; None when
+    there is none. Not verified (that reads every file: :func:`latest_good` does it when the resume starts)."""
+    root = Path(root)
+    first = _latest_pointer(root)
+    if first is not None:
+        return first
+    steps = committed(root)
+    return steps[-1][1] if steps else None
+
+
 def _check_output_dir(out: Path) -> None:
     """``out`` is a directory, or can be made one: :class:`~pipelines.config.ConfigError` naming
     ``runner.output_dir`` when it is a file, lies under a file, or its nearest existing parent is not writable."""
@@ -314,44 +343,182 @@ def _check_output_dir(out: Path) -> None:
         raise ConfigError(f"runner.output_dir: {out} {what}is not writable by this user; {fix}", "runner.output_dir")
 
 
+def _earlier_outputs(out: Path) -> list[Path]:
+    """The files an earlier run of the runner left in ``out`` besides its checkpoints: a non-empty ``metrics.jsonl``,
+    TensorBoard event files in ``tensorboard/``, ``reward.png``, ``trace.json`` and ``trace.before-restart-N.json``.
+    ``config.json`` is not one: every run rewrites it before anything else."""
+    if not out.is_dir():
+        return []
+    found = []
+    metrics = out / METRICS
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(metrics)
+    tb = out / TENSORBOARD
+    if tb.is_dir():
+        found += sorted(p for p in tb.iterdir() if p.is_file() and _TB_EVENTS.match(p.name))
+    found += [out / name for name in _OUTPUT_FILES if (out / name).is_file()]
+    found += sorted(p for p in out.iterdir() if p.is_file() and _TRACE_BEFORE_RESTART.match(p.name))
+    return found
+
+
+def _listing(out: Path, paths: Sequence[Path | str], n: int = 4) -> str:
+    """``a, b and c`` of ``paths`` relative to ``out``, the first ``n`` named and the rest counted."""
+    names = [p if isinstance(p, str) else p.relative_to(out).as_posix() for p in paths]
+    if len(names) > n:
+        names = [*names[:n], f"{len(names) - n} more"]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | None:
-    """Check ``out`` before anything starts; returns the checkpoint to resume from (None for a fresh run).
+    """Check ``out`` before anything starts; returns the checkpoint to resume from (None for a fresh run). Call it
+    holding ``out`` (:func:`lock_output_dir`): another run must not write there between the check and the run.
 
     - ``out`` must be a directory or one that can be made (``ConfigError`` naming ``runner.output_dir`` otherwise).
     - ``resume``: the newest good checkpoint (:func:`latest_good`), or :class:`CheckpointError`.
-    - a fresh run into a directory that holds checkpoints or a non-empty ``metrics.jsonl`` of an earlier run:
-      :class:`CheckpointError` unless ``overwrite``, which removes our checkpoints (``step_*``, ``latest``,
-      unfinished ones) and ``metrics.jsonl``, nothing else.
+    - a fresh run into a directory that holds checkpoints or other outputs of an earlier run (a non-empty
+      ``metrics.jsonl``, TensorBoard events, ``reward.png``, trace files): :class:`CheckpointError` unless
+      ``overwrite``, which removes exactly what the runner writes (our checkpoints: ``step_*``, ``latest``,
+      unfinished ones; ``metrics.jsonl``, ``config.json``, ``reward.png``, ``trace.json``,
+      ``trace.before-restart-N.json``, the event files in ``tensorboard/``), nothing else, and never the lock file.
     """
     out = Path(out)
     _check_output_dir(out)
     root = out / "checkpoints"
-    metrics = out / "metrics.jsonl"
     if resume and overwrite:
         raise CheckpointError("--resume continues the run in runner.output_dir and --overwrite replaces it: pass one")
     if resume:
         return latest_good(root)
     steps = committed(root)
-    if not steps and not (root / LATEST).exists():
-        if metrics.is_file() and metrics.stat().st_size > 0:
-            if not overwrite:
-                raise CheckpointError(f"{out} holds the metrics.jsonl of an earlier run (and no checkpoint to resume "
-                                      f"from); pass --overwrite to replace it, or choose another runner.output_dir")
-            metrics.unlink()
-            log.warning("--overwrite: removed the metrics.jsonl of the earlier run in %s", out)
-        return None
+    earlier = _earlier_outputs(out)
     if not overwrite:
-        newest = steps[-1][1].name if steps else (root / LATEST)
-        raise CheckpointError(f"{out} holds checkpoints of an earlier run (newest: {newest}); pass --resume to "
-                              f"continue it, --overwrite to replace it, or choose another runner.output_dir")
-    for p in sorted(root.iterdir()):
-        if p.is_dir() and (_STEP.match(p.name) or _STAGED.match(p.name)):
-            _remove(p)
-        elif p.is_file() and (p.name == LATEST or _LATEST_TMP.match(p.name)):
+        if steps or (root / LATEST).exists():
+            newest = steps[-1][1].name if steps else (root / LATEST)
+            raise CheckpointError(f"{out} holds checkpoints of an earlier run (newest: {newest}); pass --resume to "
+                                  f"continue it, --overwrite to replace it, or choose another runner.output_dir")
+        if earlier:
+            raise CheckpointError(f"{out} holds the {_listing(out, earlier)} of an earlier run (and no checkpoint to "
+                                  f"resume from); pass --overwrite to replace it, or choose another runner.output_dir")
+        return None
+    removed: list[str] = []
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.is_dir() and (_STEP.match(p.name) or _STAGED.match(p.name)):
+                _remove(p)
+            elif p.is_file() and (p.name == LATEST or _LATEST_TMP.match(p.name)):
+                p.unlink()
+            else:
+                continue
+            if not removed:
+                removed.append("checkpoints")
+        if not any(root.iterdir()):
+            root.rmdir()
+    for p in dict.fromkeys([*earlier, out / METRICS, out / CONFIG]):
+        if p.is_file():
             p.unlink()
-    if not any(root.iterdir()):
-        root.rmdir()
-    if metrics.is_file():
-        metrics.unlink()
-    log.warning("--overwrite: removed the checkpoints and metrics.jsonl of the earlier run in %s", out)
+            removed.append(p.relative_to(out).as_posix())
+    tb = out / TENSORBOARD
+    if tb.is_dir() and not tb.is_symlink() and not any(tb.iterdir()):
+        tb.rmdir()
+    if removed:
+        log.warning("--overwrite: removed the %s of the earlier run in %s (nothing else)", _listing(out, removed, 8),
+                    out)
     return None
+
+
+# ------------------------------------------------------------------------------------------------------- the run's lock
+@dataclass
+class _Hold:
+    """This process's hold on one output_dir: the open lock file (flock'ed), how many blocks hold it, and whether a
+    run (``lock_output_dir(run=True)``) is one of them."""
+
+    fd: int
+    lock: Path
+    holds: int = 0
+    running: bool = False
+
+
+_holds: dict[tuple[int, int], _Hold] = {}  # (st_dev, st_ino) of an output_dir -> this process's hold on it
+_holds_guard = threading.Lock()
+
+
+def _holder(lock: Path) -> str:
+    """Who holds ``lock``, as its holder recorded it when it took it: for the refusal message."""
+    try:
+        text = lock.read_text()
+        rec = json.loads(text) if text.strip() else None
+    except (OSError, ValueError) as e:
+        return f"its record in {lock} cannot be read: {type(e).__name__}: {e}"
+    if not isinstance(rec, dict):
+        return f"a process that has not recorded itself in {lock} yet"
+    return f"pid {rec.get('pid')} on host {rec.get('host')}, since {rec.get('started')}"
+
+
+def _acquire(out: Path, lock: Path) -> int:
+    """Open ``lock`` and take its exclusive flock without waiting; record this process in it. Returns the fd."""
+    fix = "or choose another runner.output_dir"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"runner.output_dir {out}: cannot open its lock file {lock} ({e}); remove what is there "
+                              f"if it is not a file, {fix}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(f"runner.output_dir {out} is in use by another run ({_holder(lock)}): two runs "
+                                  f"in one directory mix their metrics.jsonl and checkpoints; wait for it to finish, "
+                                  f"{fix}") from None
+        except OSError as e:  # ENOLCK: a file system without locks
+            raise CheckpointError(f"runner.output_dir {out}: cannot lock {lock} ({e}), so another run could write "
+                                  f"there at the same time; {fix} on a local or lock-capable file system") from e
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _release(hold: _Hold) -> None:
+    """Clear the holder's record (it names live holders only), then close the file, which drops the flock."""
+    try:
+        os.ftruncate(hold.fd, 0)
+    except OSError as e:  # the record is advice; the lock itself goes with the close below
+        log.warning("could not clear %s (%s); the next run overwrites it", hold.lock, e)
+    finally:
+        os.close(hold.fd)
+
+
+@contextlib.contextmanager
+def lock_output_dir(out: Path, *, run: bool = False) -> Iterator[Path]:
+    """Hold ``out`` (made if missing) until the block ends: an exclusive, non-blocking ``flock`` on
+    ``out/.orchestra.lock``, which the kernel drops when the process ends, however it ends. Held by another process:
+    :class:`CheckpointError` naming the holder (pid, host). Within this process holds nest (the CLI holds ``out``
+    from before its checks and hands it to its Runner), but only one ``run=True`` block (a run) at a time."""
+    out = Path(out)
+    _check_output_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    st = out.stat()
+    key = (st.st_dev, st.st_ino)
+    with _holds_guard:
+        hold = _holds.get(key)
+        if hold is None:
+            hold = _Hold(_acquire(out, out / LOCK), out / LOCK)
+            _holds[key] = hold
+        elif run and hold.running:
+            raise CheckpointError(f"runner.output_dir {out} is in use by another run in this process (pid "
+                                  f"{os.getpid()}): two runs in one directory mix their metrics.jsonl and "
+                                  f"checkpoints; wait for it to finish, or choose another runner.output_dir")
+        hold.holds += 1
+        hold.running = hold.running or run
+    try:
+        yield out
+    finally:
+        with _holds_guard:
+            hold.holds -= 1
+            if run:
+                hold.running = False
+            if hold.holds == 0:
+                del _holds[key]
+                _release(hold)

@@ -4,17 +4,19 @@
 
 User errors are printed as ``orchestra train: <what went wrong and what to change>`` on stderr with exit status 2:
 a bad config (a config file that is missing or a directory, a model.path or data.train_path that is not what it
-should be), an output_dir that is a file, lies under one or holds an earlier run, a missing or corrupt checkpoint
-(all found before torch or Ray is imported); a model that does not fit the task's tokenizer, fewer prompts than a
-step takes, resources.device=cuda with in-process workers and no GPU (found before any worker starts); pools the
-cluster cannot place when the job starts; and a checkpoint that does not fit the configured model or worker count
-(found when the workers load it). A run that stops because training diverged (``runner.max_bad_steps`` non-finite steps, or a step
-whose updates were all skipped) or because a worker died past ``runner.max_restarts`` prints
+should be), an output_dir that is a file, lies under one, holds an earlier run or is in use by another run (a run
+holds ``<output_dir>/.orchestra.lock`` until it ends), a missing or corrupt checkpoint (all found before torch or Ray
+is imported); a model that does not fit the task's tokenizer, fewer prompts than a step takes, resources.device=cuda
+with in-process workers and no GPU (found before any worker starts); pools the cluster cannot place when the job
+starts; and a checkpoint that does not fit the configured model or worker count (found when the workers load it). A
+run that stops because training diverged (``runner.max_bad_steps`` non-finite steps, or a step whose updates were
+all skipped) or because a worker died past ``runner.max_restarts`` prints
 ``orchestra train: ...`` with exit status 1. SIGINT (Ctrl-C) and SIGTERM cancel the run cleanly (its cleanup runs:
 metrics.jsonl holds whole lines, the trace is saved with runner.trace, the cluster shuts down; a second signal ends
-the process at once) and print ``orchestra train: interrupted (SIGTERM) at step N; resume with --resume``, N being
-the first step not finished, with exit status 128 + the signal: 130 for SIGINT, 143 for SIGTERM. A traceback means
-a bug.
+the process at once) and print ``orchestra train: interrupted (SIGTERM) at step N; the newest checkpoint is
+<output_dir>/checkpoints/step_K (after step K), so steps K+1-(N-1) are run again; resume with --resume``, N being
+the first step not finished (with no checkpoint yet, it says that --resume has nothing to continue from), with exit
+status 128 + the signal: 130 for SIGINT, 143 for SIGTERM. A traceback means a bug.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     again = t.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in "
                        "runner.output_dir (checked before the cluster starts)")
-    again.add_argument("--overwrite", action="store_true", help="start over in a runner.output_dir that holds "
-                       "checkpoints: removes its checkpoints and metrics.jsonl (nothing else); without it such a run "
-                       "is refused")
+    again.add_argument("--overwrite", action="store_true", help="start over in a runner.output_dir that holds an "
+                       "earlier run: removes the files a run writes there (checkpoints, metrics.jsonl, config.json, "
+                       "TensorBoard events, reward.png, traces) and nothing else; without it such a run is refused")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--help-config", action="store_true", help="list every config key (section.key) with its type, "
                    "default and description, and exit")
@@ -75,17 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
-    from .checkpoint import CheckpointError, prepare_output_dir, resolve_output_dir
+    from .checkpoint import CheckpointError, lock_output_dir, prepare_output_dir, resolve_output_dir
     from .config import replace
     from .health import TrainingDivergedError
 
     out = resolve_output_dir(cfg.runner.output_dir)  # once, here: workers are given absolute paths only
     cfg = replace(cfg, runner=replace(cfg.runner, output_dir=str(out)))
-    try:  # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
-        resume_from = prepare_output_dir(out, resume=args.resume, overwrite=args.overwrite)
-        from .runner import run
+    try:
+        # held from before the checks to the end of the run (its Runner shares this hold): a second run into `out`
+        # fails here, before it removes (--overwrite) or reads (--resume) anything of the run that is writing there
+        with lock_output_dir(out):
+            # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
+            resume_from = prepare_output_dir(out, resume=args.resume, overwrite=args.overwrite)
+            from .runner import run
 
-        history = run(cfg, resume_from=resume_from, progress=not args.no_progress)
+            history = run(cfg, resume_from=resume_from, progress=not args.no_progress)
     except (CheckpointError, ConfigError) as e:  # ConfigError: a check on the built task (pipelines.taskspec)
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2
@@ -113,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if history:
         last = history[-1]
-        print(f"done: {len(history)} steps, last reward/mean {last['reward/mean']:.3f}; metrics in "
-              f"{cfg.runner.output_dir}/metrics.jsonl")
+        wrote = [f"metrics in {out}/metrics.jsonl" if cfg.runner.metrics else
+                 "runner.metrics=false: this run's steps are not in metrics.jsonl"]
+        if cfg.runner.tensorboard:
+            wrote.append(f"TensorBoard events in {out}/tensorboard")
+        print(f"done: {len(history)} steps, last reward/mean {last['reward/mean']:.3f}; {'; '.join(wrote)}")
     return 0
 
 

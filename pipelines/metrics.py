@@ -1,5 +1,5 @@
-"""Where step metrics go: ``metrics.jsonl`` (always), TensorBoard (when asked for; it needs the tensorboard package),
-a PNG plot."""
+"""Where step metrics go: ``metrics.jsonl`` (unless runner.metrics=false), TensorBoard (when asked for; it needs the
+tensorboard package), a PNG plot."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointError
+from .checkpoint import METRICS, TENSORBOARD, CheckpointError
 
 __all__ = ["MetricsSink", "decode_record", "encode_record", "plot_metrics", "read_metrics"]
 
@@ -71,28 +71,39 @@ class MetricsSink:
     ``null`` plus a ``nonfinite`` entry); mirrors numbers to TensorBoard if enabled.
 
     On resume, step lines after the checkpointed step (``truncate_after``) are dropped so that the file reads as one
-    uninterrupted run; event lines (``"event"`` key: a restart) are kept.
+    uninterrupted run; event lines (``"event"`` key: a restart) are kept. They are dropped with ``enabled=False``
+    (runner.metrics=false) too: the file then ends at the checkpoint instead of describing steps that were undone.
+    TensorBoard hides the events of the redone steps the same way (``purge_step``), on a resume and on a restart.
     """
 
     def __init__(self, out: Path, *, tensorboard: bool = False, truncate_after: int | None = None,
                  enabled: bool = True) -> None:
-        self.path = Path(out) / "metrics.jsonl"
+        """``out``: the run's output_dir; ``truncate_after``: the checkpoint step of a resume (None: a fresh run,
+        which starts an empty file); ``enabled``: write metrics.jsonl (runner.metrics)."""
+        self.path = Path(out) / METRICS
         self.enabled = enabled
-        if enabled:
-            if truncate_after is None:
-                self.path.write_text("")
-            else:
-                self.truncate(truncate_after)
-        self._tb = None
+        self._tb: Any = None
+        self._tb_dir = Path(out) / TENSORBOARD
+        if truncate_after is not None:
+            self.truncate(truncate_after)
+        elif enabled:
+            self.path.write_text("")
         if tensorboard:  # the config refuses runner.tensorboard=true without the package; never no events silently
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError(f"runner.tensorboard=true needs the tensorboard package ({e}): pip install "
                                   "tensorboard, or set runner.tensorboard=false") from e
-            self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+            self._writer = SummaryWriter
+            self._tb = self._open_tb(None if truncate_after is None else truncate_after + 1)
+
+    def _open_tb(self, purge_step: int | None) -> Any:
+        """A SummaryWriter on ``out/tensorboard``; ``purge_step``: the first step (re)done from here, whose events and
+        later ones, written before, TensorBoard then hides (they were undone)."""
+        return self._writer(str(self._tb_dir), purge_step=purge_step)
 
     def write(self, rec: dict[str, Any]) -> None:
+        """Record one step's metrics (``rec["step"]``): a line in metrics.jsonl, the numbers in TensorBoard."""
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(encode_record(rec) + "\n")
@@ -102,12 +113,19 @@ class MetricsSink:
                     self._tb.add_scalar(k, v, rec["step"])
 
     def truncate(self, after: int) -> None:
-        """Drop the step lines after step ``after`` (a resume or a restart redoes those steps); event lines (a
-        restart) stay on record."""
-        if self.enabled and self.path.exists():
+        """Drop the step lines after step ``after`` (a resume or a restart redoes those steps), also with metrics off;
+        event lines (a restart) stay on record. TensorBoard hides its events of those steps (a new writer with
+        ``purge_step=after + 1``)."""
+        if self.path.exists():
             keep = [line for line, rec in _parse_lines(self.path, torn_tail_ok=True)
                     if rec["step"] <= after or "event" in rec]
             self.path.write_text("".join(line + "\n" for line in keep))
+            if not self.enabled:
+                log.info("runner.metrics=false: %s keeps the earlier run's lines up to step %d; the steps run now "
+                         "are not recorded there", self.path, after)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._open_tb(after + 1)
 
     def event(self, rec: dict[str, Any]) -> None:
         """Append an event line (``{"event": "restart", "step": k, ...}``): kept when a resume truncates the step
@@ -119,6 +137,7 @@ class MetricsSink:
                 f.write(encode_record(rec) + "\n")
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer (metrics.jsonl is closed after every line)."""
         if self._tb is not None:
             self._tb.close()
 

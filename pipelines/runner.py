@@ -141,60 +141,65 @@ class Runner:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
-        """Run (or resume) the job to ``runner.total_steps``; returns the metrics of the steps run here."""
+        """Run (or resume) the job to ``runner.total_steps``; returns the metrics of the steps run here. The run holds
+        ``runner.output_dir`` (:func:`pipelines.checkpoint.lock_output_dir`) from before its first check there to the
+        end of its cleanup: a second run into that directory fails at once instead of writing into this one."""
         cfg = self.cfg
-        # before anything starts: refuse to clobber an earlier run, and check the checkpoint --resume will use
-        if self._resume_from is None:
-            self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
-        self.out.mkdir(parents=True, exist_ok=True)
-        now = config_to_dict(cfg)
-        resume_state: Any = None  # the checkpoint's runner.json, read once: the config check and _restore use it
-        if self._resume_from is not None:
-            resume_state = ckpt.read_json(self._resume_from / "runner.json")
-            self._check_resumable(resume_state)  # before config.json is rewritten and anything starts
-            _warn_config_changes(resume_state, self.out / "config.json", now)
-        (self.out / "config.json").write_text(json.dumps(now, indent=2))
-        _seed_everything(cfg.runner.seed)
-        if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
-            orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
-        try:
-            self.cluster = build_cluster(cfg, self.task)
-        except orc.PlacementError as e:
-            raise _unplaceable(e) from e
-        failed = False
-        try:
+        with ckpt.lock_output_dir(self.out, run=True):  # shared with the CLI that holds it already, if any
+            # before anything starts: refuse to clobber an earlier run, and check the checkpoint --resume will use
+            if self._resume_from is None:
+                self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)
+            self.out.mkdir(parents=True, exist_ok=True)
+            now = config_to_dict(cfg)
+            resume_state: Any = None  # the checkpoint's runner.json, read once: the config check and _restore use it
+            if self._resume_from is not None:
+                resume_state = ckpt.read_json(self._resume_from / "runner.json")
+                self._check_resumable(resume_state)  # before config.json is rewritten and anything starts
+                _warn_config_changes(resume_state, self.out / "config.json", now)
+            (self.out / "config.json").write_text(json.dumps(now, indent=2))
+            _seed_everything(cfg.runner.seed)
+            if cfg.resources.backend == "ray":  # (local: every pool runs its workers in this process; no cluster)
+                orc.init(address=os.environ.get("RAY_ADDRESS") or None)  # a Ray cluster to attach to (docs/cluster.md)
             try:
-                await self.cluster.ready()
-            except orc.PlacementError as e:  # the job asks for more than the cluster has: a user error
+                self.cluster = build_cluster(cfg, self.task)
+            except orc.PlacementError as e:
                 raise _unplaceable(e) from e
-            if cfg.runner.trace:
-                self.tracer = orc.Tracer(*self.cluster.groups())
-                await self.tracer.start()
-            if self.resume:
-                await self._restore(resume_state)
-            elif self.task.warm_start_steps:
-                await self._warm_start()
-            await self._sync_rollout()
-            sink = MetricsSink(self.out, tensorboard=cfg.runner.tensorboard, truncate_after=self.start_step - 1
-                               if self.resume else None, enabled=cfg.runner.metrics)
+            failed = False
             try:
-                await self._train(sink)
+                try:
+                    await self.cluster.ready()
+                except orc.PlacementError as e:  # the job asks for more than the cluster has: a user error
+                    raise _unplaceable(e) from e
+                if cfg.runner.trace:
+                    self.tracer = orc.Tracer(*self.cluster.groups())
+                    await self.tracer.start()
+                if self.resume:
+                    await self._restore(resume_state)
+                elif self.task.warm_start_steps:
+                    await self._warm_start()
+                await self._sync_rollout()
+                sink = MetricsSink(self.out, tensorboard=cfg.runner.tensorboard, truncate_after=self.start_step - 1
+                                   if self.resume else None, enabled=cfg.runner.metrics)
+                try:
+                    await self._train(sink)
+                finally:
+                    sink.close()
+                if cfg.runner.plot and not cfg.runner.metrics:
+                    log.warning("runner.plot: no reward.png, since runner.metrics=false wrote no metrics.jsonl to draw")
+                elif cfg.runner.plot:
+                    plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png",
+                                 keys=("reward/mean", "reward/solved"))
+                return self.history
+            except BaseException:
+                failed = True
+                raise
             finally:
-                sink.close()
-            if cfg.runner.plot and not cfg.runner.metrics:
-                log.warning("runner.plot: no reward.png, since runner.metrics=false wrote no metrics.jsonl to draw")
-            elif cfg.runner.plot:
-                plot_metrics(self.out / "metrics.jsonl", self.out / "reward.png",
-                             keys=("reward/mean", "reward/solved"))
-            return self.history
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            await self._close(failed)
+                await self._close(failed)
 
     def _new_sampler(self) -> PromptSampler:
-        """The prompt sampler at the start of the run's data, as this config samples it."""
+        """The prompt sampler at the start of the run's data, as this config samples it: full batches of
+        ``data.prompts_per_step`` (with ``data.shuffle=false`` a pass's last batch runs on into the next pass, so
+        every record is trained on; shuffled, each epoch drops another remainder)."""
         d = self.cfg.data
         return PromptSampler(self.task.records, d.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
 
@@ -357,8 +362,9 @@ class Runner:
         self._rebuilt = _Rebuilt(t0, t_teardown, t_slots, time.time())
 
     async def _recover(self, sink: MetricsSink, bar: Any) -> None:
-        """Restore the rebuilt job from the latest good checkpoint (step 0 state without one) and record the
-        restart (metrics.jsonl event, log, progress bar)."""
+        """Restore the rebuilt job from the latest good checkpoint (step 0 state without one; either way the count
+        of consecutive non-finite steps is that of the state restored) and record the restart (metrics.jsonl event,
+        log, progress bar)."""
         cfg = self.cfg
         n = len(self.restarts)
         step = self.restarts[-1]["step"]
@@ -379,12 +385,12 @@ class Runner:
             self.sampler = self._new_sampler()
             self.actor_version = self.rollout_version = self.start_step = 0
             self.kl_ctl = make_kl_controller(cfg)
+            self.guard = NonFiniteGuard(cfg.runner.max_bad_steps)  # (a checkpoint's count comes with _restore)
             if self.task.warm_start_steps:
                 await self._warm_start()
         await self._sync_rollout()
         t_restored = time.time()
         restored_step = self.start_step - 1
-        self.guard = NonFiniteGuard(cfg.runner.max_bad_steps)
         self.history = [h for h in self.history if h["step"] < self.start_step]
         event = {"event": "restart", "step": step, "reason": reason, "restart": n,
                  "checkpoint": self._resume_from.name if self._resume_from is not None else None,
@@ -519,10 +525,11 @@ class Runner:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     async def save(self, step: int, pending: _Launched | None = None) -> Path:
         """Checkpoint after ``step``: actor (and critic) weights + optimizer + scheduler, rollout RNG counters,
-        sampler state, controller RNG, versions. Written into a staging directory and renamed into place with a
-        manifest (``pipelines.checkpoint``), so ``latest`` always names a complete checkpoint. ``pending``: the next
-        step's rollout, already launched (``max_staleness=1``); its prompts were drawn before this checkpoint, so
-        the sampler state they were drawn from is kept too, and a resume draws them again."""
+        sampler state, controller RNG, versions, the count of consecutive non-finite steps (``runner.max_bad_steps``).
+        Written into a staging directory and renamed into place with a manifest (``pipelines.checkpoint``), so
+        ``latest`` always names a complete checkpoint. ``pending``: the next step's rollout, already launched
+        (``max_staleness=1``); its prompts were drawn before this checkpoint, so the sampler state they were drawn
+        from is kept too, and a resume draws them again."""
         d = ckpt.stage(self.out / "checkpoints", step)  # absolute: self.out is
         c = self.cluster
         roles = ["actor/actor"]  # the engine checkpoints commit refuses to go without (each worker's save writes one)
@@ -534,7 +541,8 @@ class Runner:
             if c.split:
                 await c.rollout.save(str(d / "rollout"))
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
-                     "rng": _rng_state(), "config": json.loads(json.dumps(config_to_dict(self.cfg)))}
+                     "rng": _rng_state(), "config": json.loads(json.dumps(config_to_dict(self.cfg))),
+                     "guard": self.guard.state_dict()}  # consecutive bad steps so far: runner.max_bad_steps
             if pending is not None and pending.step == step + 1 and pending.sampler_before is not None:
                 state["sampler_next_step"] = pending.sampler_before
             if self.kl_ctl is not None:
@@ -560,7 +568,8 @@ class Runner:
             raise CheckpointError("--resume: no checkpoint was selected; this is a bug in the runner")
         if state is None:
             state = ckpt.read_json(d / "runner.json")
-        missing = [k for k in ("step", "sampler", "actor_version", "rng") if not isinstance(state, dict) or k not in state]
+        missing = [k for k in ("step", "sampler", "actor_version", "rng")
+                   if not isinstance(state, dict) or k not in state]
         if missing:
             raise CheckpointError(f"{d / 'runner.json'} lacks {missing}; it was not written by this runner")
         c = self.cluster
@@ -582,6 +591,14 @@ class Runner:
         self.kl_ctl = make_kl_controller(self.cfg)  # a checkpoint from before kl_target was set: start anew
         if self.kl_ctl is not None and "kl_ctl" in state:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
+        # the steps after the checkpoint are run again, so the count of consecutive non-finite steps is the
+        # checkpoint's (a checkpoint from before it was saved: 0); runner.max_bad_steps is this run's
+        self.guard = NonFiniteGuard(self.cfg.runner.max_bad_steps)
+        if "guard" in state:
+            try:
+                self.guard.load_state_dict(state["guard"])
+            except ValueError as e:
+                raise CheckpointError(f"--resume from {d}: runner.json: {e}; it was not written by this runner") from e
 
 
 def _build_task(cfg: Config) -> TaskSpec:
@@ -692,14 +709,26 @@ def _progress(total: int, start: int, desc: str = "train") -> Any:
 
 class RunInterrupted(Exception):
     """The run was ended by SIGINT or SIGTERM (:func:`run`): cancelled, its cleanup done. ``step``: the first step
-    not finished (None: before the cluster started); ``exit_code``: 128 + the signal number (130, 143)."""
+    not finished (None: before the cluster started); ``checkpoint``: the newest committed checkpoint, where
+    ``--resume`` restarts (the message names it and the steps redone); ``exit_code``: 128 + the signal (130, 143)."""
 
-    def __init__(self, signum: int, step: int | None, checkpointed: bool) -> None:
-        self.signum, self.step, self.checkpointed = signum, step, checkpointed
+    def __init__(self, signum: int, step: int | None, checkpointed: bool, checkpoint: Path | None = None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.checkpointed = checkpointed or checkpoint is not None
         self.signal_name = signal.Signals(signum).name
         where = "" if step is None else f" at step {step}"
-        then = ("resume with --resume" if checkpointed else
-                "no checkpoint was written yet, so --resume has nothing to continue from (runner.checkpoint_every)")
+        if checkpoint is not None:
+            after = int(checkpoint.name.removeprefix("step_"))  # a committed checkpoint holds the state after it
+            redo = [] if step is None else list(range(after + 1, step))
+            again = ("" if step is None else ", so no step is run again" if not redo else
+                     f", so step {redo[0]} is run again" if len(redo) == 1 else
+                     f", so steps {redo[0]}-{redo[-1]} are run again")
+            then = f"the newest checkpoint is {checkpoint} (after step {after}){again}; resume with --resume"
+        elif self.checkpointed:
+            then = "resume with --resume"
+        else:
+            then = ("no checkpoint was written yet, so --resume has nothing to continue from; start over with "
+                    "--overwrite (runner.checkpoint_every sets how often checkpoints are written)")
         super().__init__(f"interrupted ({self.signal_name}){where}; {then}")
 
     @property
@@ -738,8 +767,8 @@ class _SignalStop:
     def _interrupted(self) -> RunInterrupted:
         r = self.runner
         step = r.next_step if r is not None and r.cluster is not None else None
-        checkpointed = r is not None and bool(ckpt.committed(r.out / "checkpoints"))
-        return RunInterrupted(self.signum, step, checkpointed)
+        checkpoint = ckpt.newest_committed(r.out / "checkpoints") if r is not None else None
+        return RunInterrupted(self.signum, step, checkpoint is not None, checkpoint=checkpoint)
 
     async def guard(self, work: Coroutine[Any, Any, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """Await ``work`` as the cancellable task; a signal turns its end into :class:`RunInterrupted`."""
