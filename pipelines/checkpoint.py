@@ -491,13 +491,17 @@ def _release(hold: _Hold) -> None:
 
 
 @contextlib.contextmanager
-def lock_output_dir(out: Path, *, run: bool = False) -> Iterator[Path]:
-    """Hold ``out`` (made if missing) until the block ends: an exclusive, non-blocking ``flock`` on
-    ``out/.orchestra.lock``, which the kernel drops when the process ends, however it ends. Held by another process:
-    :class:`CheckpointError` naming the holder (pid, host). Within this process holds nest (the CLI holds ``out``
-    from before its checks and hands it to its Runner), but only one ``run=True`` block (a run) at a time."""
+def lock_output_dir(out: Path, *, run: bool = False, resume: bool = False) -> Iterator[Path]:
+    """Hold ``out`` (made if missing, unless ``resume``) until the block ends: an exclusive, non-blocking ``flock``
+    on ``out/.orchestra.lock``, which the kernel drops when the process ends, however it ends. Held by another
+    process: :class:`CheckpointError` naming the holder (pid, host). Within this process holds nest (the CLI holds
+    ``out`` from before its checks and hands it to its Runner), but only one ``run=True`` block (a run) at a time.
+    ``resume``: a missing ``out`` is a :class:`CheckpointError` (a mistyped path is not made, holding only a lock)."""
     out = Path(out)
     _check_output_dir(out)
+    if resume and not out.is_dir():
+        raise CheckpointError(f"--resume: runner.output_dir {out} does not exist, so there is no run to continue; "
+                              f"check the path, or run without --resume to start a new run there")
     out.mkdir(parents=True, exist_ok=True)
     st = out.stat()
     key = (st.st_dev, st.st_ino)

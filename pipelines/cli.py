@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # held from before the checks to the end of the run (its Runner shares this hold): a second run into `out`
         # fails here, before it removes (--overwrite) or reads (--resume) anything of the run that is writing there
-        with lock_output_dir(out):
+        with lock_output_dir(out, resume=args.resume):
             # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
             resume_from = prepare_output_dir(out, resume=args.resume, overwrite=args.overwrite)
             from .runner import run

@@ -145,7 +145,8 @@ class Runner:
         ``runner.output_dir`` (:func:`pipelines.checkpoint.lock_output_dir`) from before its first check there to the
         end of its cleanup: a second run into that directory fails at once instead of writing into this one."""
         cfg = self.cfg
-        with ckpt.lock_output_dir(self.out, run=True):  # shared with the CLI that holds it already, if any
+        # shared with the CLI that holds it already, if any; a resume never makes the directory
+        with ckpt.lock_output_dir(self.out, run=True, resume=self.resume):
             # before anything starts: refuse to clobber an earlier run, and check the checkpoint --resume will use
             if self._resume_from is None:
                 self._resume_from = ckpt.prepare_output_dir(self.out, resume=self.resume, overwrite=self.overwrite)

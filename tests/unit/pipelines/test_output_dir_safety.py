@@ -340,3 +340,14 @@ def test_the_interrupted_message_names_the_checkpoint_a_resume_restarts_from(tmp
 def test_the_interrupted_message_without_a_checkpoint_says_to_start_over(tmp_path):
     msg = _interrupted(tmp_path, 2)
     assert msg.startswith("interrupted (SIGTERM) at step 2; no checkpoint was written yet") and "--overwrite" in msg
+
+
+def test_a_resume_into_a_missing_directory_makes_nothing(tmp_path):
+    """With the lock taken before the checks, --resume into a mistyped runner.output_dir made that directory (holding
+    only the lock file) before saying there was nothing to resume."""
+    missing = tmp_path / "typo"
+    with pytest.raises(ckpt.CheckpointError, match=r"--resume: runner.output_dir .*typo does not exist, so there is "
+                                                   r"no run to continue"):
+        with ckpt.lock_output_dir(missing, run=True, resume=True):
+            pass
+    assert not missing.exists()
