@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                  "runner.metrics=false: this run's steps are not in metrics.jsonl"]
         if cfg.runner.tensorboard:
             wrote.append(f"TensorBoard events in {out}/tensorboard")
-        print(f"done: {len(history)} steps, last reward/mean {last['reward/mean']:.3f}; {'; '.join(wrote)}")
+        reward = last.get("reward/mean")  # an algorithm of one's own need not log it: the run still succeeded
+        said = f"last reward/mean {reward:.3f}" if isinstance(reward, (int, float)) else "no reward/mean logged"
+        print(f"done: {len(history)} steps, {said}; {'; '.join(wrote)}")
     return 0
 
 

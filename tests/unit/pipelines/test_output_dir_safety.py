@@ -317,6 +317,16 @@ def test_the_cli_claims_only_the_metrics_it_wrote(tmp_path, monkeypatch, capsys,
         assert "runner.metrics=false" in said
 
 
+def test_a_run_whose_algorithm_logs_no_reward_mean_still_ends_well(tmp_path, monkeypatch, capsys):
+    """The closing line read history[-1]['reward/mean'] and raised KeyError (exit 1, a traceback) after a run that
+    had finished, when its algorithm logged no reward/mean."""
+    import pipelines.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "run", lambda cfg, **kw: [{"step": 0, "actor/loss": 0.5}])
+    assert cli_main(["train", f"runner.output_dir={tmp_path}", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("done: 1 steps, no reward/mean logged; metrics in ")
+
+
 # ---------------------------------------------------------------------------------------- 4. what a resume restarts
 def _interrupted(out: Path, next_step: int) -> str:
     from pipelines.runner import _SignalStop
