@@ -90,7 +90,9 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
         arrays = [(t.view(view) if view is not None else t).numpy() for t in tensors]
     except (TypeError, RuntimeError):  # a dtype numpy lacks and that has no view here
         return torch.cat(tensors)
-    out = torch.from_numpy(np.concatenate(arrays))
+    # into a C-ordered buffer: np.concatenate of column-major inputs alone would return a column-major array
+    buf = np.empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+    out = torch.from_numpy(np.concatenate(arrays, out=buf))
     return out.view(first.dtype) if view is not None else out
 
 
@@ -107,6 +109,37 @@ def _own(arr: np.ndarray) -> np.ndarray:
     for i, x in enumerate(arr.flat):
         out.flat[i] = x if type(x) in _IMMUTABLE else copy.deepcopy(x)
     return out
+
+
+def _name(key: str | tuple[str, ...]) -> str:
+    """A column's name as users write it: a nested TensorDict leaf ``("a", "b")`` is ``"a.b"``."""
+    return ".".join(key) if isinstance(key, tuple) else key
+
+
+def _names(leaves: Mapping[Any, Any]) -> list[str]:
+    return sorted(_name(k) for k in leaves)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, looking inside dicts, lists and tuples: tensors and arrays by dtype, shape and values (their
+    ``==`` is elementwise, which ``bool`` refuses)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.dtype != object:
+            return bool(np.array_equal(a, b))
+        return all(_same(x, y) for x, y in zip(a.flat, b.flat))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # a value whose == is not one truth value
+        return a is b
 
 
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
@@ -212,6 +245,9 @@ class Batch:
             self._nt.pop(key, None)
             self._td.set(key, value)
         else:
+            if not isinstance(value, (list, tuple, np.ndarray)):  # what from_dict takes (a dict's keys are no rows)
+                raise TypeError(f"column {key!r}: expected a tensor, list or numpy array with one entry per row, got "
+                                f"{type(value).__name__}; put per-batch values in meta=...")
             arr = _as_object_array(value, key)
             if len(arr) != n:
                 raise ValueError(f"column {key!r} needs {n} rows, got {len(arr)}")
@@ -282,7 +318,8 @@ class Batch:
             o = theirs[k]
             if v.dtype != o.dtype or v.shape != o.shape or not torch.equal(v, o):
                 return False
-        return all(np.array_equal(v, other._nt[k]) for k, v in self._nt.items()) and self.meta == other.meta
+        return (self._pad == other._pad and all(_same(v, other._nt[k]) for k, v in self._nt.items())
+                and _same(self.meta, other.meta))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -290,11 +327,16 @@ class Batch:
     def _rows(self, index: slice | Sequence[int] | torch.Tensor | np.ndarray) -> Batch:
         if isinstance(index, slice):
             td, nt = self._td[index], {k: v[index] for k, v in self._nt.items()}
+            pad = self._pad and self._pad_picked(torch.arange(len(self))[index])
         else:
-            if isinstance(index, (int, np.integer)):
+            bad_int = isinstance(index, (int, np.integer)) or (isinstance(index, (torch.Tensor, np.ndarray))
+                                                               and index.ndim == 0)
+            if bad_int:
                 raise TypeError(f"b[{index}]: index rows with a slice (b[i:i+1]) or a list of positions (b[[i]]); "
                                 f"a column by name (b['key'])")
             idx = torch.as_tensor(index)
+            if idx.dim() != 1:
+                raise IndexError(f"row positions must be one-dimensional, got shape {tuple(idx.shape)}")
             if idx.dtype == torch.bool:  # a row mask, not positions 0/1
                 if idx.shape != (len(self),):
                     raise IndexError(f"a boolean row mask needs shape ({len(self)},), got {tuple(idx.shape)}")
@@ -302,10 +344,23 @@ class Batch:
             elif idx.is_floating_point() and idx.numel():
                 raise TypeError(f"row positions must be integers, got {idx.dtype}")
             idx = idx.to(torch.long)
+            pad = self._pad and self._pad_picked(idx)
             np_idx = idx.numpy()
             # rows picked by position are copies, as the tensor columns' are: a row's objects too, each repeat its own
             td, nt = self._td[idx], {k: _own(v[np_idx]) for k, v in self._nt.items()}
-        return Batch(td, nt, self.meta, _validate=False)
+        return Batch(td, nt, self.meta, _pad=pad, _validate=False)
+
+    def _pad_picked(self, positions: torch.Tensor) -> int:
+        """How many of ``positions`` are padding rows (``pad_to_multiple``'s), which must come last in them so that
+        the picked rows keep a trailing pad count; a ValueError otherwise (filler rows would pass for real ones)."""
+        n = len(self)
+        is_pad = torch.where(positions < 0, positions + n, positions) >= n - self._pad
+        count = int(is_pad.sum())
+        if count and not bool(is_pad[-count:].all()):
+            first = int(positions[is_pad.nonzero()[0, 0]])
+            raise ValueError(f"row {first % n} is padding (pad_to_multiple), and rows after it in the selection are "
+                             f"not: unpad() first, or pick the padding rows last")
+        return count
 
     def slice(self, start: int, stop: int) -> Batch:
         """Rows [start, stop) as views (no copy)."""
@@ -321,9 +376,11 @@ class Batch:
         # one split per column (views) instead of one TensorDict index per piece: the controller splits every
         # sharded argument, so this is on the per-call path
         tds = self._td.split(sizes, dim=0)
-        out, start = [], 0
+        out, start, pad_from = [], 0, len(self) - self._pad
         for s, td in zip(sizes, tds):
-            out.append(Batch(td, {k: v[start:start + s] for k, v in self._nt.items()}, self.meta, _validate=False))
+            pad = max(0, min(s, start + s - pad_from))  # the piece's share of the trailing padding rows
+            out.append(Batch(td, {k: v[start:start + s] for k, v in self._nt.items()}, self.meta, _pad=pad,
+                             _validate=False))
             start += s
         return out
 
@@ -334,26 +391,50 @@ class Batch:
     @staticmethod
     def concat(batches: Iterable[Batch]) -> Batch:
         """Rows of all batches in order, sharing nothing writable with them (one batch is returned as is); meta is
-        (a copy of) the first one's. Columns must match."""
+        (a copy of) the first one's. Batches without rows are left out (a rank's empty result decides no column's
+        type); the others must have the same columns, each of one dtype and row shape (a ValueError names the one
+        that differs: ``torch.cat`` would convert it), and padding rows (``pad_to_multiple``) only at the end."""
         batches = list(batches)
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
         if len(batches) == 1:
             return batches[0]
-        first = batches[0]
-        keys = set(first.keys())
-        for i, b in enumerate(batches[1:], 1):
-            if set(b.keys()) != keys or set(b._nt) != set(first._nt):
+        meta = batches[0].meta
+        numbered = [(i, b) for i, b in enumerate(batches) if len(b)] or list(enumerate(batches[:1]))
+        i0, first = numbered[0]
+        leaves = {k: v for k, v in first._td.items(include_nested=True, leaves_only=True)}
+        for i, b in numbered[1:]:
+            theirs = dict(b._td.items(include_nested=True, leaves_only=True))
+            if set(theirs) != set(leaves) or set(b._nt) != set(first._nt):
                 raise ValueError(
-                    f"Batch.concat: batch {i} has tensor columns {sorted(b._td.keys())} and non-tensor columns "
-                    f"{sorted(b._nt)}, batch 0 has {sorted(first._td.keys())} and {sorted(first._nt)}"
-                )
-        n = sum(len(b) for b in batches)
-        leaves = [k for k, _ in first._td.items(include_nested=True, leaves_only=True)]
-        td = TensorDict({k: _cat([b._td.get(k) for b in batches]) for k in leaves}, batch_size=[n],
+                    f"Batch.concat: batch {i} has tensor columns {_names(theirs)} and non-tensor columns "
+                    f"{sorted(b._nt)}, batch {i0} has {_names(leaves)} and {sorted(first._nt)}")
+            for k, t in theirs.items():
+                mine = leaves[k]
+                if t.dtype != mine.dtype or t.shape[1:] != mine.shape[1:]:
+                    raise ValueError(f"Batch.concat: column {_name(k)!r} of batch {i} is {t.dtype} with rows of shape "
+                                     f"{tuple(t.shape[1:])}, batch {i0}'s is {mine.dtype} with rows of shape "
+                                     f"{tuple(mine.shape[1:])}; make them one dtype and shape (e.g. "
+                                     f"torch.tensor([], dtype=torch.int64) for no rows)")
+            for k, a in b._nt.items():
+                mine_a = first._nt[k]
+                if a.dtype != mine_a.dtype and object not in (a.dtype, mine_a.dtype):
+                    raise ValueError(f"Batch.concat: column {k!r} of batch {i} is {a.dtype}, batch {i0}'s is "
+                                     f"{mine_a.dtype}; make them one dtype")
+        pad = 0
+        for j, (i, b) in enumerate(numbered):
+            if pad and b._pad != len(b):
+                prev = next(k for k, c in reversed(numbered[:j]) if c._pad)
+                raise ValueError(f"Batch.concat: batch {prev} ends in {dict(numbered)[prev]._pad} padding row(s) "
+                                 f"(pad_to_multiple), and batch {i} after it has rows that are not padding: unpad() "
+                                 f"each batch first")
+            pad += b._pad
+        parts = [b for _, b in numbered]
+        n = sum(len(b) for b in parts)
+        td = TensorDict({k: _cat([b._td.get(k) for b in parts]) for k in leaves}, batch_size=[n],
                         device=first._td.device)
-        nt = {k: _own(np.concatenate([b._nt[k] for b in batches])) for k in first._nt}
-        return Batch(td, nt, copy.deepcopy(first.meta), _validate=False)
+        nt = {k: _own(np.concatenate([b._nt[k] for b in parts])) for k in first._nt}
+        return Batch(td, nt, copy.deepcopy(meta), _pad=pad, _validate=False)
 
     def select(self, *keys: str) -> Batch:
         """A batch with only the named columns (views)."""
@@ -407,7 +488,8 @@ class Batch:
         if pad == 0:
             return self
         idx = torch.cat([torch.arange(n), torch.arange(pad) % n])
-        out = self._rows(idx)
+        # the new filler rows are padding too, after any the batch had: picked from a view that has no pad count
+        out = Batch(self._td, self._nt, self.meta, _validate=False)._rows(idx)
         out._pad = self._pad + pad
         return out
 

@@ -295,7 +295,7 @@ def test_setitem_checks_rows_and_kind():
         b["z"] = torch.ones(2)
     with pytest.raises(ValueError, match="needs 3 rows"):
         b["z"] = ["a"]
-    with pytest.raises(TypeError, match="one value per row"):
+    with pytest.raises(TypeError, match="one entry per row"):
         b["z"] = "abc"  # not split into characters
     with pytest.raises(KeyError, match="no column 'nope'"):
         b["nope"]
@@ -390,7 +390,7 @@ def test_concat_of_large_columns_matches_torch_cat(dtype):
     pieces = [x[:1000], x[1000:1000], x[1000:2999], x[2999:]]
     b = Batch.concat([Batch.from_dict({"x": p, "t": p.t().contiguous().t()}) for p in pieces])  # 2nd non-contiguous
     for k in ("x", "t"):
-        assert b[k].dtype == dtype and b[k].shape == x.shape
+        assert b[k].dtype == dtype and b[k].shape == x.shape and b[k].is_contiguous()
         assert torch.equal(b[k].view(torch.uint8), torch.cat(pieces).view(torch.uint8))
     before = x.clone()
     b["x"][0] = b["x"][1]  # a private, writable copy: the inputs do not change
@@ -418,3 +418,105 @@ def test_rows_made_by_repeating_a_row_each_hold_their_own_objects(op):
     others = [d for d in made["info"][1:]] + list(src["info"])
     assert all(d["seen"] == [] for d in others), [d["seen"] for d in others]
     assert [d["row"] for d in made["info"]][:2] in ([0, 0], [0, 1])
+
+
+# -- concat keeps every column as it is, or says why it cannot ---------------------------------------------------------
+def test_concat_skips_pieces_without_rows_so_their_dtype_changes_nothing():
+    """A rank with an empty shard returning torch.tensor([]) (float32) turned the other ranks' int64 ids into float32
+    on await, rounding 2**24 + 1; a reader of the same call (which skips 0-row parts) got int64."""
+    big = 2 ** 24 + 1
+    parts = [Batch.from_dict({"id": torch.tensor([big])}), Batch.from_dict({"id": torch.tensor([])}),
+             Batch.from_dict({"id": torch.tensor([big + 2])})]
+    out = Batch.concat(parts)
+    assert out["id"].dtype == torch.int64 and out["id"].tolist() == [big, big + 2]
+    empty = Batch.concat([Batch.from_dict({"id": torch.tensor([])}), Batch.from_dict({"id": torch.tensor([])})])
+    assert len(empty) == 0
+
+
+@pytest.mark.parametrize("other, kind", [(torch.tensor([2, 3]), "int64"), (torch.tensor([[1], [0]]), r"\(1,\)")])
+def test_concat_refuses_a_column_whose_dtype_or_row_shape_differs(other, kind):
+    """bool + int64 came back int64 without a word (torch.cat promotes)."""
+    a = Batch.from_dict({"m": torch.tensor([True, False])})
+    with pytest.raises(ValueError, match=rf"Batch.concat: column 'm' of batch 1 is .*{kind}.*, batch 0's is "
+                                         r".*bool.*"):
+        Batch.concat([a, Batch.from_dict({"m": other})])
+
+
+def test_concat_refuses_numeric_non_tensor_columns_of_different_dtypes():
+    a = Batch.from_dict({"s": np.array([1, 2], dtype=np.int64)})
+    b = Batch.from_dict({"s": np.array([0.5], dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"Batch.concat: column 's' of batch 1 is float32.*batch 0's is int64"):
+        Batch.concat([a, b])
+    objs = Batch.concat([Batch.from_dict({"s": ["a"]}), Batch.from_dict({"s": np.array(["b"], dtype=object)})])
+    assert list(objs["s"]) == ["a", "b"]
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_concat_refuses_batches_whose_nested_columns_differ(order):
+    """Only the top-level names were compared: a nested leaf only a later batch had was dropped without a word (or,
+    the other way round, an AttributeError on None)."""
+    from tensordict import TensorDict
+
+    one = Batch(TensorDict({"a": TensorDict({"b": torch.zeros(2)}, batch_size=[2])}, batch_size=[2]))
+    two = Batch(TensorDict({"a": TensorDict({"b": torch.zeros(1), "c": torch.ones(1)}, batch_size=[1])},
+                           batch_size=[1]))
+    pieces = [one, two] if order == 0 else [two, one]
+    with pytest.raises(ValueError, match=r"Batch.concat: batch 1 has .*column.*, batch 0 has"):
+        Batch.concat(pieces)
+
+
+# -- the pad count travels with the rows it counts -----------------------------------------------------------------------
+def test_the_pad_count_survives_split_and_concat():
+    """split/chunk/slice gave every piece pad 0 and concat kept none, so the filler rows of pad_to_multiple became
+    real rows after a round trip (an `await` of a shard call of a padded batch unpadded to 8 rows, not 5)."""
+    b = Batch.from_dict({"x": torch.arange(5), "s": list("abcde")}).pad_to_multiple(4)  # 8 rows, 3 of them padding
+    pieces = b.chunk(4)
+    assert [p.pad_count for p in pieces] == [0, 0, 1, 2]
+    assert b.slice(0, 5).pad_count == 0 and b.slice(4, 7).pad_count == 2
+    back = Batch.concat(pieces)
+    assert back.pad_count == 3 and back.unpad()["x"].tolist() == [0, 1, 2, 3, 4]
+    assert pickle.loads(pickle.dumps(pieces[3])).pad_count == 2
+
+
+def test_concat_refuses_padding_rows_followed_by_real_rows():
+    a = Batch.from_dict({"x": torch.arange(3)}).pad_to_multiple(2)
+    with pytest.raises(ValueError, match=r"Batch.concat: batch 0 ends in 1 padding row.* batch 1 .* unpad\(\)"):
+        Batch.concat([a, Batch.from_dict({"x": torch.arange(2)})])
+
+
+def test_rows_picked_by_position_keep_the_padding_last_or_are_refused():
+    b = Batch.from_dict({"x": torch.arange(3)}).pad_to_multiple(4)  # rows 0 1 2 | 0 (padding)
+    two = b.repeat(2)  # interleaved: the padding row's repeats come last
+    assert two.pad_count == 2 and two.unpad()["x"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert b[torch.tensor([True, False, True, True])].pad_count == 1
+    with pytest.raises(ValueError, match=r"row 3 is padding \(pad_to_multiple\), and rows after it in the selection "
+                                         r"are not: unpad\(\) first"):
+        b.repeat(2, interleave=False)
+
+
+def test_setting_a_column_takes_what_from_dict_takes():
+    """b[key] = {...} stored the dict's keys as the rows (from_dict refuses a dict)."""
+    b = Batch.from_dict({"x": torch.arange(3)})
+    for bad in ({"cat": 0.9, "dog": 0.1, "eel": 0.0}, {1, 2, 3}, range(3)):
+        with pytest.raises(TypeError, match=r"column 'label': expected a tensor, list or numpy array"):
+            b["label"] = bad
+    b["label"] = ("a", "b", "c")
+    assert list(b["label"]) == ["a", "b", "c"]
+
+
+def test_rows_are_picked_by_a_flat_list_of_positions():
+    b = Batch.from_dict({"x": torch.arange(3), "s": list("abc")})
+    with pytest.raises(IndexError, match=r"row positions must be one-dimensional, got shape \(2, 2\)"):
+        b[[[0, 1], [1, 2]]]
+    with pytest.raises(TypeError, match=r"b\[1\]: index rows with a slice"):
+        b[torch.tensor(1)]
+
+
+def test_equality_compares_non_tensor_dtypes_the_pad_count_and_a_meta_holding_tensors():
+    assert Batch.from_dict({"s": [1, 2]}) != Batch.from_dict({"s": np.array([1.0, 2.0])})
+    p = Batch.from_dict({"x": torch.arange(3)}).pad_to_multiple(4)
+    assert p != Batch.from_dict({"x": torch.tensor([0, 1, 2, 0])})
+    m = {"w": torch.ones(2)}
+    assert Batch.from_dict({"x": torch.arange(2)}, meta=m) == Batch.from_dict({"x": torch.arange(2)}, meta=dict(m))
+    assert Batch.from_dict({"x": torch.arange(2)}, meta=m) != Batch.from_dict({"x": torch.arange(2)},
+                                                                             meta={"w": torch.zeros(2)})
