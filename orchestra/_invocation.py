@@ -39,7 +39,7 @@ from ._errors import (
 )
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
                     Layout, Output, PartInfo, RefAt, Source, Span, rank_value)
-from .dispatch import Plan, check_final, forwarded_as
+from .dispatch import Plan, check_final, forwarded_as, joins_rows
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
 
@@ -253,7 +253,8 @@ class Invocation:
     def _bind_collect(self, plan: Plan) -> None:
         self.plan = plan
         self.collect = lambda values: self.spec.dispatch.collect(plan, values)
-        self.concat_all = plan.shard is not None
+        # a shard call's rows joined at once, unless a collect before shard()'s reads the per-rank results
+        self.concat_all = plan.shard is not None and joins_rows(self.spec.dispatch)
 
     def _fail_submit(self, error: BaseException) -> None:
         if not self.submitted.done():
@@ -807,7 +808,8 @@ class Invocation:
 
         values: list[Any] = []
         if self.concat_all and per_slot and all(o.is_batch for outs in per_slot for o in outs):
-            # rows of a sharded call: one concatenation over every part (not per rank, then again over ranks)
+            # rows of a sharded call that only shard()'s collect joins: one concatenation over every part (not per
+            # rank, then again over ranks); a collect of a user's before it gets one value per slot (below)
             values.append(joined([by_info[id(p)] for outs in per_slot for o in outs for p in o.parts]))
             per_slot = []
         for outs in per_slot:

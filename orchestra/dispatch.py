@@ -94,7 +94,9 @@ class Dispatch:
         return type(self).split is not Dispatch.split
 
     def collect(self, plan: Plan, results: list[Any]) -> Any:
-        """Map per-rank results (in rank order, collectors only) to the value ``await`` returns."""
+        """Map per-rank results to the value ``await`` returns: one per collecting rank (its outputs joined), in the
+        order of ``plan.ranks`` (rank order) — a shard call's by the DP replica they serve (row order) — or, in a
+        chain, what the transform before made of them."""
         return results
 
     reduces = False  # collects the per-rank results into one value: must be the last transform
@@ -130,6 +132,7 @@ class Chain(Dispatch):
 
     def __init__(self, steps: Sequence[Dispatch]) -> None:
         self.steps = tuple(steps)
+        self.joins_rows = _joins_rows(self.steps)
 
     def check(self, plan: Plan) -> Plan:
         for s in self.steps:
@@ -151,6 +154,18 @@ class Chain(Dispatch):
 
     def __repr__(self) -> str:
         return " | ".join(map(repr, self.steps))
+
+
+def joins_rows(dispatch: Dispatch) -> bool:
+    """Whether the per-rank results of a shard call of ``dispatch`` reach no ``collect`` but shard()'s, which joins
+    their rows: the controller may then join every rank's parts at once (``Invocation._join``)."""
+    return dispatch.joins_rows if isinstance(dispatch, Chain) else type(dispatch).collect is _Shard.collect
+
+
+def _joins_rows(steps: Sequence[Dispatch]) -> bool:
+    # the first collect that changes the per-rank list must be shard()'s: every collect after it sees the joined rows
+    first = next((type(s).collect for s in steps if type(s).collect is not Dispatch.collect), None)
+    return first is _Shard.collect
 
 
 def _error(plan: Plan, msg: str) -> Exception:
@@ -330,13 +345,25 @@ class _RankZero(Dispatch):
     def check(self, plan: Plan) -> Plan:
         if plan.shard is not None:
             raise _error(plan, "rank_zero() runs on one rank and cannot follow shard(); use broadcast() | rank_zero()")
-        return plan.with_(ranks=(0,))
+        if 0 not in plan.ranks:
+            raise _rank_zero_left_out(plan, "run", plan.ranks)
+        if plan.collectors is not None and 0 not in plan.collectors:
+            raise _rank_zero_left_out(plan, "are kept", plan.collectors)
+        return plan.with_(ranks=(0,), collectors=(0,))  # kept: a later transform that drops rank 0 is refused
 
     def collect(self, plan: Plan, results: list[Any]) -> Any:
         return results[0]
 
     def __repr__(self) -> str:
         return "rank_zero()"
+
+
+def _rank_zero_left_out(plan: Plan, verb: str, chosen: Sequence[int]) -> Exception:
+    """rank_zero() after transforms that leave rank 0 out: it must not replace their choice of ranks."""
+    r = chosen[0]
+    return _error(plan, f"rank_zero() runs rank 0, but only rank(s) {list(chosen)} {verb} before it; to get one of "
+                        f"those ranks' value write only_ranks({r}) | from_rank({r}) (or broadcast() | from_rank({r}) "
+                        f"to run every rank), or let rank 0 run")
 
 
 def rank_zero() -> Dispatch:
@@ -346,7 +373,7 @@ def rank_zero() -> Dispatch:
 
 class _OnlyRanks(Dispatch):
     def __init__(self, ranks: Sequence[int]) -> None:
-        self.ranks = tuple(ranks)
+        self.ranks = tuple(sorted(ranks))  # results come back in rank order, whatever order the ranks were named
 
     def check(self, plan: Plan) -> Plan:
         if plan.shard is not None:
@@ -362,8 +389,8 @@ class _OnlyRanks(Dispatch):
 
 
 def only_ranks(*ranks: int) -> Dispatch:
-    """Run on the given ranks only (arguments as the other transforms say); ``await`` gives their results. At
-    least one rank, each named once."""
+    """Run on the given ranks only (arguments as the other transforms say); ``await`` gives their results in rank
+    order. At least one rank, each named once."""
     if not ranks:
         raise ValueError("only_ranks() needs at least one rank: a call on no rank would run nowhere")
     twice = sorted({r for r in ranks if ranks.count(r) > 1})
@@ -438,12 +465,16 @@ def _is_number(x: Any) -> bool:
 
 def _result_ranks(plan: Plan, n: int) -> list[int]:
     """The rank each of a call's ``n`` collected results came from, in the order ``collect`` gets them: a shard
-    call's collectors by the DP replica they serve, other calls' in rank order."""
+    call's collectors by the DP replica they serve, other calls' in the plan's order of ranks (rank order, unless
+    a transform of a user's reorders them)."""
     if plan.shard is not None:
         spec = plan.shard
         ranks = sorted(spec.collectors, key=lambda r: spec.dp_of_rank[r])
+    elif plan.collectors is not None:
+        kept = set(plan.collectors)
+        ranks = [r for r in plan.ranks if r in kept]
     else:
-        ranks = sorted(plan.collectors if plan.collectors is not None else plan.ranks)
+        ranks = list(plan.ranks)
     return ranks if len(ranks) == n else list(range(n))
 
 

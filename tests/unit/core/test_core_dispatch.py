@@ -158,6 +158,47 @@ def test_only_ranks():
         D.only_ranks(1, 3).check(plan(world=2))
 
 
+def test_only_ranks_runs_its_ranks_in_rank_order():
+    """``only_ranks(1, 0)`` ran the ranks in the order named, so ``await`` gave rank 1's value first (results come in
+    rank order) and ``metrics()`` after it blamed rank 0 for rank 1's bad value."""
+    assert D.only_ranks(3, 1).check(plan()).ranks == (1, 3)
+    d = D.broadcast() | D.only_ranks(1, 0) | D.metrics()
+    p = d.check(plan(world=2))
+    assert p.ranks == (0, 1)
+    with pytest.raises(TypeError, match=r"but rank 1 returned 'loss' = 'oops'"):
+        d.collect(p, [{"loss": 0.5}, {"loss": "oops"}])  # the invocation's results, in the plan's rank order
+
+
+def test_metrics_names_each_results_rank_in_the_order_the_plan_runs_them():
+    """A transform of a user's that lists the ranks out of order gets their results in that order (the order the
+    call runs them); metrics() assumed rank order and named the other rank."""
+    class backwards(Dispatch):
+        def check(self, plan: Plan) -> Plan:
+            return plan.with_(ranks=plan.ranks[::-1])
+
+    d = D.broadcast() | backwards() | D.metrics()
+    p = d.check(plan(world=2))
+    with pytest.raises(TypeError, match=r"but rank 1 returned 'loss' = 'oops'"):
+        d.collect(p, [{"loss": "oops"}, {"loss": 0.5}])  # rank 1's result first: the order the ranks ran
+
+
+def test_rank_zero_keeps_rank_zero_and_refuses_a_plan_that_leaves_it_out():
+    """``only_ranks(1) | rank_zero()`` ran rank 0 (dropping only_ranks(1) without a word), and ``rank_zero() |
+    only_ranks(1)`` gave rank 1's value as rank zero's."""
+    p = (D.broadcast() | D.rank_zero()).check(plan())
+    assert p.ranks == (0,) and p.collectors == (0,)
+    with pytest.raises(DispatchError, match=r"group 'actor', endpoint 'step': rank_zero\(\) runs rank 0, but only "
+                                            r"rank\(s\) \[1\] run before it.*only_ranks\(1\) \| from_rank\(1\)"):
+        (D.only_ranks(1) | D.rank_zero()).check(plan(world=2))
+    d = D.broadcast() | D.rank_zero() | D.only_ranks(1)
+    with pytest.raises(DispatchError, match=r"keeps the result of rank\(s\) \[0\], but only rank\(s\) \[1\] run"):
+        D.check_final(d.check(plan(world=2)), d)
+    for ok in (D.only_ranks(1, 0) | D.rank_zero(), D.rank_zero() | D.only_ranks(0)):
+        p = ok.check(plan(world=2))
+        D.check_final(p, ok)
+        assert p.ranks == (0,) and ok.collect(p, ["r0"]) == "r0"
+
+
 def test_only_ranks_needs_a_rank_and_each_rank_once():
     """``only_ranks()`` with no rank ran the call nowhere and awaited ``[]``; a rank named twice ran it twice."""
     with pytest.raises(ValueError, match="at least one rank"):

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import orchestra as orc
-from orchestra import Batch, ResourcePool, WorkerGroup
+from orchestra import Batch, ResourcePool, WorkerGroup, endpoint
+from orchestra import dispatch as D
 from orchestra._batch import balanced_sizes
 from orchestra._wire import Span, reader_cuts
 from orchestra.testing import kill_rank
@@ -124,6 +125,108 @@ async def test_metrics_refuses_a_rank_value_that_is_not_a_number_naming_the_rank
                                         r"returned 'first' = .* \(Tensor\)"):
         await g4.count(xs(10), tag_rank=3)
     assert await g4.report() == {"loss": 1.5, "tokens": 25.0}  # the group goes on
+
+
+class _RowsPerRank(D.Dispatch):
+    """A user's collect: the rows of each collecting rank's result, one entry per rank (as ``collect`` is given)."""
+
+    def collect(self, plan: D.Plan, results: list[Any]) -> Any:
+        assert isinstance(results, list), type(results)
+        return [(r["rank"].unique().tolist(), r["x"].tolist()) for r in results]
+
+
+class _Joined(D.Dispatch):
+    """A user's collect after shard(): it gets what shard() made of the per-rank results."""
+
+    def collect(self, plan: D.Plan, results: Any) -> Any:
+        return type(results).__name__, results["x"].tolist()
+
+
+class _UserCollect(orc.Worker):
+    """A mesh whose DP replicas run in reverse rank order (rank r serves replica n - 1 - r)."""
+
+    def __init__(self) -> None:
+        self.register_mesh("rev", dp_rank=self.world_size - 1 - self.rank, dp_size=self.world_size)
+
+    def _tagged(self, b: Batch) -> Batch:
+        out = b.clone()
+        out["rank"] = torch.full((len(b),), self.rank)
+        return out
+
+    @endpoint(_RowsPerRank() | D.shard())
+    def per_rank(self, b: Batch) -> Batch:
+        return self._tagged(b)
+
+    @endpoint(_RowsPerRank() | D.shard(mesh="rev"))
+    def per_rank_rev(self, b: Batch) -> Batch:
+        return self._tagged(b)
+
+    @endpoint(D.shard() | _Joined())
+    def joined(self, b: Batch) -> Batch:
+        return self._tagged(b)
+
+    @endpoint(D.shard())
+    def echo(self, b: Batch) -> Batch:
+        return b
+
+
+async def test_a_users_collect_with_shard_gets_one_result_per_collecting_rank():
+    """A shard call joined every rank's rows into one Batch before any collect ran, so a user's collect got a
+    one-element list holding all rows, where ``collect`` promises one result per collecting rank. A transform after
+    shard() gets what shard()'s collect made of them: the rows joined, in row order."""
+    async with WorkerGroup(pool(3), _UserCollect, group_name="user_collect") as g:
+        assert await g.per_rank(rows(7)) == [([0], [0, 1, 2]), ([1], [3, 4]), ([2], [5, 6])]
+        # the collectors by the DP replica they serve (row order), here the reverse of rank order
+        assert await g.per_rank_rev(rows(7)) == [([2], [0, 1, 2]), ([1], [3, 4]), ([0], [5, 6])]
+        assert await g.joined(rows(7)) == ("Batch", list(range(7)))
+        # its future is the controller's value, which no call can read as it is
+        with pytest.raises(orc.DispatchError, match="collected into one value by the controller"):
+            g.echo(g.per_rank(rows(7)))
+        assert (await g.echo(rows(7)))["x"].tolist() == list(range(7))  # built-in shard: rows joined once
+
+
+class _RankChoice(orc.Worker):
+    @endpoint(D.broadcast() | D.only_ranks(2, 0))
+    def who(self) -> int:
+        return self.rank
+
+    @endpoint(D.broadcast() | D.only_ranks(1, 0) | D.metrics())
+    def bad_metric(self) -> dict:
+        return {"loss": "oops" if self.rank == 1 else 0.5}
+
+    @endpoint(D.broadcast() | D.rank_zero() | D.only_ranks(1))
+    def zero_then_one(self) -> int:
+        return self.rank
+
+    @endpoint(D.only_ranks(1) | D.rank_zero())
+    def one_then_zero(self) -> int:
+        return self.rank
+
+    @endpoint(D.only_ranks(2, 0) | D.rank_zero())
+    def zero_among_others(self) -> int:
+        return self.rank
+
+    @endpoint(D.only_ranks(1) | D.from_rank(1))  # what the refusal of one_then_zero says to write instead
+    def one_then_from_one(self) -> int:
+        return self.rank
+
+
+async def test_only_ranks_results_in_rank_order_and_rank_zero_keeps_rank_zero():
+    """``only_ranks(2, 0)`` gave ``[rank 2, rank 0]`` and ``metrics()`` after it blamed the wrong rank;
+    ``rank_zero() | only_ranks(1)`` gave rank 1's value as rank zero's, and ``only_ranks(1) | rank_zero()`` ran
+    rank 0, dropping only_ranks(1) without a word."""
+    async with WorkerGroup(pool(3), _RankChoice, group_name="rank_choice") as g:
+        assert await g.who() == [0, 2]
+        with pytest.raises(TypeError, match=r"metrics\(\) needs one number per key, but rank 1 returned 'loss'"):
+            await g.bad_metric()
+        with pytest.raises(orc.DispatchError, match=r"keeps the result of rank\(s\) \[0\], but only rank\(s\) "
+                                                    r"\[1\] run"):
+            g.zero_then_one()
+        with pytest.raises(orc.DispatchError, match=r"endpoint 'one_then_zero': rank_zero\(\) runs rank 0, but "
+                                                    r"only rank\(s\) \[1\] run before it"):
+            g.one_then_zero()
+        assert await g.zero_among_others() == 0
+        assert await g.one_then_from_one() == 1
 
 
 async def test_function_broadcast_with_sharded_data(bed):
