@@ -3,6 +3,8 @@ momentum or weight-decay update, no schedule step) and reports ``skipped=1`` wit
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from dp_engine_testutils import masked_token_mean_loss, token_less_step_worker
@@ -52,6 +54,9 @@ def test_update_metrics_keep_the_loss_metrics_when_the_first_step_was_skipped():
         def __init__(self) -> None:
             self.steps = iter([{"loss": 0.0, "skipped": 1.0, "step": 0.0, "lr": 1.0},
                                {"loss": 2.0, "pg_loss": 3.0, "skipped": 0.0, "step": 1.0, "lr": 1.0}])
+
+        def collective(self, what):
+            return contextlib.nullcontext()  # one rank: nothing to guard
 
         def train_step(self, batch, loss_fn, **kw):
             return next(self.steps)

@@ -48,6 +48,11 @@ def test_second_run_into_the_same_output_dir_is_refused(tmp_path, capsys):
 def test_resume_without_a_checkpoint_fails_before_ray(tmp_path, capsys):
     assert cli_main(_train(tmp_path / "run", "--resume")) == 2
     err = capsys.readouterr().err
+    assert err.startswith("orchestra train: --resume: runner.output_dir ") and "does not exist" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    assert cli_main(_train(tmp_path / "run", "--resume")) == 2
+    err = capsys.readouterr().err
     assert err.startswith("orchestra train: --resume: no checkpoint under") and "Traceback" not in err
 
 
@@ -98,7 +103,7 @@ def test_resume_refusal_needs_neither_torch_nor_ray(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, *_train(tmp_path / "run", "--resume")],
                           capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[0] == "2 []"
-    assert done.stderr.startswith("orchestra train: --resume: no checkpoint under")
+    assert done.stderr.startswith("orchestra train: --resume: runner.output_dir ")
 
 
 def test_a_warm_start_with_kl_is_refused_before_overwrite_deletes_anything(tmp_path, capsys):
