@@ -139,11 +139,21 @@ class Worker:
         """Declare this rank's data-parallel place in mesh ``name``, for ``shard(mesh=name)`` dispatch.
 
         Ranks of one DP replica (e.g. the TP/PP ranks of a model copy) share a ``dp_rank`` and get the same rows;
-        only ranks with ``is_collector`` contribute results.
+        only ranks with ``is_collector`` contribute results. A mesh keeps its layout: the controller looks it up once
+        and shards by it from then on, so registering ``name`` again with another layout raises (the same one is
+        fine); register a new layout under a new name.
         """
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"register_mesh({name!r}): dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-        self._orc.meshes[name] = MeshInfo(int(dp_rank), int(dp_size), bool(is_collector))
+        info = MeshInfo(int(dp_rank), int(dp_size), bool(is_collector))
+        had = self._orc.meshes.get(name)
+        if had is not None and had != info:
+            raise ValueError(
+                f"register_mesh({name!r}): this rank is registered in mesh {name!r} as dp_rank {had.dp_rank} of "
+                f"{had.dp_size} ({'a collector' if had.is_collector else 'not a collector'}), and a mesh keeps its "
+                f"layout (the controller looks it up once and shards by it); register the new layout under another "
+                f"name, e.g. {name + '_v2'!r}, and shard by that")
+        self._orc.meshes[name] = info
 
     def cancelled(self) -> bool:
         """True once the call running now was cancelled by the controller; long loops should poll it and return."""

@@ -185,6 +185,35 @@ async def test_a_users_collect_with_shard_gets_one_result_per_collecting_rank():
         assert (await g.echo(rows(7)))["x"].tolist() == list(range(7))  # built-in shard: rows joined once
 
 
+class _Relayout(orc.Worker):
+    def __init__(self) -> None:
+        self.register_mesh("m", dp_rank=self.rank, dp_size=self.world_size)
+
+    @endpoint(D.broadcast())
+    def relayout(self, same: bool) -> None:
+        if same:
+            self.register_mesh("m", dp_rank=self.rank, dp_size=self.world_size)
+        else:
+            self.register_mesh("m", dp_rank=0, dp_size=1, is_collector=self.rank == 0)
+
+    @endpoint(D.shard(mesh="m"))
+    def rows_seen(self, b: Batch) -> Batch:
+        return Batch.from_dict({"n": torch.full((len(b),), len(b))})
+
+
+async def test_a_mesh_registered_again_with_another_layout_is_refused():
+    """The controller looks a mesh up once and keeps it: a rank that registered mesh 'm' again with another layout
+    (DP 2 -> 1) was still sharded 2/2 while describe() showed the new layout."""
+    async with WorkerGroup(pool(2), _Relayout, group_name="relayout") as g:
+        assert (await g.rows_seen(rows(4)))["n"].tolist() == [2, 2, 2, 2]
+        await g.relayout(same=True)  # the same layout again: nothing changes
+        with pytest.raises(orc.WorkerError, match=r"register_mesh\('m'\): this rank is registered in mesh 'm' as "
+                                                  r"dp_rank 0 of 2 \(a collector\), and a mesh keeps its layout .* "
+                                                  r"register the new layout under another name"):
+            await g.relayout(same=False)
+        assert (await g.rows_seen(rows(4)))["n"].tolist() == [2, 2, 2, 2]
+
+
 class _RankChoice(orc.Worker):
     @endpoint(D.broadcast() | D.only_ranks(2, 0))
     def who(self) -> int:
