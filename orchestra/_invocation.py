@@ -1162,7 +1162,15 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
     """A concrete Batch split by the controller: DP piece d becomes one part that only DP replica d reads."""
     D = spec.dp_size
     rows = len(a)
-    batch = a.pad_to_multiple(D) if spec.pad and rows % D else a
+    batch = a
+    if spec.pad and rows % D:
+        if a.pad_count:
+            raise DispatchError(f"{plan.where()}: pad() would pad a batch that has {a.pad_count} padding row(s) of "
+                                f"its own (pad_to_multiple), and its pieces could not say which are which: unpad() "
+                                f"it first, or pass it padded to a call without pad()")
+        # pad()'s filler rows are the controller's to drop (Layout.pad_rows): the pieces carry no pad count of them
+        batch = Batch(a.tensors, a.non_tensors, a.meta, _validate=False).pad_to_multiple(D)
+        batch = Batch(batch.tensors, batch.non_tensors, batch.meta, _validate=False)
     sizes = balanced_sizes(len(batch), D)
     shards = batch.split(sizes)
     row_bytes = batch._bytes_per_row()  # a shard's size is its rows' share (None: each shard's own sum)

@@ -214,6 +214,26 @@ async def test_a_mesh_registered_again_with_another_layout_is_refused():
         assert (await g.rows_seen(rows(4)))["n"].tolist() == [2, 2, 2, 2]
 
 
+class _PadReader(orc.Worker):
+    @endpoint(D.shard() | D.pad())
+    def tiled(self, b: Batch) -> Batch:
+        out = b.repeat(2, interleave=False).slice(0, len(b))  # rows picked by position: the filler rows not last
+        out["pad_seen"] = torch.full((len(b),), b.pad_count)
+        return out
+
+
+async def test_a_pad_calls_filler_rows_are_rows_like_any_to_its_endpoint():
+    """pad()'s filler rows are the controller's to drop (it knows how many each rank got): the pieces a rank gets
+    carry no pad count of them. With the pad count travelling through split, a rank's piece said 1, and picking its
+    rows so that a filler row was not last raised."""
+    async with WorkerGroup(pool(4), _PadReader, group_name="pad_reader") as g:
+        out = await g.tiled(rows(5))  # padded to 8: 2 rows a rank
+        assert out["x"].tolist() == [0, 1, 2, 3, 4] and out["pad_seen"].tolist() == [0] * 5
+        with pytest.raises(orc.DispatchError, match=r"pad\(\) would pad a batch that has 1 padding row\(s\) of its "
+                                                    r"own \(pad_to_multiple\).*unpad\(\) it first"):
+            g.tiled(rows(5).pad_to_multiple(8).slice(0, 6))
+
+
 class _RankChoice(orc.Worker):
     @endpoint(D.broadcast() | D.only_ranks(2, 0))
     def who(self) -> int:
