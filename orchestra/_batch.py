@@ -378,7 +378,7 @@ class Batch:
         tds = self._td.split(sizes, dim=0)
         out, start, pad_from = [], 0, len(self) - self._pad
         for s, td in zip(sizes, tds):
-            pad = max(0, min(s, start + s - pad_from))  # the piece's share of the trailing padding rows
+            pad = max(0, min(s, start + s - pad_from)) if self._pad else 0  # its share of the trailing padding
             out.append(Batch(td, {k: v[start:start + s] for k, v in self._nt.items()}, self.meta, _pad=pad,
                              _validate=False))
             start += s
