@@ -103,6 +103,28 @@ _ABORTED_FOR = "orc_aborted_for"  # set on the error a guard aborted the process
 _aborts: list[str] = []  # why this process's process groups were aborted, each time (engines made before refuse)
 
 
+def _dropout_off(model: nn.Module) -> list[str]:
+    """Set every dropout rate of ``model`` to 0 and say which were not: ``nn.Dropout`` modules, float attributes
+    of its modules named ``*dropout*`` (transformers' attention keeps its rate so) and its config's ``*dropout*`` /
+    ``*pdrop*`` fields. An RL update must see the log-probs ``compute_log_prob`` (eval mode) gave for the same
+    weights (as TRL's ``disable_dropout``)."""
+    found: dict[str, float] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p:
+            found.setdefault(f"{type(m).__name__}.p", m.p)
+            m.p = 0.0
+        for attr, v in list(vars(m).items()):
+            if "dropout" in attr and type(v) is float and v:
+                found.setdefault(f"{type(m).__name__}.{attr}", v)
+                setattr(m, attr, 0.0)
+    cfg = getattr(model, "config", None)
+    for attr, v in (list(vars(cfg).items()) if cfg is not None and hasattr(cfg, "__dict__") else []):
+        if ("dropout" in attr or "pdrop" in attr) and type(v) is float and v:
+            found.setdefault(f"config.{attr}", v)
+            setattr(cfg, attr, 0.0)
+    return [f"{k}={v:g}" for k, v in found.items()]
+
+
 class EngineAbortedError(RuntimeError):
     """A rank failed inside a call's collective work on its own, so the process groups were aborted (the other ranks'
     collectives fail at once instead of waiting for the timeout); the engines of these processes can no longer be
@@ -523,6 +545,11 @@ class FSDPEngine:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if hasattr(model, "config") and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
+        dropped = _dropout_off(model)
+        if dropped and self._rank == 0:
+            log.warning("FSDPEngine: the model's dropout is turned off for training (%s): with it, train_step's "
+                        "log-probs differ from compute_log_prob's (eval mode) for the same weights, so the "
+                        "policy ratio of an update is not 1 and clipping hits random tokens", ", ".join(dropped))
         if cfg.gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name

@@ -11,6 +11,7 @@ whole batch at once. Register your own with ``@register_reward("name")`` and loo
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -217,8 +218,11 @@ def think_answer_format(
 class RuleRewardEngine:
     """Applies a registered rule reward to a batch of token ids.
 
-    ``tokenizer`` needs ``decode(ids) -> str``; responses are decoded up to their
-    ``response_mask`` (the eos token is decoded too unless the tokenizer skips it). Every score must be a
+    ``tokenizer`` needs ``decode(ids) -> str``; responses are decoded up to their ``response_mask`` and cut at
+    the tokenizer's ``eos_token_id`` (when it has one). The other special tokens (pad, bos, a chat template's
+    markers) are what the policy wrote and stay in the text (``decode(..., skip_special_tokens=False)`` when the
+    tokenizer's decode takes that argument): skipped, a pad sampled inside an answer made ``1<pad>8`` read as
+    ``18``. Every score must be a
     finite float: a NaN or infinite one is a ``ValueError`` naming ``task`` (the job's ``task.name``, when given),
     the reward and the first bad response, since it would otherwise turn the step's advantages, loss and metrics
     into NaN without stopping the run.
@@ -230,12 +234,22 @@ class RuleRewardEngine:
         self.task = task
         self.tokenizer = tokenizer
         self.kw = kw
+        self._eos = getattr(tokenizer, "eos_token_id", None)
+        self._decode_kw = {"skip_special_tokens": False} if _takes(tokenizer.decode, "skip_special_tokens") else {}
 
     def decode_responses(self, batch: Mapping[str, Any]) -> list[str]:
-        """Response texts of the batch (masked tokens dropped)."""
+        """Response texts of the batch: masked tokens dropped, cut at the first ``<eos>``, other special tokens
+        kept (the class docstring says why)."""
         responses = batch["responses"].cpu()
-        mask = batch["response_mask"].cpu().bool() if "response_mask" in batch else torch.ones_like(responses, dtype=torch.bool)
-        return [self.tokenizer.decode(r[m].tolist()) for r, m in zip(responses, mask)]
+        mask = (batch["response_mask"].cpu().bool() if "response_mask" in batch
+                else torch.ones_like(responses, dtype=torch.bool))
+        texts = []
+        for r, m in zip(responses, mask):
+            ids = r[m].tolist()
+            if self._eos is not None and self._eos in ids:
+                ids = ids[: ids.index(self._eos)]
+            texts.append(self.tokenizer.decode(ids, **self._decode_kw))
+        return texts
 
     def score(self, batch: Mapping[str, Any], ground_truths: Sequence[str]) -> TensorDict:
         """``scores`` [B] (float32) and ``token_level_scores`` [B, R] (score at the last valid response token:
@@ -255,6 +269,15 @@ class RuleRewardEngine:
         return TensorDict(
             {"scores": scores, "token_level_scores": _place_at_last(scores, mask)}, batch_size=[len(texts)]
         )
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` accepts keyword ``name`` (or any keyword)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: do not pass what it may refuse
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _place_at_last(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

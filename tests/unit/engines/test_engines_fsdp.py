@@ -203,3 +203,32 @@ def test_tensordict_input_with_non_tensor_columns():
     seen = []
     eng.train_step(td, lambda o, mb: (seen.append(sorted(mb)) or token_mean_loss(o, mb)))
     assert "text" not in seen[0] and "advantages" in seen[0]
+
+
+class _LogProbProbe:
+    """A token-mean loss that also reports how far train_step's log-probs are from ``old_log_probs``."""
+
+    def __call__(self, outputs, mb):
+        m = mb["response_mask"].float()
+        gap = ((outputs["log_probs"] - mb["old_log_probs"]).abs() * m).max()
+        return -(outputs["log_probs"] * m).sum() / m.sum(), {"gap": gap.detach()}
+
+
+@pytest.mark.parametrize("where", ["config", "module"])
+def test_training_runs_without_the_models_dropout(where, caplog):
+    """A model with dropout (a checkpoint's attention_dropout, or an nn.Dropout of one's own) kept it on in
+    train_step (train mode) while compute_log_prob ran in eval mode: with the same weights the update saw other
+    log-probs than the old ones (up to 0.125 apart per token at attention_dropout=0.2), so the PPO ratio was not 1
+    and clipping hit random tokens. The engine turns dropout off and says so."""
+    def build():
+        if where == "config":
+            return build_causal_lm(tiny_qwen2_config(VOCAB, attention_dropout=0.5), seed=0)
+        model = build_causal_lm(tiny_qwen2_config(VOCAB), seed=0)
+        model.model.embed_tokens = torch.nn.Sequential(model.model.embed_tokens, torch.nn.Dropout(0.5))
+        return model
+
+    eng = FSDPEngine(build, EngineConfig(lr=1e-12, micro_batch_size=8))
+    assert "dropout" in caplog.text and "turned off" in caplog.text
+    batch = make_batch(B=8, R=8)
+    batch["old_log_probs"] = eng.compute_log_prob(batch)["log_probs"]
+    assert eng.train_step(batch, _LogProbProbe())["gap"] < 1e-5

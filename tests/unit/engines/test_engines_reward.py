@@ -123,3 +123,21 @@ def test_rule_reward_engine_refuses_a_non_finite_score_naming_the_task(bad):
     plain = RuleRewardEngine("test_non_finite_reward", _DigitTok())  # no task: the reward alone is named
     with pytest.raises(ValueError, match=r"^reward 'test_non_finite_reward' returned"):
         plain.score(batch, ["42", "7"])
+
+
+def test_special_tokens_sampled_inside_a_response_stay_in_its_text():
+    """The text was decoded with pad and bos skipped, so a pad or bos the policy sampled inside its answer vanished:
+    '1<pad>8', '<bos>18' and '18<pad>' (no <eos>: never stopped) all scored as the exact answer 18. Only <eos> ends
+    a response (its text is cut there); the other special tokens are part of what the policy wrote."""
+    from engines.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    eng = RuleRewardEngine("exact_match", tok)
+    d, pad, bos, eos = tok.token_to_id, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
+    rows = [[d["1"], d["8"], eos], [d["1"], pad, d["8"]], [bos, d["1"], d["8"]], [d["1"], d["8"], pad],
+            [d["1"], d["8"], eos]]
+    mask = torch.tensor([[1, 1, 1]] * 4 + [[1, 1, 0]])  # the last: <eos> outside the mask, as a padded response
+    out = eng.score({"responses": torch.tensor(rows), "response_mask": mask}, ["18"] * 5)
+    assert out["scores"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    texts = eng.decode_responses({"responses": torch.tensor(rows), "response_mask": mask})
+    assert texts[0] == "18" and texts[1] == f"1{tok.id_to_token[pad]}8"
