@@ -42,6 +42,7 @@ class TaskSpec:
     answer_pool: tuple[str, ...] = ()
     warm_start_answers: str = "random"
     warm_start_lr: float | None = None
+    answer_is_response: bool = False  # the reward reads the response as the answer: it needs those tokens + <eos>
 
     def __post_init__(self) -> None:
         if self.warm_start_answers not in WARM_START_ANSWERS:
@@ -120,9 +121,30 @@ def get_task(cfg: Config) -> TaskSpec:
         _refuse_prompt_params(cfg, entry, spec)
         records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",))
         spec = replace(spec, records=records)
+    if spec.answer_is_response:
+        _check_answer_room(cfg, spec)
     if cfg.model.path is None:
         _check_positions(cfg, spec)
     return spec
+
+
+def _check_answer_room(cfg: Config, spec: TaskSpec) -> None:
+    """A task whose reward reads the response as the answer needs ``rollout.max_new_tokens`` to hold the longest
+    answer plus ``<eos>``: with fewer, no response can be right and stop, and only truncated ones are rewarded."""
+    tok = spec.tokenizer()
+    longest, answer = 0, ""
+    for r in spec.records:
+        try:
+            n = len(tok.encode(str(r["answer"])))
+        except ValueError:  # an answer the tokenizer cannot write is refused where prompts are checked
+            continue
+        if n > longest:
+            longest, answer = n, str(r["answer"])
+    if longest + 1 > cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"rollout.max_new_tokens: bad value {cfg.rollout.max_new_tokens}; the task's longest answer "
+            f"({answer!r}) is {longest} tokens, and a response needs one more for <eos>: set "
+            f"rollout.max_new_tokens to {longest + 1} or more", "rollout.max_new_tokens")
 
 
 def _refuse_prompt_params(cfg: Config, entry: TaskEntry, spec: TaskSpec) -> None:

@@ -138,4 +138,5 @@ def build_addition(params: Mapping[str, Any]) -> TaskSpec:
     pool = tuple(sorted({r["answer"] for r in make_addition_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="addition", records=records, reward_fn=addition_reward, reward_kwargs=kwargs,
                     warm_start_steps=p["warm_start_steps"], answer_pool=pool,
-                    warm_start_answers=p["warm_start_answers"], warm_start_lr=p["warm_start_lr"])
+                    warm_start_answers=p["warm_start_answers"], warm_start_lr=p["warm_start_lr"],
+                    answer_is_response=True)

@@ -156,4 +156,5 @@ def build_digits(params: Mapping[str, Any]) -> TaskSpec:
     pool = tuple(sorted({str(r["answer"]) for r in make_digit_task(2000, seed=123, **gen)}, key=int))
     return TaskSpec(name="digits", records=records, reward_fn=digit_reward,
                     reward_kwargs={"format_bonus": p["format_bonus"]}, warm_start_steps=p["warm_start_steps"],
-                    answer_pool=pool, warm_start_answers=p["warm_start_answers"], warm_start_lr=p["warm_start_lr"])
+                    answer_pool=pool, warm_start_answers=p["warm_start_answers"], warm_start_lr=p["warm_start_lr"],
+                    answer_is_response=True)

@@ -315,3 +315,19 @@ def test_the_config_check_accepts_exactly_the_shapes_the_model_builds():
                 except (RuntimeError, ValueError):
                     builds = False
                 assert refused != builds, (knobs, refused, builds)
+
+
+@pytest.mark.parametrize("task, tokens, ok", [("addition", 3, False), ("addition", 4, True), ("digits", 2, False),
+                                              ("digits", 3, True)])
+def test_a_response_too_short_for_the_longest_answer_and_eos_is_a_config_error(task, tokens, ok):
+    """task.name=addition with the default rollout.max_new_tokens=3 was accepted: a 3-digit answer plus <eos> needs
+    4 tokens, so no response could both hold the answer and stop, and the truncated ones were what got rewarded."""
+    cfg = load_config(None, [f"task.name={task}", f"rollout.max_new_tokens={tokens}"])
+    if ok:
+        get_task(cfg)
+        return
+    with pytest.raises(ConfigError, match=rf"rollout.max_new_tokens: bad value {tokens}; the task's longest answer "
+                                          rf".* is {tokens if task == 'addition' else 2} tokens, and a response "
+                                          rf"needs one more for <eos>: set rollout.max_new_tokens to "
+                                          rf"{tokens + 1 if task == 'addition' else 3} or more"):
+        get_task(cfg)
