@@ -128,14 +128,15 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     steps: list[dict[str, float]] = []
     seconds: list[float] = []
     # this rank's own work before the engine's collectives is guarded too: an error on one rank alone stops every
-    # rank (the engine aborts the process groups) instead of leaving the others in train_step's collectives
+    # rank (the engine aborts the process groups) instead of leaving the others in train_step's collectives. Only
+    # that work: train_step guards its own, and refuses what every rank refuses alike (an argument) without an abort
     with engine.collective(what):
         pieces = _mini_batches(engine, batch, mini_batches, what)
-        for _ in range(ppo_epochs):
-            for mb in pieces:
-                t0 = time.perf_counter()
-                steps.append(engine.train_step(mb.tensors, loss_fn, **train_kw))
-                seconds.append(time.perf_counter() - t0)
+    for _ in range(ppo_epochs):
+        for mb in pieces:
+            t0 = time.perf_counter()
+            steps.append(engine.train_step(mb.tensors, loss_fn, **train_kw))
+            seconds.append(time.perf_counter() - t0)
     out: dict[str, float] = {}
     for k in dict.fromkeys(k for s in steps for k in s):  # a skipped step may lack the loss_fn metrics
         vals = [s[k] for s in steps if k in s]
@@ -303,8 +304,8 @@ class ActorRolloutRefWorker(Worker):
             raise TypeError(f"generate: unknown sampling override(s) {sorted(sampling_overrides)}; SamplingParams "
                             f"fields are {known} (plus seed)") from None
         with self.actor.collective("generate"):  # an empty shard on one rank alone must not leave the others in
-            _rows_of(batch, "generate")         # the weight sync's collectives
-            self._sync_rollout()
+            _rows_of(batch, "generate")         # the weight sync's collectives (which guard their own work)
+        self._sync_rollout()
         call = self._gen_calls
         self._gen_calls += 1
         gen = torch.Generator(device=self.rollout.device)

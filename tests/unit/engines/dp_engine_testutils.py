@@ -370,3 +370,29 @@ def update_prep_fails_on_one_rank_worker(rank: int, world: int) -> dict[str, str
     return _failure_outcomes(
         lambda: workers._train(eng, Batch.from_dict(tensors), masked_token_mean_loss, 1, 2, "actor", "update_actor"),
         eng, tensors, aborted)
+
+
+def update_refused_alike_on_every_rank_worker(rank: int, world: int) -> dict[str, str]:
+    """Every rank's update is refused alike for an argument (temperature 0) before any collective: each raises the
+    ValueError and the engine goes on (a later update trains). Per rank: the error text and the later call's."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import engines.workers as workers
+    from engines.fsdp import FSDPEngine
+    from engines_testutils import make_batch
+    from orchestra import Batch
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    eng = FSDPEngine(model_factory(0), EngineConfig(micro_batch_size=2))
+    batch = Batch.from_dict(make_batch(B=4, seed=rank))
+    out: dict[str, str] = {}
+    for key, temperature in (("error", 0.0), ("later", None)):
+        kw = {} if temperature is None else {"temperature": temperature}
+        try:
+            workers._train(eng, batch, masked_token_mean_loss, 1, 2, "actor", "update_actor", **kw)
+            out[key] = ""
+        except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
+            out[key] = f"{type(e).__name__}: {e}"
+    return out

@@ -106,3 +106,14 @@ def test_a_worker_update_failing_on_one_rank_before_the_engines_collectives_stop
     for r in (r0, r1):
         assert r["later"].startswith("EngineAbortedError: FSDPEngine.train_step: this engine can no longer be used"), r
         assert r["on_abort"].count("FSDPEngine.update_actor") == 1 and "train_step" not in r["on_abort"], r
+
+
+@pytest.mark.slow  # spawns ranks
+def test_an_update_every_rank_refuses_alike_leaves_the_engine_usable():
+    """With the worker's guard around the whole update, an argument train_step refuses on every rank alike (here a
+    temperature of 0) aborted the process groups: the engine was lost for an argument mistake."""
+    from dp_engine_testutils import update_refused_alike_on_every_rank_worker
+
+    for r in spawn(update_refused_alike_on_every_rank_worker, 2):
+        assert r["error"].startswith("ValueError: train_step: temperature"), r
+        assert r["later"] == "", r
