@@ -9,6 +9,7 @@ non-tensor columns, padding that remembers its pad count, a zero-copy wire forma
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -107,8 +108,28 @@ def _own(arr: np.ndarray) -> np.ndarray:
         return arr
     out = np.empty(arr.shape, dtype=object)
     for i, x in enumerate(arr.flat):
-        out.flat[i] = x if type(x) in _IMMUTABLE else copy.deepcopy(x)
+        out.flat[i] = x if type(x) in _IMMUTABLE else _copied(x)
     return out
+
+
+def _copied(x: Any) -> Any:
+    """A deep copy of ``x``, or ``x`` itself when it cannot be copied (a lock, an open file, a handle: shared as
+    before, since no copy of it exists to give)."""
+    try:
+        return copy.deepcopy(x)
+    except Exception:  # noqa: BLE001 - an object deepcopy refuses is kept as it is: what a row held before copies
+        return x
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """A tensor dtype's kind: columns of one kind concatenate into the wider dtype without losing a value."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "int" if dtype.is_signed else "uint"
 
 
 def _name(key: str | tuple[str, ...]) -> str:
@@ -122,15 +143,25 @@ def _names(leaves: Mapping[Any, Any]) -> list[str]:
 
 def _same(a: Any, b: Any) -> bool:
     """Equal values, looking inside dicts, lists and tuples: tensors and arrays by dtype, shape and values (their
-    ``==`` is elementwise, which ``bool`` refuses)."""
+    ``==`` is elementwise, which ``bool`` refuses); a value is its own equal, and two NaNs are equal (a NaN metric
+    in meta does not make a batch unequal to itself)."""
+    if a is b:
+        return True
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape):
+            return False
+        if torch.equal(a, b):
+            return True
+        nan = a.isnan() if (a.is_floating_point() or a.is_complex()) else None
+        return nan is not None and torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.dtype != b.dtype or a.shape != b.shape:
             return False
         if a.dtype != object:
-            return bool(np.array_equal(a, b))
+            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
         return all(_same(x, y) for x, y in zip(a.flat, b.flat))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
@@ -316,7 +347,7 @@ class Batch:
             return False
         for k, v in mine.items():
             o = theirs[k]
-            if v.dtype != o.dtype or v.shape != o.shape or not torch.equal(v, o):
+            if not _same(v, o):
                 return False
         return (self._pad == other._pad and all(_same(v, other._nt[k]) for k, v in self._nt.items())
                 and _same(self.meta, other.meta))
@@ -411,16 +442,19 @@ class Batch:
                     f"{sorted(b._nt)}, batch {i0} has {_names(leaves)} and {sorted(first._nt)}")
             for k, t in theirs.items():
                 mine = leaves[k]
-                if t.dtype != mine.dtype or t.shape[1:] != mine.shape[1:]:
+                if _kind(t.dtype) != _kind(mine.dtype) or t.shape[1:] != mine.shape[1:]:
                     raise ValueError(f"Batch.concat: column {_name(k)!r} of batch {i} is {t.dtype} with rows of shape "
                                      f"{tuple(t.shape[1:])}, batch {i0}'s is {mine.dtype} with rows of shape "
-                                     f"{tuple(mine.shape[1:])}; make them one dtype and shape (e.g. "
-                                     f"torch.tensor([], dtype=torch.int64) for no rows)")
+                                     f"{tuple(mine.shape[1:])}; make them one kind (bool, integer, float, complex) "
+                                     f"and row shape: a wider dtype of the same kind is taken, another kind would "
+                                     f"be converted")
             for k, a in b._nt.items():
                 mine_a = first._nt[k]
-                if a.dtype != mine_a.dtype and object not in (a.dtype, mine_a.dtype):
+                if (a.dtype != mine_a.dtype and object not in (a.dtype, mine_a.dtype)
+                        and not a.dtype.kind == mine_a.dtype.kind == np.result_type(a, mine_a).kind):
                     raise ValueError(f"Batch.concat: column {k!r} of batch {i} is {a.dtype}, batch {i0}'s is "
-                                     f"{mine_a.dtype}; make them one dtype")
+                                     f"{mine_a.dtype}; make them one kind (strings of any width, integers, floats: "
+                                     f"a wider dtype of the same kind is taken, another kind would be converted)")
         pad = 0
         for j, (i, b) in enumerate(numbered):
             if pad and b._pad != len(b):

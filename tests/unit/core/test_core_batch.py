@@ -520,3 +520,31 @@ def test_equality_compares_non_tensor_dtypes_the_pad_count_and_a_meta_holding_te
     assert Batch.from_dict({"x": torch.arange(2)}, meta=m) == Batch.from_dict({"x": torch.arange(2)}, meta=dict(m))
     assert Batch.from_dict({"x": torch.arange(2)}, meta=m) != Batch.from_dict({"x": torch.arange(2)},
                                                                              meta={"w": torch.zeros(2)})
+
+
+def test_concat_takes_a_wider_dtype_of_the_same_kind():
+    """Refusing every dtype difference refused numpy strings of other widths (each rank's np.array(texts) has its
+    own) and int32 next to int64; those widen without losing a value. Another kind stays refused."""
+    out = Batch.concat([Batch.from_dict({"s": np.array(["r"]), "i": np.array([1], dtype=np.int32),
+                                         "t": torch.tensor([1], dtype=torch.int32)}),
+                        Batch.from_dict({"s": np.array(["rr"]), "i": np.array([2], dtype=np.int64),
+                                         "t": torch.tensor([2], dtype=torch.int64)})])
+    assert list(out["s"]) == ["r", "rr"] and out["i"].dtype == np.int64 and out["t"].dtype == torch.int64
+    with pytest.raises(ValueError, match=r"column 'i' of batch 1 is float64, batch 0's is int32"):
+        Batch.concat([Batch.from_dict({"i": np.array([1], dtype=np.int32)}), Batch.from_dict({"i": np.array([.5])})])
+
+
+def test_rows_picked_by_position_share_an_object_that_cannot_be_copied():
+    import threading
+
+    lock = threading.Lock()
+    b = Batch.from_dict({"x": torch.arange(2), "h": [lock, {"a": 1}]})
+    two = b.repeat(2)
+    assert two["h"][0] is lock and two["h"][2] == {"a": 1} and two["h"][2] is not b["h"][1]
+
+
+def test_a_batch_whose_meta_or_column_holds_a_nan_equals_itself():
+    b = Batch.from_dict({"x": torch.tensor([1.0, float("nan")]), "s": np.array([float("nan"), 1.0])},
+                        meta={"kl": float("nan"), "w": torch.tensor([float("nan")])})
+    assert b == b and b == b.clone()
+    assert b != Batch.from_dict({"x": torch.tensor([1.0, 2.0]), "s": np.array([float("nan"), 1.0])}, meta=b.meta)

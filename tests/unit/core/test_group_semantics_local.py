@@ -234,6 +234,25 @@ async def test_a_pad_calls_filler_rows_are_rows_like_any_to_its_endpoint():
             g.tiled(rows(5).pad_to_multiple(8).slice(0, 6))
 
 
+class _Tagger(orc.Worker):
+    @endpoint(D.shard())
+    def tag(self, b: Batch) -> Batch:
+        out = b.clone()  # the input's pad count comes back with its rows
+        out["y"] = b["x"] * 10
+        return out
+
+
+async def test_a_pad_read_wrapping_around_a_padded_upstream_result_reads_its_rows():
+    """A shard(pad=True) reader whose last share wraps to the first rows joined [the upstream's last rows, ending in
+    its padding rows] + [the first rows], which concat refused (padding followed by real rows), naming batches the
+    user never sees. The wrapped read is rows like any: no pad count."""
+    async with WorkerGroup(pool(1), _Tagger, group_name="tagger") as up, \
+            WorkerGroup(pool(3), _PadReader, group_name="pad_reader3") as down:
+        src = rows(4).pad_to_multiple(5)  # 4 rows + 1 padding row
+        out = await down.tiled(up.tag(src))
+        assert out["x"].tolist() == [0, 1, 2, 3, 0] and out["pad_seen"].tolist() == [0] * 5
+
+
 class _RankChoice(orc.Worker):
     @endpoint(D.broadcast() | D.only_ranks(2, 0))
     def who(self) -> int:
