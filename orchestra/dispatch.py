@@ -131,6 +131,11 @@ class Chain(Dispatch):
     """Transforms applied left to right."""
 
     def __init__(self, steps: Sequence[Dispatch]) -> None:
+        steps = list(steps)
+        for i, s in enumerate(steps):  # after a collect of the user's, metrics() cannot tell which rank a result is
+            if isinstance(s, _Metrics) and any(type(p).collect not in (Dispatch.collect, _Shard.collect)
+                                               for p in steps[:i]):
+                steps[i] = _Metrics(s.reduce, ranks_known=False)
         self.steps = tuple(steps)
         self.joins_rows = _joins_rows(self.steps)
 
@@ -428,20 +433,22 @@ def from_rank(rank: int = 0) -> Dispatch:
 class _Metrics(Dispatch):
     reduces = True
 
-    def __init__(self, reduce: str | Callable[[list[float]], float]) -> None:
+    def __init__(self, reduce: str | Callable[[list[float]], float], ranks_known: bool = True) -> None:
         self.reduce = reduce
+        self.ranks_known = ranks_known  # False after another collect: results are named by position, not rank
 
     def collect(self, plan: Plan, results: list[Any]) -> Any:
         if not all(isinstance(r, dict) for r in results):
             bad = next(type(r).__name__ for r in results if not isinstance(r, dict))
             raise TypeError(f"{plan.where()}: metrics() expects every rank to return a dict, got {bad}")
         fn = _REDUCERS[self.reduce] if isinstance(self.reduce, str) else self.reduce
-        ranks = _result_ranks(plan, len(results))
+        ranks = _result_ranks(plan, len(results)) if self.ranks_known else None
+        names = [f"rank {r}" for r in ranks] if ranks is not None else [f"result {i}" for i in range(len(results))]
         vals: dict[str, list[float]] = {}  # a key a rank leaves out is reduced over the ranks that return it
-        for rank, r in zip(ranks, results):
+        for who, r in zip(names, results):
             for k, v in r.items():
                 if not _is_number(v):
-                    raise TypeError(f"{plan.where()}: metrics() needs one number per key, but rank {rank} returned "
+                    raise TypeError(f"{plan.where()}: metrics() needs one number per key, but {who} returned "
                                     f"{k!r} = {v!r:.60} ({type(v).__name__}); return a float (or leave the key out "
                                     f"on that rank), and send other values through an endpoint without metrics()")
                 vals.setdefault(k, []).append(float(v))
@@ -463,10 +470,10 @@ def _is_number(x: Any) -> bool:
     return True
 
 
-def _result_ranks(plan: Plan, n: int) -> list[int]:
+def _result_ranks(plan: Plan, n: int) -> list[int] | None:
     """The rank each of a call's ``n`` collected results came from, in the order ``collect`` gets them: a shard
     call's collectors by the DP replica they serve, other calls' in the plan's order of ranks (rank order, unless
-    a transform of a user's reorders them)."""
+    a transform of a user's reorders them); None when they are not ``n`` (then results are named by position)."""
     if plan.shard is not None:
         spec = plan.shard
         ranks = sorted(spec.collectors, key=lambda r: spec.dp_of_rank[r])
@@ -475,7 +482,7 @@ def _result_ranks(plan: Plan, n: int) -> list[int]:
         ranks = [r for r in plan.ranks if r in kept]
     else:
         ranks = list(plan.ranks)
-    return ranks if len(ranks) == n else list(range(n))
+    return ranks if len(ranks) == n else None
 
 
 _REDUCERS: dict[str, Callable[[list[float]], float]] = {

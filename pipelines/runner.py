@@ -85,6 +85,14 @@ class _Launched:
             self.greedy.cancel()
 
 
+def _bar_fields(rec: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's fields for a step's record: the ones it has (an algorithm of one's own need not log
+    ``reward/mean``: the bar read it and a run without it died with KeyError at its first step)."""
+    shown = {"reward": ("reward/mean", "{:.3f}"), "tok_s": ("perf/tokens_per_s", "{:.0f}")}
+    return {name: fmt.format(rec[key]) for name, (key, fmt) in shown.items()
+            if isinstance(rec.get(key), (int, float))}
+
+
 class Runner:
     """Runs a training job described by a Config (see ``orchestra train --help``)."""
 
@@ -442,7 +450,7 @@ class Runner:
             self.guard.check(step, metrics)  # after the step's metrics are written, so the bad step is on record
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward/mean']:.3f}", tok_s=f"{rec['perf/tokens_per_s']:.0f}")
+                bar.set_postfix(_bar_fields(rec))
             every = cfg.runner.checkpoint_every
             if every and ((step + 1) % every == 0 or step + 1 == total):  # and after the last step, always
                 await self.save(step, pending)

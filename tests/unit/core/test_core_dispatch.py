@@ -335,3 +335,18 @@ def test_a_transform_with_an_async_split_is_awaited():
     p = d.check(plan(world=3))
     assert d.needs_split(p)
     assert asyncio.run(d.split(p)).per_rank == {0: ((0,), {}), 1: ((1,), {}), 2: ((2,), {})}
+
+
+def test_metrics_after_a_users_collect_names_results_by_position():
+    """After a user's collect (here one reversing the list) metrics() named ranks by the plan's order, so it blamed
+    rank 0 for rank 2's string."""
+
+    class Reverse(Dispatch):
+        def collect(self, plan, results):
+            return list(reversed(results))
+
+    chain = D.broadcast() | Reverse() | D.metrics()
+    with pytest.raises(TypeError, match=r"but result 0 returned 'loss' = 'oops'"):
+        chain.collect(plan(world=3), [{"loss": 0.5}, {"loss": 0.5}, {"loss": "oops"}])
+    with pytest.raises(TypeError, match=r"but rank 2 returned 'loss' = 'oops'"):
+        (D.broadcast() | D.metrics()).collect(plan(world=3), [{"loss": 0.5}, {"loss": 0.5}, {"loss": "oops"}])

@@ -361,3 +361,13 @@ def test_a_resume_into_a_missing_directory_makes_nothing(tmp_path):
         with ckpt.lock_output_dir(missing, run=True, resume=True):
             pass
     assert not missing.exists()
+
+
+def test_the_progress_bar_shows_the_fields_a_step_has():
+    """The bar read rec['reward/mean'] after every step: with progress on (the CLI's default) a run whose algorithm
+    logs no reward/mean died with KeyError at step 0 (the closing line's fix did not reach it)."""
+    from pipelines.runner import _bar_fields
+
+    assert _bar_fields({"step": 0, "reward/mean": 0.5, "perf/tokens_per_s": 12.3}) == {"reward": "0.500",
+                                                                                       "tok_s": "12"}
+    assert _bar_fields({"step": 0, "perf/tokens_per_s": 12.3}) == {"tok_s": "12"}
