@@ -100,7 +100,9 @@ async def test_rl_step_end_to_end(groups, tmp_path):
     close(old_b["old_log_probs"], g["rollout_log_probs"])
     assert torch.equal(ref_b["ref_log_probs"], old_b["old_log_probs"])  # frozen copy of the same init
     assert val_b["values"].shape == (B, MAX_NEW) and torch.all(val_b["values"][rm == 0] == 0)
-    texts = [TOK.decode(r[m.bool()].tolist()) for r, m in zip(g["responses"], rm)]
+    # as the reward reads them: cut at <eos>, the other special tokens kept
+    texts = [TOK.decode(TOK.truncate_at_eos(r[m.bool()]), skip_special_tokens=False)
+             for r, m in zip(g["responses"], rm)]
     expect = torch.tensor(length_reward(texts, list(g["answer"])), dtype=torch.float32)
     assert torch.equal(sc_b["scores"], expect)
     last = rm.sum(-1) - 1
