@@ -346,7 +346,8 @@ def _check_output_dir(out: Path) -> None:
 def _earlier_outputs(out: Path) -> list[Path]:
     """The files an earlier run of the runner left in ``out`` besides its checkpoints: a non-empty ``metrics.jsonl``,
     TensorBoard event files in ``tensorboard/``, ``reward.png``, ``trace.json`` and ``trace.before-restart-N.json``.
-    ``config.json`` is not one: every run rewrites it before anything else."""
+    ``config.json`` is not one: every run rewrites it before anything else. A ``tensorboard`` that is a symlink is
+    not looked into: the directory it names is the user's (perhaps shared by runs), not this run's."""
     if not out.is_dir():
         return []
     found = []
@@ -354,7 +355,7 @@ def _earlier_outputs(out: Path) -> list[Path]:
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append(metrics)
     tb = out / TENSORBOARD
-    if tb.is_dir():
+    if tb.is_dir() and not tb.is_symlink():  # a link to a directory of one's own (shared by runs) is not ours to clear
         found += sorted(p for p in tb.iterdir() if p.is_file() and _TB_EVENTS.match(p.name))
     found += [out / name for name in _OUTPUT_FILES if (out / name).is_file()]
     found += sorted(p for p in out.iterdir() if p.is_file() and _TRACE_BEFORE_RESTART.match(p.name))

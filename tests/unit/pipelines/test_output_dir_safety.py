@@ -371,3 +371,17 @@ def test_the_progress_bar_shows_the_fields_a_step_has():
     assert _bar_fields({"step": 0, "reward/mean": 0.5, "perf/tokens_per_s": 12.3}) == {"reward": "0.500",
                                                                                        "tok_s": "12"}
     assert _bar_fields({"step": 0, "perf/tokens_per_s": 12.3}) == {"tok_s": "12"}
+
+
+def test_overwrite_does_not_clear_a_tensorboard_directory_reached_through_a_symlink(tmp_path):
+    """--overwrite removed the event files of the directory a tensorboard/ symlink names (one shared by other runs)."""
+    shared = tmp_path / "shared_tb"
+    shared.mkdir()
+    other = shared / "events.out.tfevents.1700000000.other.1.0"
+    other.write_bytes(b"another run's events")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").symlink_to(shared, target_is_directory=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert ckpt.prepare_output_dir(out, resume=False, overwrite=True) is None
+    assert other.exists() and (out / "tensorboard").is_symlink()
