@@ -423,8 +423,9 @@ class Batch:
     def concat(batches: Iterable[Batch]) -> Batch:
         """Rows of all batches in order, sharing nothing writable with them (one batch is returned as is); meta is
         (a copy of) the first one's. Batches without rows are left out (a rank's empty result decides no column's
-        type); the others must have the same columns, each of one dtype and row shape (a ValueError names the one
-        that differs: ``torch.cat`` would convert it), and padding rows (``pad_to_multiple``) only at the end."""
+        type); the others must have the same columns, each of one kind (bool, integer, float, complex, strings: a
+        wider dtype of the kind is taken) and row shape (a ValueError names the one that differs: ``torch.cat`` would
+        convert it), and padding rows (``pad_to_multiple``) only at the end."""
         batches = list(batches)
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
