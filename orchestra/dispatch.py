@@ -387,6 +387,11 @@ class _OnlyRanks(Dispatch):
         bad = [r for r in self.ranks if not 0 <= r < plan.world_size]
         if bad:
             raise _error(plan, f"only_ranks{self.ranks}: rank(s) {bad} do not exist in a group of {plan.world_size}")
+        added = [r for r in self.ranks if r not in plan.ranks]  # an earlier transform chose fewer ranks: narrow it
+        if added:
+            raise _error(plan, f"{self!r}: rank(s) {added} would run although an earlier transform "
+                               f"chose rank(s) {list(plan.ranks)}; only_ranks() narrows the ranks that run, it "
+                               f"does not add any: name a subset of them, or put only_ranks() first")
         return plan.with_(ranks=self.ranks)
 
     def __repr__(self) -> str:

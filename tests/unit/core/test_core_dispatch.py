@@ -191,7 +191,8 @@ def test_rank_zero_keeps_rank_zero_and_refuses_a_plan_that_leaves_it_out():
                                             r"rank\(s\) \[1\] run before it.*only_ranks\(1\) \| from_rank\(1\)"):
         (D.only_ranks(1) | D.rank_zero()).check(plan(world=2))
     d = D.broadcast() | D.rank_zero() | D.only_ranks(1)
-    with pytest.raises(DispatchError, match=r"keeps the result of rank\(s\) \[0\], but only rank\(s\) \[1\] run"):
+    with pytest.raises(DispatchError, match=r"only_ranks\(1\): rank\(s\) \[1\] would run although an earlier "
+                                            r"transform chose rank\(s\) \[0\]"):
         D.check_final(d.check(plan(world=2)), d)
     for ok in (D.only_ranks(1, 0) | D.rank_zero(), D.rank_zero() | D.only_ranks(0)):
         p = ok.check(plan(world=2))
@@ -350,3 +351,11 @@ def test_metrics_after_a_users_collect_names_results_by_position():
         chain.collect(plan(world=3), [{"loss": 0.5}, {"loss": 0.5}, {"loss": "oops"}])
     with pytest.raises(TypeError, match=r"but rank 2 returned 'loss' = 'oops'"):
         (D.broadcast() | D.metrics()).collect(plan(world=3), [{"loss": 0.5}, {"loss": 0.5}, {"loss": "oops"}])
+
+
+def test_only_ranks_narrows_an_earlier_choice_of_ranks_and_never_adds_one():
+    """rank_zero() | only_ranks(0, 1) ran rank 1 too (its result dropped): only_ranks replaced the earlier choice."""
+    with pytest.raises(DispatchError, match=r"only_ranks\(0, 1\): rank\(s\) \[1\] would run although an earlier "
+                                            r"transform chose rank\(s\) \[0\]"):
+        (D.broadcast() | D.rank_zero() | D.only_ranks(0, 1)).check(plan(world=3))
+    assert (D.only_ranks(0, 2) | D.only_ranks(2)).check(plan(world=3)).ranks == (2,)
