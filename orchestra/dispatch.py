@@ -184,7 +184,8 @@ def check_final(plan: Plan, dispatch: Dispatch) -> None:
     user's transform after ``shard()`` included). Run by the group on the plan that ``check`` made, and again on
     the one ``split`` made, before anything is sent: every rank runs at most once; a shard runs every rank (the
     rows of the others would be lost); the ranks whose results are kept all run."""
-    dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1})
+    # on every call: one pass (a set) in the usual case, the count only to name the ranks listed twice
+    dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1}) if len(set(plan.ranks)) < len(plan.ranks) else []
     if dup:
         raise _error(plan, f"{dispatch!r} runs rank(s) {dup} more than once; list each rank once")
     bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
