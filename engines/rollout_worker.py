@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engines.rollout import RolloutEngine, SamplingParams
-from engines.workers import _read_state, _write_state, generation_seed, load_tokenizer
+from engines.workers import _before_pending, _read_state, _write_state, generation_seed, load_tokenizer
 from orchestra import Batch, Worker, endpoint
 from orchestra import dispatch as D
 
@@ -80,10 +80,12 @@ class RolloutWorker(Worker):
             yield Batch(out, nt, meta)
 
     @endpoint(D.broadcast())
-    def save(self, directory: str) -> str:
-        """This rank's sampling counter and weights version (weights come from the trainer on resume)."""
+    def save(self, directory: str, pending_generate_calls: int = 0) -> str:
+        """This rank's sampling counter and weights version (weights come from the trainer on resume);
+        ``pending_generate_calls`` made before it are not counted (``ActorRolloutRefWorker.save``)."""
         _write_state(os.fspath(directory), f"rollout_rank{self.rank}.json",
-                     {"gen_calls": self._gen_calls, "weights_version": self._version})
+                     {"gen_calls": _before_pending(self._gen_calls, pending_generate_calls),
+                      "weights_version": self._version})
         return os.fspath(directory)
 
     @endpoint(D.broadcast())

@@ -153,6 +153,14 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     return out
 
 
+def _before_pending(gen_calls: int, pending: int) -> int:
+    """The generate-call counter as it was before the ``pending`` calls a checkpoint must not count."""
+    if not 0 <= int(pending) <= gen_calls:
+        raise ValueError(f"save: pending_generate_calls must be between 0 and the {gen_calls} generate calls made, "
+                         f"got {pending}")
+    return gen_calls - int(pending)
+
+
 def _write_state(directory: str, name: str, state: dict[str, Any]) -> None:
     """A worker's per-rank JSON state next to its engine checkpoint (written atomically)."""
     from engines.checkpoint import write_json_atomic
@@ -359,14 +367,17 @@ class ActorRolloutRefWorker(Worker):
 
     # -- state ------------------------------------------------------------------------------------------------------
     @endpoint(D.broadcast())
-    def save(self, directory: str) -> str:
+    def save(self, directory: str, pending_generate_calls: int = 0) -> str:
         """Actor checkpoint (model + optimizer shards as safetensors, JSON index and state; see
         ``engines.checkpoint``) in ``directory/actor`` plus this rank's version and sampling counter as JSON;
-        collective. Returns the directory."""
+        collective. ``pending_generate_calls``: generate calls made before this save whose rollouts belong after
+        the checkpoint (a step launched ahead, ``max_staleness=1``): not counted, so a resume that generates them
+        again samples with their seeds. Returns the directory."""
         directory = os.fspath(directory)
+        gen_calls = _before_pending(self._gen_calls, pending_generate_calls)
         self.actor.save(os.path.join(directory, "actor"))
         _write_state(directory, f"actor_worker_rank{self.rank}.json",
-                     {"weights_version": self._version, "gen_calls": self._gen_calls, "seed": self.seed,
+                     {"weights_version": self._version, "gen_calls": gen_calls, "seed": self.seed,
                       "world_size": self.world_size})
         return directory
 

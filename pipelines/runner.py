@@ -542,13 +542,16 @@ class Runner:
         d = ckpt.stage(self.out / "checkpoints", step)  # absolute: self.out is
         c = self.cluster
         roles = ["actor/actor"]  # the engine checkpoints commit refuses to go without (each worker's save writes one)
+        # the rollout launched ahead is generated again on resume: its generate calls (ReMax: two) are not counted,
+        # so that it samples with the seeds an uninterrupted run used (they ran before this save on every rank)
+        ahead = 0 if pending is None or pending.step != step + 1 else 1 + (pending.greedy is not None)
         try:
-            await c.actor.save(str(d / "actor"))
+            await c.actor.save(str(d / "actor"), pending_generate_calls=0 if c.split else ahead)
             if c.critic is not None:
                 await c.critic.save(str(d / "critic"))
                 roles.append("critic/critic")
             if c.split:
-                await c.rollout.save(str(d / "rollout"))
+                await c.rollout.save(str(d / "rollout"), pending_generate_calls=ahead)
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
                      "rng": _rng_state(), "config": json.loads(json.dumps(config_to_dict(self.cfg))),
                      "guard": self.guard.state_dict()}  # consecutive bad steps so far: runner.max_bad_steps

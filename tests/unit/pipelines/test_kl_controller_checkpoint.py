@@ -11,7 +11,7 @@ from pipelines.runner import Runner
 
 
 class _FakeActor:
-    async def save(self, directory):
+    async def save(self, directory, pending_generate_calls=0):
         return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
 
     async def load(self, directory, verify=True):

@@ -15,7 +15,7 @@ from pipelines.runner import Runner, _warn_config_changes
 
 
 class _FakeActor:
-    async def save(self, directory):
+    async def save(self, directory, pending_generate_calls=0):
         return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
 
     async def load(self, directory, verify=True):

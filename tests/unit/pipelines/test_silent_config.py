@@ -115,7 +115,7 @@ GOOD = {"actor/loss": 0.5, "actor/grad_norm": 1.0}
 
 
 class _FakeActor:
-    async def save(self, directory):
+    async def save(self, directory, pending_generate_calls=0):
         return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
 
     async def load(self, directory, verify=True):

@@ -40,3 +40,22 @@ async def test_a_resume_trains_each_step_on_the_prompts_the_interrupted_run_drew
     assert len({str(p) for p in drawn["whole"].values()}) == 3  # three different batches: equality means something
     for step in (1, 2):
         assert drawn["resumed"][step] == drawn["whole"][step], f"step {step} trained on other prompts"
+
+
+@pytest.mark.slow  # two real (in-process) jobs, ~10 s
+@pytest.mark.parametrize("algo", [(), ("algorithm.adv_estimator=remax",)], ids=["grpo", "remax"])
+async def test_a_resume_with_frozen_weights_samples_what_the_uninterrupted_run_sampled(tmp_path, algo):
+    """The checkpoint's generate-call counter already counted the rollout launched ahead (and thrown away: a resume
+    generates it again), so every resumed step sampled with the seed of the uninterrupted run's next step. With the
+    weights frozen (lr 1e-30) nothing else differs, so the resumed steps must equal the uninterrupted ones."""
+    frozen = (*STALE, "actor.lr=1e-30", *algo)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    full = await local_runner(whole, *frozen).run()
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints" / "step_000000", resumed / "checkpoints" / "step_000000")
+    (resumed / "checkpoints" / "latest").write_text("step_000000")
+    hist = await local_runner(resumed, *frozen, resume=True).run()
+    keys = [k for k in full[1] if k.startswith(("reward/", "response_length/")) or k == "actor/tokens"]
+    assert keys
+    for a, b in zip(full[1:], hist):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}, f"step {a['step']}"
