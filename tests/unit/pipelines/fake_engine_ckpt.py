@@ -17,3 +17,33 @@ def write_engine_checkpoint(directory: str, role: str = "actor") -> str:
     (d / "engine_state.json").write_text("{}")
     (d / "index.json").write_text(json.dumps({"format": "fake", "files": {shard: {}}, "tensors": {}}))
     return directory
+
+
+class FakeActor:
+    """An actor group whose ``save`` leaves what a commit needs and whose ``load`` restores nothing: for runner tests
+    where only the runner's own files matter."""
+
+    async def save(self, directory: str, pending_generate_calls: int = 0) -> str:
+        return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
+
+    async def load(self, directory: str, verify: bool = True) -> int:
+        return 0
+
+
+class FakeCluster:
+    """A cluster of one :class:`FakeActor`, no critic, the rollout colocated."""
+
+    split = False
+    critic = None
+
+    def __init__(self) -> None:
+        self.actor = FakeActor()
+
+    async def ready(self) -> None:
+        return None
+
+    def groups(self) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        return None

@@ -3,36 +3,14 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from cli_testutils import RayStarted, no_ray  # noqa: F401 - no_ray: a fixture the tests use
+from cli_testutils import committed as _committed
+from cli_testutils import train_args as _train
 
-import orchestra
-from pipelines import checkpoint as ckpt
 from pipelines.cli import main as cli_main
 
-
-class RayStarted(Exception):
-    """Raised instead of starting Ray: these checks must all happen before the cluster exists."""
-
-
-@pytest.fixture(autouse=True)
-def no_ray(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise RayStarted("orchestra.init was called")
-
-    monkeypatch.setattr(orchestra, "init", refuse)
-
-
-def _committed(out: Path, step: int = 1) -> Path:
-    d = ckpt.stage(out / "checkpoints", step)
-    (d / "runner.json").write_text(json.dumps({"step": step}))
-    return ckpt.commit(d, keep=3)
-
-
-def _train(out: Path, *flags: str) -> list[str]:
-    return ["train", f"runner.output_dir={out}", "runner.total_steps=3", "--no-progress", *flags]  # step 2 left
+pytestmark = pytest.mark.usefixtures("no_ray")  # every test here must stop before the cluster starts
 
 
 def test_second_run_into_the_same_output_dir_is_refused(tmp_path, capsys):

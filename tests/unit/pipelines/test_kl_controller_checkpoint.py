@@ -5,28 +5,16 @@ import json
 
 import pytest
 
-from fake_engine_ckpt import write_engine_checkpoint
+from fake_engine_ckpt import FakeCluster
 from pipelines.config import load_config
 from pipelines.runner import Runner
-
-
-class _FakeActor:
-    async def save(self, directory, pending_generate_calls=0):
-        return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
-
-    async def load(self, directory, verify=True):
-        return 0
-
-
-class _FakeCluster:
-    actor, critic, split = _FakeActor(), None, False
 
 
 def _runner(tmp_path, resume_from=None):
     cfg = load_config(None, [f"runner.output_dir={tmp_path / 'run'}", "algorithm.kl_coef=0.1",
                              "algorithm.kl_target=0.05", "algorithm.kl_horizon=100"])
     r = Runner(cfg, progress=False, resume_from=resume_from)
-    r.cluster = _FakeCluster()
+    r.cluster = FakeCluster()
     return r
 
 
@@ -51,6 +39,6 @@ async def test_a_resume_with_a_new_kl_target_and_horizon_uses_them(tmp_path):
     cfg = load_config(None, [f"runner.output_dir={tmp_path / 'run'}", "algorithm.kl_coef=0.1",
                              "algorithm.kl_target=5.0", "algorithm.kl_horizon=80"])
     second = Runner(cfg, progress=False, resume_from=saved)
-    second.cluster = _FakeCluster()
+    second.cluster = FakeCluster()
     await second._restore()
     assert second.kl_ctl.state_dict() == {"coef": pytest.approx(0.102, rel=1e-12), "target": 5.0, "horizon": 80}

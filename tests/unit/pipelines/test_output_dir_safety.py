@@ -20,6 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_testutils import RayStarted, no_ray  # noqa: F401 - no_ray: a fixture the tests use
+from cli_testutils import committed as _committed
+from cli_testutils import train_args as _train
 
 import orchestra
 from pipelines import checkpoint as ckpt
@@ -30,28 +33,6 @@ from pipelines.metrics import MetricsSink, read_metrics
 ROOT = Path(__file__).resolve().parents[3]
 LOCK_NAME = ".orchestra.lock"  # the lock file a run holds in its output_dir (docs/checkpoints.md)
 BOUND_S = 120  # a bound on a hung helper process, not a timing threshold
-
-
-class RayStarted(Exception):
-    """Raised instead of starting Ray: the run got past every check into starting its cluster."""
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise RayStarted("orchestra.init was called")
-
-    monkeypatch.setattr(orchestra, "init", refuse)
-
-
-def _committed(out: Path, step: int = 1) -> Path:
-    d = ckpt.stage(out / "checkpoints", step)
-    (d / "runner.json").write_text(json.dumps({"step": step}))
-    return ckpt.commit(d, keep=3)
-
-
-def _train(out: Path, *flags: str) -> list[str]:
-    return ["train", f"runner.output_dir={out}", "runner.total_steps=3", "--no-progress", *flags]
 
 
 _RAW_HOLDER = """

@@ -8,28 +8,10 @@ import logging
 import pytest
 
 import pipelines.runner as runner_mod
-from fake_engine_ckpt import write_engine_checkpoint
+from fake_engine_ckpt import FakeCluster
 from pipelines import checkpoint as ckpt
 from pipelines.config import config_to_dict, load_config
 from pipelines.runner import Runner, _warn_config_changes
-
-
-class _FakeActor:
-    async def save(self, directory, pending_generate_calls=0):
-        return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
-
-    async def load(self, directory, verify=True):
-        return 0
-
-
-class _FakeCluster:
-    actor, critic, split = _FakeActor(), None, False
-
-    async def ready(self):
-        return None
-
-    def shutdown(self):
-        return None
 
 
 class _Stop(Exception):
@@ -70,7 +52,7 @@ def test_a_checkpoint_without_a_stored_config_is_compared_with_config_json(tmp_p
 async def test_a_resume_reads_runner_json_once(tmp_path, monkeypatch, caplog):
     """run() reads the checkpoint's runner.json once and both the config check and the restore use it."""
     first = Runner(_cfg(tmp_path, "runner.total_steps=1"), progress=False)
-    first.cluster = _FakeCluster()
+    first.cluster = FakeCluster()
     saved = await first.save(0)
 
     reads = []
@@ -84,7 +66,7 @@ async def test_a_resume_reads_runner_json_once(tmp_path, monkeypatch, caplog):
         raise _Stop
 
     monkeypatch.setattr(ckpt, "read_json", counting)
-    monkeypatch.setattr(runner_mod, "build_cluster", lambda cfg, task: _FakeCluster())
+    monkeypatch.setattr(runner_mod, "build_cluster", lambda cfg, task: FakeCluster())
     monkeypatch.setattr(Runner, "_sync_rollout", stop)
     second = Runner(_cfg(tmp_path, "runner.total_steps=3"), progress=False, resume_from=saved)
     with caplog.at_level(logging.WARNING, logger="orchestra"), pytest.raises(_Stop):

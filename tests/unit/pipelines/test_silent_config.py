@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from fake_engine_ckpt import write_engine_checkpoint
+from fake_engine_ckpt import FakeCluster
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,21 +114,6 @@ BAD = {"actor/loss": NAN, "actor/grad_norm": NAN}
 GOOD = {"actor/loss": 0.5, "actor/grad_norm": 1.0}
 
 
-class _FakeActor:
-    async def save(self, directory, pending_generate_calls=0):
-        return write_engine_checkpoint(directory)  # a commit needs the role's index and shards
-
-    async def load(self, directory, verify=True):
-        return 0
-
-
-class _FakeCluster:
-    actor, critic, split = _FakeActor(), None, False
-
-    def groups(self):
-        return []
-
-
 class _FakeSink:
     def __init__(self):
         self.events, self.truncated = [], []
@@ -143,7 +128,7 @@ class _FakeSink:
 def _runner(tmp_path, *overrides, resume_from=None) -> Runner:
     cfg = load_config(None, [f"runner.output_dir={tmp_path / 'run'}", "runner.max_bad_steps=3", *overrides])
     r = Runner(cfg, progress=False, resume_from=resume_from)
-    r.cluster = _FakeCluster()
+    r.cluster = FakeCluster()
     return r
 
 
