@@ -117,7 +117,7 @@ def _copied(x: Any) -> Any:
     before, since no copy of it exists to give)."""
     try:
         return copy.deepcopy(x)
-    except Exception:  # noqa: BLE001 - an object deepcopy refuses is kept as it is: what a row held before copies
+    except (TypeError, copy.Error):  # deepcopy refuses it ("cannot pickle"): kept, as rows held it before copies
         return x
 
 
@@ -523,10 +523,13 @@ class Batch:
         if pad == 0:
             return self
         idx = torch.cat([torch.arange(n), torch.arange(pad) % n])
-        # the new filler rows are padding too, after any the batch had: picked from a view that has no pad count
-        out = Batch(self._td, self._nt, self.meta, _validate=False)._rows(idx)
+        out = self._pad_free()._rows(idx)  # the new filler rows are padding too, after any the batch had
         out._pad = self._pad + pad
         return out
+
+    def _pad_free(self) -> Batch:
+        """The same rows, columns and meta (views), with no pad count: rows the caller counts as padding itself."""
+        return Batch(self._td, self._nt, self.meta, _validate=False)
 
     def unpad(self) -> Batch:
         """Remove padding added by ``pad_to_multiple``."""

@@ -870,7 +870,7 @@ class Host:
         if len(pieces) == 1:  # a view of one stored part (or of a reply other calls here may read too): copy it
             return pieces[0] if zero_copy else pieces[0].clone()
         if len(wanted) > 1:  # a pad read wrapping around to the first rows: an upstream pad count would sit mid-way
-            pieces = [Batch(p.tensors, p.non_tensors, p.meta, _validate=False) if p.pad_count else p for p in pieces]
+            pieces = [p._pad_free() for p in pieces]
         if pieces:
             return Batch.concat(pieces)
         if not parts:

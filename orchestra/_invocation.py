@@ -1169,8 +1169,7 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
                                 f"its own (pad_to_multiple), and its pieces could not say which are which: unpad() "
                                 f"it first, or pass it padded to a call without pad()")
         # pad()'s filler rows are the controller's to drop (Layout.pad_rows): the pieces carry no pad count of them
-        batch = Batch(a.tensors, a.non_tensors, a.meta, _validate=False).pad_to_multiple(D)
-        batch = Batch(batch.tensors, batch.non_tensors, batch.meta, _validate=False)
+        batch = a.pad_to_multiple(D)._pad_free()
     sizes = balanced_sizes(len(batch), D)
     shards = batch.split(sizes)
     row_bytes = batch._bytes_per_row()  # a shard's size is its rows' share (None: each shard's own sum)
