@@ -1,6 +1,6 @@
 """The fast path for repeated small calls (orchestra._channel) vs the general path and raw Ray, on the same machine.
 
-    python -m bench.fast_path [--ranks 4] [--iters 300] [--rounds 3]
+    python -m bench.fast_path [--ranks 4] [--iters 300] [--rounds 3] [--remote]
 
 Three groups of the same Worker, ``--ranks`` ranks each: one whose repeated calls take the fast path (a persistent
 socket per rank), one with the fast path off (its raw handles were taken: the general path, one Ray actor task per
@@ -21,6 +21,11 @@ interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the
 its threads); ``*_rank_cpu_ms``: each rank process's CPU ms per call (``/proc/<pid>/stat``, averaged over the
 ranks). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
 Target (issue "core speed"): the fast step on 4 ranks <= 0.5 ms median, >= 3x faster than verl (~raw sync).
+
+``--remote``: the ranks run on another Ray node than the controller's (a ``ray.cluster_utils.Cluster`` of a head
+that places nothing and one worker node, both processes on this machine), so the fast path's ranks join over TCP
+(on the address Ray uses for the controller's node) instead of a Unix socket; the socket floor's processes stay
+local (Unix sockets). On one machine this measures TCP loopback and the cross-node call path, not a network.
 
 ``*_socket_floor``: the same calls made the least a controller on an asyncio loop can do them — N plain processes
 (``multiprocessing``), one Unix socket each, one pickled frame each way per rank, the step's own work on the rank, and
@@ -216,7 +221,7 @@ async def _sample(fn, iters: int, is_async: bool, wall: list[float], cpu: list[f
     rank_cpu.append((_cpu_s(pids) - r0) / iters / len(pids) * 1e3)
 
 
-async def measure(n: int, iters: int, rounds: int) -> dict:
+async def measure(n: int, iters: int, rounds: int, remote: bool = False) -> dict:
     pool_a = ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01)
     pool_b = ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01)
     async with WorkerGroup(pool_a, Stepper, group_name="fast") as fast, \
@@ -232,6 +237,10 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             await fast.step(batch)
             await general.step(batch)
         assert fast._shared.channel is not None and general._shared.channel is None
+        here = ray.get_runtime_context().get_node_id()
+        off_node = [d["node_id"] != here for d in await fast.describe()]
+        assert all(off_node) if remote else not any(off_node)
+        assert (fast._shared.channel.tcp_address is not None) == remote  # ranks off the node join over TCP
         floor = _Floor(n)
         for _ in range(10):
             assert (await floor.step(batch)) == [{"loss": float(s["x"].float().mean()), "rows": float(len(s))}
@@ -289,7 +298,8 @@ async def measure(n: int, iters: int, rounds: int) -> dict:
             chains_to_open += 1
         opened = fast._shared.channel is not None
 
-    out: dict = {"ranks": n, "iters_per_round": iters, "rounds": rounds,
+    out: dict = {"ranks": n, "ranks_on_another_node": remote, "fast_path_socket": "tcp" if remote else "unix",
+                 "iters_per_round": iters, "rounds": rounds,
                  "fast_calls_in_fast_cases": fast_calls, "expected_fast_calls": 4 * iters * rounds,
                  "chains_to_open": chains_to_open if opened else None}
     for k in cases:
@@ -312,9 +322,25 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--remote", action="store_true",
+                    help="run the ranks on another Ray node than the controller's (ray.cluster_utils.Cluster: a head "
+                         "that places nothing and one worker node, both on this machine): the fast path's ranks "
+                         "then join over TCP")
     a = ap.parse_args()
-    with orc.init(num_cpus=64):
-        res = asyncio.run(measure(a.ranks, a.iters, a.rounds))
+    if a.remote:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        cluster.add_node(num_cpus=64)
+        cluster.wait_for_nodes()
+        try:
+            with orc.init(address=cluster.address):
+                res = asyncio.run(measure(a.ranks, a.iters, a.rounds, remote=True))
+        finally:
+            cluster.shutdown()
+    else:
+        with orc.init(num_cpus=64):
+            res = asyncio.run(measure(a.ranks, a.iters, a.rounds))
     res["target_step_fast_ms"] = 0.5
     res["target_met"] = res["step_fast_ms"] <= 0.5
     emit(res)

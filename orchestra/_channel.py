@@ -36,10 +36,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import hmac
 import itertools
 import logging
 import os
 import pickle
+import secrets
 import shutil
 import socket
 import struct
@@ -51,13 +53,18 @@ from typing import Any
 import ray
 
 from . import _backend, _replies
+from ._errors import WorkerError
 from ._frame import loads_frame
 
-__all__ = ["Channel", "ChannelReply", "call_number", "recv_frame", "send_frame", "enabled", "threshold"]
+__all__ = ["Channel", "ChannelReply", "call_number", "connect", "recv_frame", "send_frame", "enabled", "threshold"]
 
 log = logging.getLogger("orchestra")
 
 _LEN = struct.Struct("!I")
+_RANK = struct.Struct("!I")
+SECRET_BYTES = 32
+_HELLO_BYTES = SECRET_BYTES + _RANK.size
+CONNECT_TIMEOUT_S = 20.0  # a rank that cannot reach the controller's socket in this long fails to join
 _ids = itertools.count()
 _PREFIX = uuid.uuid4().hex[:8]
 
@@ -118,16 +125,37 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     return _recv_exact(sock, _LEN.unpack(head)[0])
 
 
+def connect(address: str | tuple[str, int], secret: bytes, rank: int) -> socket.socket:
+    """A rank's side of joining a channel: connect to ``address`` (a Unix socket path on the controller's node, or
+    the controller's (ip, port) from another node) and say which rank it is, proving it with the channel's
+    ``secret`` (handed to the rank over Ray); the controller reads nothing else from a connection until then. A
+    blocking socket, TCP_NODELAY on TCP (one small frame each way per call: Nagle's delay would add ~40 ms)."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(address)
+        sock.settimeout(None)
+        send_frame(sock, secret + _RANK.pack(rank))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ChannelReply:
     """A fast-path call's reply on one rank, in the shape the call path expects of a ref: ``task_id().hex()`` (what
     cancellation names), awaitable (a fresh copy each time, as a ref's ``ray.get`` is), and ``out``, an asyncio
     future of the first copy. ``forwardable()`` is what a downstream call carries: the Output itself (it rides in
     the downstream call's arguments) or, for a reply the rank kept, the Ray ref of ``Host.take_result``."""
 
-    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref", "channel")
+    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref", "channel", "endpoint")
 
-    def __init__(self, call_id: str, rank: int, out: asyncio.Future, channel: Channel) -> None:
-        self.call_id, self.rank, self.out, self.channel = call_id, rank, out, channel
+    def __init__(self, call_id: str, rank: int, out: asyncio.Future, channel: Channel, endpoint: str = "") -> None:
+        self.call_id, self.rank, self.out, self.channel, self.endpoint = call_id, rank, out, channel, endpoint
         self.payload: bytes | None = None
         self.ray_ref: Any = None
 
@@ -222,13 +250,20 @@ class _Conn:
         buf = self.inbuf
         while len(buf) >= _LEN.size:
             (n,) = _LEN.unpack_from(buf)
+            if self.rank is None and n != _HELLO_BYTES:  # nothing but a hello is read from a stranger
+                self.channel._refuse(self, f"a first frame of {n} bytes, not a hello")
+                return
             if len(buf) < _LEN.size + n:
                 break
             body = bytes(buf[_LEN.size:_LEN.size + n])
             del buf[:_LEN.size + n]
             self.channel._frame(self, body)
+            if self.sock.fileno() == -1:  # refused or lost while handling it
+                return
 
     def close(self) -> None:
+        if self.sock.fileno() == -1:
+            return
         loop = self.channel.loop
         if not loop.is_closed():
             loop.remove_reader(self.sock.fileno())
@@ -242,7 +277,12 @@ class Channel:
     ``call`` writes a frame and returns a ChannelReply; ``release`` lets the ranks' loops return after the frames
     already written (the channel then takes no new call); ``close`` ends it at once (the group is closing)."""
 
-    def __init__(self, hosts: list[Any], group: str) -> None:
+    def __init__(self, hosts: list[Any], group: str, remote: frozenset[int] = frozenset(),
+                 node_ip: str | None = None,
+                 on_join_failed: Callable[[int, BaseException], None] | None = None) -> None:
+        """``remote``: the ranks on other nodes than the controller's, which join over TCP at ``node_ip`` (the
+        address Ray uses for this node); the others join over a Unix socket. ``on_join_failed(rank, error)``: a
+        rank could not join (every call sent meanwhile failed, run by no rank)."""
         self.loop = asyncio.get_running_loop()
         self.group = group
         self.n = len(hosts)
@@ -250,35 +290,62 @@ class Channel:
         self.open = True  # takes new calls
         self.closed = False
         self.sent = 0  # calls written (counted on rank 0's socket)
-        self._dir = tempfile.mkdtemp(prefix="orc-fast-")  # 0700: this user's processes only
-        self._path = os.path.join(self._dir, "s")
-        self._srv: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.secret = secrets.token_bytes(SECRET_BYTES)  # a rank proves with it that Ray sent it here
+        self.key = f"chan-{_PREFIX}-{next(_ids)}"  # names this channel's session on each rank
+        self._on_join_failed = on_join_failed
+        self._dir: str | None = None
+        self._path: str | None = None
+        self._listeners: list[socket.socket] = []
+        self.joined = False  # every rank has connected: frames are written from then on, never before
+        self.join_error: BaseException | None = None
+        addresses: list[Any] = [None] * self.n
         try:
-            self._srv.bind(self._path)  # OSError for a temp dir path too long for a Unix socket, a full disk ...
-            self._srv.listen(self.n)
-            self._srv.setblocking(False)
+            if len(remote) < self.n:
+                self._dir = tempfile.mkdtemp(prefix="orc-fast-")  # 0700: this user's processes only
+                _DIRS.add(self._dir)
+                self._path = os.path.join(self._dir, "s")
+                srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._listeners.append(srv)
+                srv.bind(self._path)  # OSError for a temp dir path too long for a Unix socket, a full disk ...
+                for r in range(self.n):
+                    addresses[r] = self._path
+            if remote:
+                if not node_ip:
+                    raise OSError("no address of this node to listen on for ranks on other nodes")
+                srv = socket.socket(socket.AF_INET6 if ":" in node_ip else socket.AF_INET, socket.SOCK_STREAM)
+                self._listeners.append(srv)
+                srv.bind((node_ip, 0))  # the node's own address (never every interface), a free port
+                where = srv.getsockname()[:2]
+                for r in remote:
+                    addresses[r] = where
+            for srv in self._listeners:
+                srv.listen(self.n + 8)  # room for a stranger or two, refused once read
+                srv.setblocking(False)
         except BaseException:
-            self._srv.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._stop_listening()
+            self._remove_dir()
             raise
-        _DIRS.add(self._dir)
+        self.tcp_address = where if remote else None
         self._conns: list[_Conn] = []  # accepted, rank not yet known
         self._by_rank: dict[int, _Conn] = {}
-        self._queued: dict[int, list[bytes]] = {r: [] for r in range(self.n)}  # frames before the rank connected
+        self._queued: dict[int, list[bytes]] = {r: [] for r in range(self.n)}  # frames before every rank joined
         self._pending: dict[str, ChannelReply] = {}
         self._pending_by_rank: dict[int, set[str]] = {r: set() for r in range(self.n)}
         self._done_ranks: set[int] = set()
-        self.loop.add_reader(self._srv.fileno(), self._on_accept)
-        self._serves = [asyncio.wrap_future(h.serve_channel.remote(self._path).future()) for h in hosts]
+        for srv in self._listeners:
+            self.loop.add_reader(srv.fileno(), self._on_accept, srv)
+        self._serves = [asyncio.wrap_future(h.serve_channel.remote(self.key, addresses[r], self.secret).future())
+                        for r, h in enumerate(hosts)]
         for r, f in enumerate(self._serves):
             f.add_done_callback(lambda f, r=r: self._serve_ended(r, f))
 
     # -- sending --------------------------------------------------------------------------------------------------
-    def call(self, rank: int, frame: bytes, call_id: str) -> ChannelReply:
-        """Send one call's frame (already pickled with ``dumps_frame``) to ``rank``."""
+    def call(self, rank: int, frame: bytes, call_id: str, endpoint: str = "") -> ChannelReply:
+        """Send one call's frame (already pickled with ``dumps_frame``) to ``rank``: written once every rank has
+        joined (so a rank that cannot join leaves the call run by no rank), at once after that."""
         if rank == 0:
             self.sent += 1
-        reply = ChannelReply(call_id, rank, self.loop.create_future(), self)
+        reply = ChannelReply(call_id, rank, self.loop.create_future(), self, endpoint)
         self._pending[call_id] = reply
         self._pending_by_rank[rank].add(call_id)
         self._write(rank, _LEN.pack(len(frame)) + frame)
@@ -290,7 +357,7 @@ class Channel:
         host = self._hosts[reply.rank]
         # both sent before any await: ``retained`` ends the rank's entry whatever happens to this task meanwhile
         ask = f"{reply.call_id}:{next(_ids)}"  # this reader's own request: several may read one call
-        answer_ref = host.retain.remote(self._path, reply.call_id, ask)
+        answer_ref = host.retain.remote(self.key, reply.call_id, ask)
         value_ref = host.retained.remote(ask)
         try:
             answer = await answer_ref
@@ -304,11 +371,10 @@ class Channel:
         return f"fast-{_PREFIX}-{next(_ids)}"
 
     def _write(self, rank: int, data: bytes) -> None:
-        conn = self._by_rank.get(rank)
-        if conn is None:
-            self._queued[rank].append(data)
+        if not self.joined:
+            self._queued.setdefault(rank, []).append(data)
         else:
-            conn.write(data)
+            self._by_rank[rank].write(data)
 
     def release(self) -> None:
         """Take no new call; every rank returns to the general path after the frames already written (its socket
@@ -316,9 +382,10 @@ class Channel:
         if not self.open:
             return
         self.open = False
-        for conn in self._by_rank.values():
-            if not conn.writing:
-                self._shut(conn)
+        if self.joined:  # else each rank's side is shut once every rank joined and its frames are out
+            for conn in self._by_rank.values():
+                if not conn.writing:
+                    self._shut(conn)
         if self.loop.is_closed():  # made in an asyncio.run that ended: nothing can be read here any more
             self.close()
             return
@@ -343,8 +410,7 @@ class Channel:
                 for conn in [*self._conns, *self._by_rank.values()]:
                     conn.close()
             finally:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                _DIRS.discard(self._dir)
+                self._remove_dir()
         if error is None:  # the ranks live on (a loop that ended): results they keep for unread replies are dropped
             for rank, ids in self._pending_by_rank.items():
                 if ids:
@@ -352,14 +418,19 @@ class Channel:
                     ids.clear()
 
     def _stop_listening(self) -> None:
-        srv, self._srv = self._srv, None
-        if srv is None:
-            return
-        if not self.loop.is_closed():
-            self.loop.remove_reader(srv.fileno())
-        srv.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path)
+        listeners, self._listeners = self._listeners, []
+        for srv in listeners:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(srv.fileno())
+            srv.close()
+        if self._path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            _DIRS.discard(self._dir)
 
     def _shut(self, conn: _Conn) -> None:
         try:
@@ -372,26 +443,57 @@ class Channel:
             self._shut(conn)
 
     # -- receiving ------------------------------------------------------------------------------------------------
-    def _on_accept(self) -> None:
+    def _on_accept(self, srv: socket.socket) -> None:
         try:
-            sock, _ = self._srv.accept()
+            sock, _ = srv.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as e:  # e.g. out of file descriptors: this connection is lost, the listener stays
+            log.warning("group %r: fast path: accept failed: %r", self.group, e)
+            return
         sock.setblocking(False)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conns.append(_Conn(self, sock))
 
-    def _frame(self, conn: _Conn, body: bytes) -> None:
-        if conn.rank is None:  # the rank's hello: its rank
-            rank = pickle.loads(body)
-            conn.rank = rank
+    def _refuse(self, conn: _Conn, why: str) -> None:
+        """A connection that is not one of this channel's ranks (no secret, a wrong one, a rank already in): closed
+        without reading anything more from it."""
+        try:
+            peer = conn.sock.getpeername()
+        except OSError:
+            peer = "?"
+        log.warning("group %r: fast path: refused a connection from %r (%s)", self.group, peer or "a local process",
+                    why)
+        if conn in self._conns:
             self._conns.remove(conn)
-            self._by_rank[rank] = conn
-            for data in self._queued.pop(rank, []):
-                conn.write(data)
-            if not self.open and not conn.writing:
-                self._shut(conn)
-            if len(self._by_rank) == self.n:  # everyone is in: nobody else may connect
-                self._stop_listening()
+        conn.close()
+
+    def _hello(self, conn: _Conn, body: bytes) -> None:
+        """A connection's first frame: the channel's secret and the rank's number."""
+        if len(body) != _HELLO_BYTES or not hmac.compare_digest(body[:SECRET_BYTES], self.secret):
+            self._refuse(conn, "without this channel's secret")
+            return
+        (rank,) = _RANK.unpack_from(body, SECRET_BYTES)
+        if rank >= self.n or rank in self._by_rank or self.join_error is not None or self.closed:
+            self._refuse(conn, f"rank {rank}, which has no place here now")
+            return
+        conn.rank = rank
+        self._conns.remove(conn)
+        self._by_rank[rank] = conn
+        if len(self._by_rank) < self.n:
+            return
+        self._stop_listening()  # everyone is in: nobody else may connect
+        self.joined = True
+        for r, c in self._by_rank.items():
+            for data in self._queued.pop(r, []):
+                c.write(data)
+            if not self.open and not c.writing:
+                self._shut(c)
+
+    def _frame(self, conn: _Conn, body: bytes) -> None:
+        if conn.rank is None:
+            self._hello(conn, body)
             return
         call_id, kind, payload = pickle.loads(body)
         reply = self._pending.pop(call_id, None)
@@ -445,6 +547,11 @@ class Channel:
             return
         self._by_rank.pop(rank, None)
         self._done_ranks.add(rank)
+        if not self.joined:
+            self._join_failed(rank, ConnectionError(f"its socket closed before every rank had joined"
+                                                    f"{f' ({error!r})' if error else ''}"))
+            self._maybe_finish()
+            return
         ids = self._pending_by_rank.get(rank, set())
         if ids:
             self._fail_rank(rank, _backend.RankDied(
@@ -468,12 +575,42 @@ class Channel:
         if f.cancelled():
             return
         e = f.exception()
-        if e is not None:
+        if e is not None and not self.joined:
+            self._join_failed(rank, e)
+        elif e is not None:
             self._fail_rank(rank, e)
             self.release()  # the other ranks' loops return: their compute lanes are free for Ray calls again
             if not isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
                 log.error("group %r rank %d: the fast-path loop failed: %r", self.group, rank, e)
         self._done_ranks.add(rank)
+        self._maybe_finish()
+
+    def _join_failed(self, rank: int, error: BaseException) -> None:
+        """``rank`` could not join (its loop failed before it connected, or its socket closed first): no frame was
+        written to any rank, so every call sent meanwhile fails as sent to no rank; the ranks already in see their
+        socket shut at once, and the group hears of it (it turns its fast path off)."""
+        if self.join_error is not None or self.closed:
+            return
+        self.join_error = error
+        cause = getattr(error, "cause", None) or error  # a Ray task error: the rank's own exception
+        for reply in list(self._pending.values()):
+            if not reply.out.done():
+                reply.out.set_exception(WorkerError(
+                    f"rank {rank} could not join the fast path ({type(cause).__name__}: {cause}); the call was sent "
+                    f"to no rank. The group's calls now go through Ray. If ranks on other nodes cannot reach this "
+                    f"node's ephemeral ports, allow it or set ORCHESTRA_FAST_PATH=0", group=self.group, rank=rank,
+                    endpoint=reply.endpoint or None, exc_type="FastPathJoinError"))
+                reply.out.exception()
+        self._pending.clear()
+        for ids in self._pending_by_rank.values():
+            ids.clear()
+        self._queued.clear()
+        self._stop_listening()
+        self.open = False
+        for conn in self._by_rank.values():
+            self._shut(conn)
+        if self._on_join_failed is not None:
+            self._on_join_failed(rank, error)
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:

@@ -231,12 +231,12 @@ class _Shared:
     # -- the fast path (orchestra._channel) ----------------------------------------------------------------------
     def may_use_fast_path(self) -> bool:
         """Whether this group's calls may take a fast-path channel: on by default (``ORCHESTRA_FAST_PATH=0``
-        turns it off), Ray ranks all on the controller's node, raw handles never taken, no rank dead."""
+        turns it off), Ray ranks (on any node: those off the controller's join over TCP), raw handles never taken,
+        no rank dead."""
         if self._fast_ok is None:
             if not self._ready:
                 return False
-            self._fast_ok = (_channel.enabled() and self.pool.backend.name == "ray"
-                             and _on_this_node([i.get("node_id") for i in self.info]))
+            self._fast_ok = _channel.enabled() and self.pool.backend.name == "ray"
         return self._fast_ok and not self.fast_path_off and not self.dead and self.closed is None
 
     def fast_channel(self) -> _channel.Channel | None:
@@ -253,7 +253,10 @@ class _Shared:
         if self._streak < _channel.threshold() or not self.may_use_fast_path():
             return None
         try:
-            self.channel = _channel.Channel(self.hosts, self.name)
+            remote = _off_this_node([i.get("node_id") for i in self.info])
+            self.channel = _channel.Channel(self.hosts, self.name, remote=remote,
+                                            node_ip=_node_ip() if remote else None,
+                                            on_join_failed=self._fast_join_failed)
         except OSError as e:  # no socket here (temp dir path too long for one, disk full ...): Ray it is
             self._fast_ok = False
             log.warning("group %r: the fast path could not open a socket (%r); its calls go through Ray. Set "
@@ -262,6 +265,15 @@ class _Shared:
         self.fast_calls += 1
         log.debug("group %r: fast path opened after %d qualifying calls in a row", self.name, self._streak)
         return self.channel
+
+    def _fast_join_failed(self, rank: int, error: BaseException) -> None:
+        """A rank could not join the channel (the calls sent meanwhile failed, run by no rank): later channels would
+        most likely fail the same way (a firewall between nodes), so the group's fast path is turned off."""
+        self.fast_path_off = True
+        self.before_ray_compute()
+        log.warning("group %r: rank %d could not join the fast path (%r); the group's fast path is turned off and "
+                    "its calls go through Ray. Set group.fast_path = True to try again, or ORCHESTRA_FAST_PATH=0 to "
+                    "silence this", self.name, rank, getattr(error, "cause", None) or error)
 
     def before_ray_compute(self, keep_streak: bool = False) -> None:
         """A compute-lane call is about to go through Ray: release the channel first, so that each rank's loop
@@ -434,14 +446,20 @@ class _Shared:
             self.pool.release_ref(self._pool_era)
 
 
-def _on_this_node(node_ids: list[Any]) -> bool:
-    """Whether every rank runs on the controller's node (a fast-path socket is a local one)."""
+def _off_this_node(node_ids: list[Any]) -> frozenset[int]:
+    """The ranks that run on another node than the controller's (a fast-path socket to them is a TCP one); every
+    rank when the controller has no node id."""
     try:
         here = ray.get_runtime_context().get_node_id()
-    except Exception as e:  # noqa: BLE001 - no node context (Ray not up): no fast path
+    except Exception as e:  # noqa: BLE001 - no node context: every rank counts as remote
         log.debug("fast path: no node id here: %r", e)
-        return False
-    return bool(node_ids) and all(n == here for n in node_ids)
+        here = None
+    return frozenset(r for r, n in enumerate(node_ids) if here is None or n != here)
+
+
+def _node_ip() -> str:
+    """The address Ray uses for this node: where ranks on other nodes reach the controller's fast-path socket."""
+    return ray.util.get_node_ip_address()
 
 
 def _refuse_off_its_loop(shared: Any, what: str, fix: str) -> None:
@@ -560,8 +578,9 @@ class WorkerGroup:
     @property
     def fast_path(self) -> bool:
         """This group's fast-path switch (``orchestra._channel``; True by default). True lets its repeated small
-        calls take the fast path where it applies (a Ray group on the controller's node, ``ORCHESTRA_FAST_PATH``
-        not 0; never on the in-process backend). Set it to False to send every call through Ray: an open channel
+        calls take the fast path where it applies (a Ray group, ``ORCHESTRA_FAST_PATH`` not 0; never on the
+        in-process backend). A rank that cannot join a channel (e.g. a firewall between its node and the
+        controller's) sets it to False, with a warning. Set it to False to send every call through Ray: an open channel
         is released first, after the calls already written. The switch is the group's (colocated roles share it).
         Taking ``actors`` sets it to False; set it back to True only while you make no compute-lane call on those
         handles yourself (such a call would wait until the group's next call that needs Ray)."""

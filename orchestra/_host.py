@@ -446,16 +446,19 @@ class Host:
 
     # -- fast path (see orchestra._channel) ----------------------------------------------------------------------
     @ray.method(concurrency_group=COMPUTE)
-    def serve_channel(self, path: str) -> int:
-        """Hold the compute lane and run the calls the controller writes into the socket at ``path``, in order,
-        until it shuts its side (a release, or the group closing); returns how many were served. Each call runs
-        exactly as on the general path; its reply (or error) is written back as one frame."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def serve_channel(self, path: str, address: str | tuple[str, int], secret: bytes) -> int:
+        """Hold the compute lane and run the calls the controller writes into the socket at ``address`` (a Unix
+        socket path, or the controller's (ip, port) from another node), in order, until it shuts its side (a
+        release, or the group closing); returns how many were served. ``path`` names the channel's session here,
+        ``secret`` proves to the controller that Ray sent this rank. Each call runs exactly as on the general path;
+        its reply (or error) is written back as one frame."""
         served = 0
         session = self._session_state(path)
+        sock = None
         try:
-            sock.connect(path)  # a rank that cannot connect fails this call: the controller then releases the others
-            _channel.send_frame(sock, pickle.dumps(self.rank))
+            # a rank that cannot connect fails this call: the controller then fails the calls sent meanwhile (to no
+            # rank: it writes none until every rank joined) and releases the others
+            sock = _channel.connect(address, secret, self.rank)
             while True:
                 body = _channel.recv_frame(sock)
                 if body is None:
@@ -497,7 +500,8 @@ class Host:
                     return served
                 served += 1
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
             self._session_ended(path)
 
     def _session_state(self, path: str) -> list:

@@ -315,7 +315,7 @@ class Invocation:
                 call_id = _channel.Channel.new_id()
                 blob = encoded[r][0] or _frame.NO_ARGUMENTS
                 frame = pickle.dumps((call_id, role, name, blob), protocol=pickle.HIGHEST_PROTOCOL)
-                reply = channel.call(r, frame, call_id)
+                reply = channel.call(r, frame, call_id, name)
                 slot = self._slot(r, r in collectors)
                 slot.call_refs.append(reply)
                 slot.add(reply, reply.out)

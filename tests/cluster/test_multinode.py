@@ -8,12 +8,15 @@ from pathlib import Path
 
 import anyio
 import pytest
+import ray
+import torch
 
 import orchestra as orc
-from orchestra import ResourcePool, WorkerGroup
+from orchestra import Batch, ResourcePool, WorkerGroup
+from orchestra import _channel
 from pipelines.config import load_config
 from pipelines.runner import Runner
-from cluster_workers import Where
+from cluster_workers import Echo, Where
 
 
 async def test_node_entries_of_a_pool_land_on_distinct_nodes(cluster, caplog):
@@ -35,6 +38,33 @@ async def test_node_entries_share_a_node_with_a_warning_when_there_is_no_other(c
             nodes = {d["node_id"] for d in await g.describe()}
     assert len(nodes) == 2
     assert any("crowded" in r.getMessage() and "share a node" in r.getMessage() for r in caplog.records)
+
+
+async def test_repeated_calls_take_the_fast_path_to_ranks_on_other_nodes_over_tcp(cluster):
+    """Ranks on other nodes than the controller's (here every rank: the head places nothing) join the group's
+    fast-path channel over TCP, on the address Ray uses for the controller's node; results and the order of calls
+    across both paths are the general path's."""
+    async with WorkerGroup(ResourcePool(process_on_nodes=[1, 1], name="tcp"), Echo) as g:
+        nodes = await g.node()
+        assert len(set(nodes)) == 2 and ray.get_runtime_context().get_node_id() not in nodes
+        tags = [f"c{i}" for i in range(_channel.threshold() + 3)]
+        for t in tags:
+            assert await g.note(t) == [(0, t), (1, t)]
+        ch = g._shared.channel
+        assert ch is not None and ch.open and ch.joined and ch._path is None  # no Unix socket: no rank is local
+        assert ch.tcp_address[0] == ray.util.get_node_ip_address()
+        fast = g._shared.fast_calls
+        assert fast >= 4
+        out = await g.double(Batch.from_dict({"x": torch.arange(5)}))
+        assert out["x"].tolist() == [0, 2, 4, 6, 8]
+        g.fast_path = False  # released: the next call goes through Ray, after the calls already written
+        assert await g.note("ray") == [(0, "ray"), (1, "ray")]
+        g.fast_path = True
+        more = [f"d{i}" for i in range(_channel.threshold() + 1)]
+        for t in more:
+            await g.note(t)
+        assert g._shared.fast_calls > fast + 1 and g._shared.channel is not None
+        assert await g.history() == [[*tags, "double", "ray", *more]] * 2
 
 
 TINY = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "actor.warmup_steps=0",
