@@ -6,8 +6,8 @@ async completion): about 1 ms of controller CPU per rank. On the fast path the c
 into a Unix socket that the rank's compute lane reads in a loop (``Host.serve_channel``), and the rank writes its
 reply back on the same socket: no Ray task, no ObjectRef, one pickle each way.
 
-When it applies (decided in ``Invocation._send``, with ``_Shared.fast_channel`` in ``_group.py``): a Ray group whose
-ranks all run on the controller's node, for a call that is not streaming and whose arguments, as sent, hold no
+When it applies (decided in ``Invocation._send``, with ``_Shared.fast_channel`` in ``_group.py``): a Ray group, for
+a call that is not streaming and whose arguments, as sent, hold no
 ObjectRef or actor handle and pickle to at most ``FRAME_BYTES`` (concrete data under ``INLINE_BYTES``, and DataFuture
 arguments whose outputs came back by value: ``ChannelReply.forwardable``; ``orchestra._frame`` is the frame codec,
 which the general path's Ray calls use too), after
@@ -27,8 +27,16 @@ supervision and ``aclose`` work as on the general path; a rank that dies closes 
 both cases the channel is released, so the other ranks' loops return. Setting ``ORCHESTRA_FAST_PATH=0`` turns the
 fast path off.
 
-The sockets live in a fresh ``0700`` directory of the controller's temp dir: only this user's processes on this
-node can connect, and the socket's name is removed once every rank has connected.
+Joining: ranks on the controller's node connect to a Unix socket in a fresh ``0700`` directory of the controller's
+temp dir (only this user's processes on this node can connect); ranks on other nodes connect over TCP to the address
+Ray uses for the controller's node (never every interface), on a free port. Either way a rank's first frame is the
+channel's secret (32 random bytes, handed to the rank in its ``serve_channel`` call, over Ray) and its rank; the
+controller reads nothing else from a connection until then, unpickles nothing from it, and closes one that sends
+anything else. The listeners close once every rank has joined. No call frame is written to any rank before every
+rank has joined: a rank that cannot join (its connect refused or timed out after ``CONNECT_TIMEOUT_S``: e.g. a
+firewall between its node and the controller's) fails every call sent meanwhile, as run by no rank, and turns its
+group's fast path off (``group.fast_path`` reads False; set it back to True to try again). Frames cross the cluster
+network unencrypted, as Ray's own traffic does: run clusters on a private network (``docs/cluster.md``).
 """
 
 from __future__ import annotations
@@ -485,7 +493,7 @@ class Channel:
             return
         self._stop_listening()  # everyone is in: nobody else may connect
         self.joined = True
-        for r, c in self._by_rank.items():
+        for r, c in list(self._by_rank.items()):  # a write that finds a rank gone removes it meanwhile
             for data in self._queued.pop(r, []):
                 c.write(data)
             if not self.open and not c.writing:

@@ -269,6 +269,8 @@ class _Shared:
     def _fast_join_failed(self, rank: int, error: BaseException) -> None:
         """A rank could not join the channel (the calls sent meanwhile failed, run by no rank): later channels would
         most likely fail the same way (a firewall between nodes), so the group's fast path is turned off."""
+        if self.closed is not None:  # the group is closing: its ranks' loops end with it, nothing to turn off
+            return
         self.fast_path_off = True
         self.before_ray_compute()
         log.warning("group %r: rank %d could not join the fast path (%r); the group's fast path is turned off and "
