@@ -459,9 +459,14 @@ class Channel:
         except OSError as e:  # e.g. out of file descriptors: this connection is lost, the listener stays
             log.warning("group %r: fast path: accept failed: %r", self.group, e)
             return
-        sock.setblocking(False)
-        if sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setblocking(False)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as e:  # reset before it was set up: nothing to read from it
+            log.debug("group %r: fast path: a connection ended as it was accepted: %r", self.group, e)
+            sock.close()
+            return
         self._conns.append(_Conn(self, sock))
 
     def _refuse(self, conn: _Conn, why: str) -> None:
@@ -492,6 +497,9 @@ class Channel:
         if len(self._by_rank) < self.n:
             return
         self._stop_listening()  # everyone is in: nobody else may connect
+        for stranger in self._conns:  # connected, never proved anything: they hold nothing more here
+            stranger.close()
+        self._conns.clear()
         self.joined = True
         for r, c in list(self._by_rank.items()):  # a write that finds a rank gone removes it meanwhile
             for data in self._queued.pop(r, []):

@@ -81,9 +81,13 @@ async def test_a_connection_without_the_secret_is_refused_unread_and_the_rank_st
                 s.close()
         assert sum("refused a connection" in r.getMessage() for r in caplog.records) == 3
         assert not ch._by_rank and not ch.joined
+        silent = await anyio.to_thread.run_sync(stranger, b"")  # connects, never says a word
+        await _until(lambda: len(ch._conns) == 1)
         reply = _call(ch, 0)
         sock, frame = await anyio.to_thread.run_sync(_rank_side, address, secret, 0)
         assert ch.joined and frame is not None
+        assert await anyio.to_thread.run_sync(silent.recv, 1) == b"" and not ch._conns  # closed once all joined
+        silent.close()
         _reply(sock, frame)
         with anyio.fail_after(30):
             assert await reply == ("done", reply.call_id)
