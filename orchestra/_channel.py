@@ -23,9 +23,9 @@ ref to the outcome, which the rank keeps for it (``ChannelReply.forwardable``, `
 Semantics do not change: the rank runs the same ``Host._call`` (private inputs, padding, stats, traces, errors with
 group, rank and endpoint); cancellation names the call's own id (``Worker.cancelled()`` sees it); deadlines,
 supervision and ``aclose`` work as on the general path; a rank that dies closes its socket, and its calls fail with
-``WorkerDiedError``; a rank whose loop ends before it connects fails the calls sent to it (naming the rank), and in
-both cases the channel is released, so the other ranks' loops return. Setting ``ORCHESTRA_FAST_PATH=0`` turns the
-fast path off.
+``WorkerDiedError`` (a write that finds a rank gone fails that rank's part only: the call's frames still go to the
+other ranks before their sockets are shut, ``_lost``), and the channel is released, so the other ranks' loops
+return. Setting ``ORCHESTRA_FAST_PATH=0`` turns the fast path off.
 
 Joining: ranks on the controller's node connect to a Unix socket in a fresh ``0700`` directory of the controller's
 temp dir (only this user's processes on this node can connect); ranks on other nodes connect over TCP to the address
@@ -33,10 +33,13 @@ Ray uses for the controller's node (never every interface), on a free port. Eith
 channel's secret (32 random bytes, handed to the rank in its ``serve_channel`` call, over Ray) and its rank; the
 controller reads nothing else from a connection until then, unpickles nothing from it, and closes one that sends
 anything else. The listeners close once every rank has joined. No call frame is written to any rank before every
-rank has joined: a rank that cannot join (its connect refused or timed out after ``CONNECT_TIMEOUT_S``: e.g. a
-firewall between its node and the controller's) fails every call sent meanwhile, as run by no rank, and turns its
-group's fast path off (``group.fast_path`` reads False; set it back to True to try again). Frames cross the cluster
-network unencrypted, as Ray's own traffic does: run clusters on a private network (``docs/cluster.md``).
+rank has joined: when a rank cannot join (its connect refused or timed out after ``CONNECT_TIMEOUT_S``: e.g. a
+firewall between its node and the controller's), the calls sent meanwhile, which ran nowhere, go through Ray
+instead (``_resend``), and its group's fast path is turned off (``group.fast_path`` reads False; set it back to True
+to try again); they fail as sent to no rank when the channel was released first (a later call already went through
+Ray), and as died when the rank's process died. Strangers are closed after ``HELLO_TIMEOUT_S`` without a hello, at
+most ``MAX_STRANGERS`` wait, and a failing accept rests the listener. Frames cross the cluster network
+unencrypted, as Ray's own traffic does: run clusters on a private network (``docs/cluster.md``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +65,7 @@ from typing import Any
 import ray
 
 from . import _backend, _replies
-from ._errors import WorkerError
+from ._errors import WorkerDiedError, WorkerError
 from ._frame import loads_frame
 
 __all__ = ["Channel", "ChannelReply", "call_number", "connect", "recv_frame", "send_frame", "enabled", "threshold"]
@@ -73,6 +77,9 @@ _RANK = struct.Struct("!I")
 SECRET_BYTES = 32
 _HELLO_BYTES = SECRET_BYTES + _RANK.size
 CONNECT_TIMEOUT_S = 20.0  # a rank that cannot reach the controller's socket in this long fails to join
+HELLO_TIMEOUT_S = 10.0  # a connection that has not proved the secret in this long is closed (a rank sends it at once)
+MAX_STRANGERS = 16  # connections waiting to prove the secret, beyond one per rank: the oldest is closed for a new one
+ACCEPT_PAUSE_S = 0.1  # after an accept that failed (out of file descriptors ...), the listener rests this long
 _ids = itertools.count()
 _PREFIX = uuid.uuid4().hex[:8]
 
@@ -144,10 +151,25 @@ def connect(address: str | tuple[str, int], secret: bytes, rank: int) -> socket.
         sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(address)
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        pause = 0.001
+        while True:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                sock.connect(address)
+                break
+            except BlockingIOError:  # a Unix socket's backlog is full (strangers, or many ranks at once): wait a bit
+                if time.monotonic() + pause >= deadline:
+                    raise TimeoutError(f"could not connect to {address!r} in {CONNECT_TIMEOUT_S} s: its backlog "
+                                       f"stayed full") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
         sock.settimeout(None)
         send_frame(sock, secret + _RANK.pack(rank))
+    except OSError as e:  # the controller hears of it as this rank's join failure: say where it tried
+        sock.close()
+        raise ConnectionError(f"rank {rank} could not connect to the controller's fast-path socket at {address!r} "
+                              f"({type(e).__name__}: {e})") from e
     except BaseException:
         sock.close()
         raise
@@ -210,7 +232,7 @@ class _Conn:
         self.out = bytearray()
         self.inbuf = bytearray()
         self.writing = False
-        self.eof = False
+        self.deadline: asyncio.TimerHandle | None = None  # a stranger's time to prove the secret
         channel.loop.add_reader(sock.fileno(), self._on_read)
 
     def write(self, data: bytes) -> None:
@@ -270,6 +292,9 @@ class _Conn:
                 return
 
     def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
         if self.sock.fileno() == -1:
             return
         loop = self.channel.loop
@@ -336,7 +361,9 @@ class Channel:
         self.tcp_address = where if remote else None
         self._conns: list[_Conn] = []  # accepted, rank not yet known
         self._by_rank: dict[int, _Conn] = {}
-        self._queued: dict[int, list[bytes]] = {r: [] for r in range(self.n)}  # frames before every rank joined
+        # each rank's frames (call id, length-prefixed frame) sent before every rank joined, in call order
+        self._queued: dict[int, list[tuple[str, bytes]]] = {r: [] for r in range(self.n)}
+        self._settled = self.loop.create_future()  # every rank joined, or the join failed (or the channel closed)
         self._pending: dict[str, ChannelReply] = {}
         self._pending_by_rank: dict[int, set[str]] = {r: set() for r in range(self.n)}
         self._done_ranks: set[int] = set()
@@ -356,12 +383,18 @@ class Channel:
         reply = ChannelReply(call_id, rank, self.loop.create_future(), self, endpoint)
         self._pending[call_id] = reply
         self._pending_by_rank[rank].add(call_id)
-        self._write(rank, _LEN.pack(len(frame)) + frame)
+        self._write(rank, call_id, _LEN.pack(len(frame)) + frame)
         return reply
 
     async def ask(self, reply: ChannelReply) -> Any:
         """A Ray ref to ``reply``'s outcome, which its rank keeps for a reader (``Host.retain``/``retained``); None
         when the call already finished there (its reply is on its way here) or never ran (its reply fails)."""
+        if not self._settled.done():  # no call runs before every rank joined: wait to know whether they will
+            await asyncio.shield(self._settled)
+        if reply.ray_ref is not None:  # its ranks could not join: the call went through Ray (_resend)
+            return reply.ray_ref
+        if not self.joined:  # it never ran, and never will: its reply fails
+            return None
         host = self._hosts[reply.rank]
         # both sent before any await: ``retained`` ends the rank's entry whatever happens to this task meanwhile
         ask = f"{reply.call_id}:{next(_ids)}"  # this reader's own request: several may read one call
@@ -378,11 +411,13 @@ class Channel:
     def new_id() -> str:
         return f"fast-{_PREFIX}-{next(_ids)}"
 
-    def _write(self, rank: int, data: bytes) -> None:
+    def _write(self, rank: int, call_id: str, data: bytes) -> None:
         if not self.joined:
-            self._queued.setdefault(rank, []).append(data)
-        else:
+            self._queued.setdefault(rank, []).append((call_id, data))
+        elif rank in self._by_rank:
             self._by_rank[rank].write(data)
+        else:  # lost a moment ago, in this same send (see _lost): its part of the call fails, the others' go out
+            self._fail_rank(rank, _backend.RankDied(f"rank {rank}'s fast-path socket had closed"))
 
     def release(self) -> None:
         """Take no new call; every rank returns to the general path after the frames already written (its socket
@@ -405,6 +440,7 @@ class Channel:
             return
         self.open = False
         self.closed = True
+        self._settle()
         try:
             if not self.loop.is_closed():  # futures of a closed loop cannot be failed (nobody can await them)
                 for reply in list(self._pending.values()):
@@ -456,8 +492,12 @@ class Channel:
             sock, _ = srv.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as e:  # e.g. out of file descriptors: this connection is lost, the listener stays
-            log.warning("group %r: fast path: accept failed: %r", self.group, e)
+        except OSError as e:  # e.g. out of file descriptors: the connection waits in the backlog, which stays
+            # readable, so the listener rests a moment rather than failing the same accept on every turn of the loop
+            log.warning("group %r: fast path: accept failed (%r); trying again in %s s", self.group, e,
+                        ACCEPT_PAUSE_S)
+            self.loop.remove_reader(srv.fileno())
+            self.loop.call_later(ACCEPT_PAUSE_S, self._listen_again, srv)
             return
         try:
             sock.setblocking(False)
@@ -467,7 +507,19 @@ class Channel:
             log.debug("group %r: fast path: a connection ended as it was accepted: %r", self.group, e)
             sock.close()
             return
-        self._conns.append(_Conn(self, sock))
+        if len(self._conns) >= self.n + MAX_STRANGERS:  # a flood of connections: the longest silent one goes
+            self._refuse(self._conns[0], f"silent while more than {MAX_STRANGERS} others connected")
+        conn = _Conn(self, sock)
+        self._conns.append(conn)
+        conn.deadline = self.loop.call_later(HELLO_TIMEOUT_S, self._too_slow, conn)
+
+    def _listen_again(self, srv: socket.socket) -> None:
+        if srv in self._listeners:  # still listening (not everyone joined, not closed)
+            self.loop.add_reader(srv.fileno(), self._on_accept, srv)
+
+    def _too_slow(self, conn: _Conn) -> None:
+        if conn.rank is None and conn in self._conns:
+            self._refuse(conn, f"no hello within {HELLO_TIMEOUT_S} s")
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         """A connection that is not one of this channel's ranks (no secret, a wrong one, a rank already in): closed
@@ -492,6 +544,9 @@ class Channel:
             self._refuse(conn, f"rank {rank}, which has no place here now")
             return
         conn.rank = rank
+        if conn.deadline is not None:
+            conn.deadline.cancel()
+            conn.deadline = None
         self._conns.remove(conn)
         self._by_rank[rank] = conn
         if len(self._by_rank) < self.n:
@@ -501,8 +556,9 @@ class Channel:
             stranger.close()
         self._conns.clear()
         self.joined = True
+        self._settle()
         for r, c in list(self._by_rank.items()):  # a write that finds a rank gone removes it meanwhile
-            for data in self._queued.pop(r, []):
+            for _, data in self._queued.pop(r, []):
                 c.write(data)
             if not self.open and not c.writing:
                 self._shut(c)
@@ -539,8 +595,13 @@ class Channel:
         if discard:
             asyncio.wrap_future(ref.future()).add_done_callback(_retrieve)
             return
+        self._watch_ref(reply, ref)
+
+    @staticmethod
+    def _watch_ref(reply: ChannelReply, ref: Any) -> None:
+        """``reply`` comes by Ray: ``ref`` is its general-path reply (a kept result, or a call resent through Ray)."""
         reply.ray_ref = ref
-        wrapped = _replies.one(ref)  # the kept result's frame (``Host._snapshot``), read off the event loop
+        wrapped = _replies.one(ref)  # its frame (``Host._reply``, ``Host._snapshot``), read off the event loop
 
         def copy(f: asyncio.Future) -> None:
             if reply.out.done():
@@ -563,17 +624,26 @@ class Channel:
             return
         self._by_rank.pop(rank, None)
         self._done_ranks.add(rank)
-        if not self.joined:
-            self._join_failed(rank, ConnectionError(f"its socket closed before every rank had joined"
-                                                    f"{f' ({error!r})' if error else ''}"))
-            self._maybe_finish()
+        if not self.joined:  # its process died, or its loop failed: its serve call says which (_serve_ended)
+            log.debug("group %r: fast path rank %d: socket closed before every rank joined (%r)", self.group, rank,
+                      error)
             return
         ids = self._pending_by_rank.get(rank, set())
         if ids:
             self._fail_rank(rank, _backend.RankDied(
                 f"rank {rank}'s fast-path socket closed with {len(ids)} call(s) unanswered"
                 f"{f' ({error!r})' if error else ''}"))
-        self.release()  # a rank left: no new call may go this way, and the others' loops return
+        # A rank left: no new call may take the channel, and the others' loops return. Their sockets are shut on the
+        # next turn of the loop, not now: a write that found this rank gone may be in the middle of sending one
+        # call to every rank (or of writing what was queued while ranks joined), and the ranks after it must still
+        # get their frame (else that call would run on some live ranks and not on others).
+        self.open = False
+        self.loop.call_soon(self._after_loss)
+
+    def _after_loss(self) -> None:
+        for conn in list(self._by_rank.values()):
+            if not conn.writing:
+                self._shut(conn)
         self._maybe_finish()
 
     def _fail_rank(self, rank: int, error: BaseException) -> None:
@@ -592,47 +662,83 @@ class Channel:
             return
         e = f.exception()
         if e is not None and not self.joined:
-            self._join_failed(rank, e)
+            self._join_failed(rank, e, died=isinstance(e, _DIED))
         elif e is not None:
             self._fail_rank(rank, e)
             self.release()  # the other ranks' loops return: their compute lanes are free for Ray calls again
-            if not isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+            if not isinstance(e, _DIED):
                 log.error("group %r rank %d: the fast-path loop failed: %r", self.group, rank, e)
         self._done_ranks.add(rank)
         self._maybe_finish()
 
-    def _join_failed(self, rank: int, error: BaseException) -> None:
-        """``rank`` could not join (its loop failed before it connected, or its socket closed first): no frame was
-        written to any rank, so every call sent meanwhile fails as sent to no rank; the ranks already in see their
-        socket shut at once, and the group hears of it (it turns its fast path off)."""
+    def _join_failed(self, rank: int, error: BaseException, died: bool = False) -> None:
+        """``rank`` could not join (its loop failed before it connected or before every rank had: its serve call
+        failed): no frame was written to any rank, and the ranks already in see their socket shut at once.
+
+        The calls sent meanwhile then run through Ray (``_resend``) when the channel is still open: no call of the
+        group went through Ray since they were made, so each rank still runs the group's calls in the order they
+        were made. Otherwise they fail as sent to no rank. ``died``: the rank's process is gone; each call fails
+        with WorkerDiedError naming it, as on the general path, and the fast path stays on. Else the group hears
+        of it (it turns its fast path off: a firewall between nodes would fail every later channel too)."""
         if self.join_error is not None or self.closed:
             return
         self.join_error = error
         cause = getattr(error, "cause", None) or error  # a Ray task error: the rank's own exception
+        resend = self.open and not died
+        if resend:
+            log.warning("group %r: rank %d could not join the fast path (%s: %s); the calls sent meanwhile go "
+                        "through Ray", self.group, rank, type(cause).__name__, cause)
+            self._resend()
         for reply in list(self._pending.values()):
-            if not reply.out.done():
+            if reply.out.done() or reply.ray_ref is not None:
+                continue
+            if died:
+                reply.out.set_exception(WorkerDiedError(
+                    f"the worker process of rank {rank} died before the call was sent to any rank ({cause}); check "
+                    f"the worker's log for an OOM kill or crash, then recreate the group", group=self.group,
+                    rank=rank, endpoint=reply.endpoint or None, exc_type="WorkerDied"))
+            else:
                 reply.out.set_exception(WorkerError(
                     f"rank {rank} could not join the fast path ({type(cause).__name__}: {cause}); the call was sent "
-                    f"to no rank. The group's calls now go through Ray. If ranks on other nodes cannot reach this "
-                    f"node's ephemeral ports, allow it or set ORCHESTRA_FAST_PATH=0", group=self.group, rank=rank,
+                    f"to no rank (a call of the group that went through Ray after it must not run before it). The "
+                    f"group's calls now go through Ray. If ranks on other nodes cannot reach this node's ephemeral "
+                    f"ports, allow it or set ORCHESTRA_FAST_PATH=0", group=self.group, rank=rank,
                     endpoint=reply.endpoint or None, exc_type="FastPathJoinError"))
-                reply.out.exception()
+            reply.out.exception()
         self._pending.clear()
         for ids in self._pending_by_rank.values():
             ids.clear()
         self._queued.clear()
         self._stop_listening()
         self.open = False
+        self._settle()
         for conn in self._by_rank.values():
             self._shut(conn)
-        if self._on_join_failed is not None:
+        if self._on_join_failed is not None and not died:
             self._on_join_failed(rank, error)
         self._maybe_finish()
+
+    def _resend(self) -> None:
+        """Send each call written to no rank as a Ray call of its rank's ``Host.run_fast_call`` (the same frame,
+        run under the same call id: its cancellation still reaches it), rank by rank in the order they were made;
+        its reply then comes as a kept one's does (``reply.ray_ref``)."""
+        for rank, queued in self._queued.items():
+            for call_id, data in queued:
+                reply = self._pending.get(call_id)
+                if reply is None or reply.out.done():
+                    continue
+                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(data[_LEN.size:]))
+
+    def _settle(self) -> None:
+        if not self._settled.done() and not self.loop.is_closed():
+            self._settled.set_result(None)
 
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:
             self.close()
 
+
+_DIED = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)  # a rank's process is gone
 
 _DIRS: set[str] = set()  # socket directories of channels not yet closed: removed at exit at the latest
 

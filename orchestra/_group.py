@@ -117,6 +117,7 @@ class _Shared:
         self._watches: list[asyncio.Future] = []  # those refs wrapped for the loop the group is used from
         self._watch_loop: asyncio.AbstractEventLoop | None = None
         self.channel: _channel.Channel | None = None  # the fast path, while open (see orchestra._channel)
+        self._draining: list[_channel.Channel] = []  # released channels whose ranks may still be joining or serving
         self.fast_path_off = False  # set once the raw actor handles were taken (group.actors)
         self._fast_ok: bool | None = None  # backend and placement allow it (decided once the ranks are up)
         self._streak = 0  # fast-path-eligible calls in a row
@@ -259,8 +260,10 @@ class _Shared:
                                             on_join_failed=self._fast_join_failed)
         except OSError as e:  # no socket here (temp dir path too long for one, disk full ...): Ray it is
             self._fast_ok = False
-            log.warning("group %r: the fast path could not open a socket (%r); its calls go through Ray. Set "
-                        "TMPDIR to a short writable path, or ORCHESTRA_FAST_PATH=0 to silence this", self.name, e)
+            fix = ("check that this node's address can be listened on (ray.util.get_node_ip_address())"
+                   if len(remote) == len(self.hosts) else "set TMPDIR to a short writable path")
+            log.warning("group %r: the fast path could not open a socket (%r); its calls go through Ray. To use "
+                        "it, %s; or set ORCHESTRA_FAST_PATH=0 to silence this", self.name, e, fix)
             return None
         self.fast_calls += 1
         log.debug("group %r: fast path opened after %d qualifying calls in a row", self.name, self._streak)
@@ -289,6 +292,9 @@ class _Shared:
             log.debug("group %r: fast path released for a call that needs Ray (%d calls sent over it)", self.name,
                       ch.sent)
             ch.release()
+            self._draining = [c for c in self._draining if not c.closed]
+            if not ch.closed:  # its ranks' loops have yet to return (or to join): closed with the group at the latest
+                self._draining.append(ch)
 
     def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
         if f.cancelled():
@@ -418,8 +424,9 @@ class _Shared:
         self._watches.clear()
         self._watch_refs = []
         ch, self.channel = self.channel, None
-        if ch is not None:
-            ch.close(err)
+        draining, self._draining = self._draining, []
+        for c in [*draining, *([ch] if ch is not None else [])]:
+            c.close(err)
         hosts, self.hosts = self.hosts, []
         return hosts
 

@@ -504,6 +504,18 @@ class Host:
                 sock.close()
             self._session_ended(path)
 
+    @ray.method(concurrency_group=COMPUTE)
+    def run_fast_call(self, frame: bytes) -> Any:
+        """A fast-path call whose channel never opened (a rank could not join), sent through Ray instead: the same
+        frame, run under its own call id (so its cancellation reaches it), replying as the general path does."""
+        call_id, role, name, blob = pickle.loads(frame)
+        self._fast_call = call_id
+        try:
+            args, kwargs = _frame.loads_frame(blob)
+            return self._reply(self._call(role, name, args, kwargs), role, name)
+        finally:
+            self._fast_call = None
+
     def _session_state(self, path: str) -> list:
         """[number of the last call done, ended?] of fast-path session ``path`` (made when first named)."""
         with self._fast_cond:

@@ -126,6 +126,12 @@ class Recorder(Worker):
         return "ran out"
 
     @endpoint
+    def stubborn(self, seconds: float) -> str:
+        """Run for ``seconds`` whatever happens (cancellation is not looked at)."""
+        time.sleep(seconds)
+        return "done"
+
+    @endpoint
     def echo(self, x):  # noqa: ANN001, ANN201 - any value
         return x
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import pickle
 import socket
 import struct
@@ -35,6 +36,15 @@ class _Host:
     def __init__(self) -> None:
         self.serve_channel = _Serve()
         self.discard_kept = SimpleNamespace(remote=lambda ids: None)
+        self.resent: list[str] = []  # the call ids sent through Ray's run_fast_call, in order
+        self.run_fast_call = SimpleNamespace(remote=self._run_fast_call)
+
+    def _run_fast_call(self, frame: bytes):
+        call_id = pickle.loads(frame)[0]
+        self.resent.append(call_id)
+        fut = concurrent.futures.Future()
+        fut.set_result(("by ray", call_id))
+        return SimpleNamespace(future=lambda: fut)
 
 
 def _rank_side(address, secret: bytes, rank: int) -> tuple[socket.socket, bytes | None]:
@@ -96,27 +106,59 @@ async def test_a_connection_without_the_secret_is_refused_unread_and_the_rank_st
         ch.close()
 
 
-async def test_no_frame_is_written_until_every_rank_joined_and_a_rank_that_cannot_join_fails_every_call():
+async def test_no_frame_is_written_until_every_rank_joined_and_a_rank_that_cannot_join_sends_them_through_ray():
+    """The calls sent while the ranks joined went to no rank: when one cannot join, each rank runs them through
+    Ray, in the order they were made, and the group hears of it (it turns its fast path off)."""
+    failed = []
+    hosts = [_Host(), _Host()]
+    ch = _channel.Channel(hosts, "g", on_join_failed=lambda rank, e: failed.append((rank, e)))
+    try:
+        replies = [[_call(ch, r) for r in (0, 1)] for _ in range(3)]  # three calls to both ranks
+        _, address, secret = hosts[0].serve_channel.args
+        sock0 = await anyio.to_thread.run_sync(_channel.connect, address, secret, 0)
+        await _until(lambda: 0 in ch._by_rank)
+        assert not ch.joined
+        later = asyncio.get_running_loop().create_future()
+        later.set_result(None)  # a later call of the reader's group waits for the reader: it may not wait here
+        reader = asyncio.ensure_future(replies[0][1].forwardable(hurry=lambda: later))
+        await asyncio.sleep(0)
+        assert not reader.done()  # nothing runs before every rank joined: it waits to know whether they will
+        hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
+        with anyio.fail_after(30):
+            assert await reader is replies[0][1].ray_ref is not None  # the call went through Ray: so does the reader
+        # rank 0 sees its socket shut without any frame: its loop returns before the Ray calls run
+        assert await anyio.to_thread.run_sync(_channel.recv_frame, sock0) is None
+        sock0.close()
+        for r in (0, 1):
+            assert hosts[r].resent == [call[r].call_id for call in replies]
+        with anyio.fail_after(30):
+            for call in replies:
+                for reply in call:
+                    assert await reply == ("by ray", reply.call_id)
+                    assert await reply.forwardable() is reply.ray_ref  # a reader carries the Ray reply
+        assert [r for r, _ in failed] == [1] and not ch.open
+    finally:
+        ch.close()
+
+
+async def test_a_rank_that_cannot_join_after_the_channel_was_released_fails_the_calls_as_sent_to_no_rank():
+    """Released before the join failed: a call of the group went through Ray after these, so they cannot run now
+    (they would run after it): each fails, naming the rank, as run by no rank."""
     failed = []
     hosts = [_Host(), _Host()]
     ch = _channel.Channel(hosts, "g", on_join_failed=lambda rank, e: failed.append((rank, e)))
     try:
         replies = [_call(ch, 0), _call(ch, 1)]
-        _, address, secret = hosts[0].serve_channel.args
-        sock0 = await anyio.to_thread.run_sync(_channel.connect, address, secret, 0)
-        await _until(lambda: 0 in ch._by_rank)
-        assert not ch.joined
+        ch.release()  # the next call of the group goes through Ray
         hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
-        # rank 0 sees its socket shut without any frame: the call ran on no rank
-        assert await anyio.to_thread.run_sync(_channel.recv_frame, sock0) is None
-        sock0.close()
-        for r, reply in enumerate(replies):
+        for reply in replies:
             with pytest.raises(WorkerError) as e:
                 with anyio.fail_after(30):
                     await reply.out
             assert e.value.rank == 1 and e.value.endpoint == "step" and e.value.group == "g"
             assert "sent to no rank" in str(e.value) and "cannot reach the socket" in str(e.value)
-        assert [r for r, _ in failed] == [1] and not ch.open
+        assert hosts[0].resent == hosts[1].resent == []
+        assert [r for r, _ in failed] == [1]
     finally:
         ch.close()
 
@@ -144,4 +186,182 @@ async def test_ranks_on_other_nodes_join_over_tcp_on_the_nodes_own_address():
         s0.close()
         s1.close()
     finally:
+        ch.close()
+
+
+async def _joined(n: int, **kw) -> tuple[_channel.Channel, list[_Host], list[socket.socket]]:
+    hosts = [_Host() for _ in range(n)]
+    ch = _channel.Channel(hosts, "g", **kw)
+    _, address, secret = hosts[0].serve_channel.args
+    socks = [await anyio.to_thread.run_sync(_channel.connect, address, secret, r) for r in range(n)]
+    await _until(lambda: ch.joined)
+    return ch, hosts, socks
+
+
+async def test_a_rank_found_gone_while_a_call_is_sent_fails_its_part_only_and_the_ranks_after_it_still_get_theirs():
+    ch, _, socks = await _joined(3)
+    try:
+        socks[1].close()  # rank 1's process is gone; the controller has not read its end yet
+        replies = [_call(ch, r) for r in range(3)]  # one call to every rank, sent with no turn of the loop between
+        for r in (0, 2):  # the ranks after the lost one got their frame: the call did not run on rank 0 alone
+            frame = await anyio.to_thread.run_sync(_channel.recv_frame, socks[r])
+            assert frame is not None and pickle.loads(frame)[0] == replies[r].call_id
+            _reply(socks[r], frame)
+        with anyio.fail_after(30):
+            assert await replies[0] == ("done", replies[0].call_id)
+            assert await replies[2] == ("done", replies[2].call_id)
+            with pytest.raises(_channel._backend.RankDied, match="rank 1"):
+                await replies[1].out
+        assert not ch.open  # no new call takes the channel; the live ranks' loops return after their frames
+        for r in (0, 2):
+            assert await anyio.to_thread.run_sync(_channel.recv_frame, socks[r]) is None
+    finally:
+        for s in socks:
+            s.close()
+        ch.close()
+
+
+async def test_a_rank_found_gone_while_the_queued_frames_go_out_does_not_cost_the_others_theirs():
+    hosts = [_Host() for _ in range(3)]
+    ch = _channel.Channel(hosts, "g")
+    socks = []
+    try:
+        replies = [_call(ch, r) for r in range(3)]  # queued: no rank has joined
+        _, address, secret = hosts[0].serve_channel.args
+        socks = [await anyio.to_thread.run_sync(_channel.connect, address, secret, r) for r in range(2)]
+        await _until(lambda: len(ch._by_rank) == 2)
+        # rank 0 stops reading after its hello (a write to it fails; nothing is readable on its socket yet), then
+        # rank 2 joins: the frames queued meanwhile are written, and the write to rank 0 finds it gone
+        socks[0].shutdown(socket.SHUT_RD)
+        socks.append(await anyio.to_thread.run_sync(_channel.connect, address, secret, 2))
+        for r in (1, 2):
+            frame = await anyio.to_thread.run_sync(_channel.recv_frame, socks[r])
+            assert frame is not None and pickle.loads(frame)[0] == replies[r].call_id
+            _reply(socks[r], frame)
+        with anyio.fail_after(30):
+            assert [await replies[r] for r in (1, 2)] == [("done", replies[r].call_id) for r in (1, 2)]
+            with pytest.raises(_channel._backend.RankDied, match="rank 0"):
+                await replies[0].out
+    finally:
+        for s in socks:
+            s.close()
+        ch.close()
+
+
+async def test_a_rank_that_dies_before_every_rank_joined_fails_the_calls_as_died_and_leaves_the_fast_path_on():
+    import ray
+
+    failed = []
+    hosts = [_Host(), _Host()]
+    ch = _channel.Channel(hosts, "g", on_join_failed=lambda rank, e: failed.append(rank))
+    try:
+        replies = [_call(ch, 0), _call(ch, 1)]
+        _, address, secret = hosts[0].serve_channel.args
+        sock1 = await anyio.to_thread.run_sync(_channel.connect, address, secret, 1)
+        await _until(lambda: 1 in ch._by_rank)
+        sock1.close()  # rank 1's process dies after its hello: Ray then reports its serve call failed
+        await _until(lambda: 1 not in ch._by_rank)
+        hosts[1].serve_channel.fut.set_exception(ray.exceptions.ActorDiedError())
+        for reply in replies:
+            with pytest.raises(WorkerError) as e:
+                with anyio.fail_after(30):
+                    await reply.out
+            assert type(e.value).__name__ == "WorkerDiedError" and e.value.rank == 1
+            assert "sent to any rank" in str(e.value) and "ORCHESTRA_FAST_PATH" not in str(e.value)
+        assert failed == []  # a death is no reason to believe the network refuses the fast path
+        assert not ch.open
+    finally:
+        ch.close()
+
+
+async def test_a_silent_connection_is_closed_after_the_hello_deadline_and_a_flood_evicts_the_longest_silent(
+        monkeypatch):
+    monkeypatch.setattr(_channel, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(_channel, "MAX_STRANGERS", 2)
+    hosts = [_Host()]
+    ch = _channel.Channel(hosts, "g")
+    strangers = []
+    try:
+        _, address, secret = hosts[0].serve_channel.args
+
+        def connect() -> socket.socket:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(address)
+            return s
+
+        for i in range(3):  # one per rank plus MAX_STRANGERS may wait; the fourth pushes out the first
+            strangers.append(await anyio.to_thread.run_sync(connect))
+            await _until(lambda: len(ch._conns) == i + 1)
+        strangers.append(await anyio.to_thread.run_sync(connect))
+        assert await anyio.to_thread.run_sync(strangers[0].recv, 1) == b""
+        await _until(lambda: len(ch._conns) == 3)
+        for s in strangers[1:]:  # none proves anything: each is closed at its deadline
+            assert await anyio.to_thread.run_sync(s.recv, 1) == b""
+        await _until(lambda: not ch._conns)
+        sock = await anyio.to_thread.run_sync(_channel.connect, address, secret, 0)  # the rank still joins
+        await _until(lambda: ch.joined)
+        assert ch._by_rank[0].deadline is None  # a rank's socket has no deadline
+        sock.close()
+    finally:
+        for s in strangers:
+            s.close()
+        ch.close()
+
+
+async def test_an_accept_out_of_file_descriptors_rests_the_listener_instead_of_spinning(caplog, monkeypatch):
+    import resource
+
+    monkeypatch.setattr(_channel, "ACCEPT_PAUSE_S", 0.05)
+    hosts = [_Host()]
+    ch = _channel.Channel(hosts, "g")
+    _, address, secret = hosts[0].serve_channel.args
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        lowest_free = os.dup(0)  # the descriptor the next open would get
+        os.close(lowest_free)
+        with caplog.at_level(logging.WARNING, logger="orchestra"):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no new descriptor in this process
+            try:
+                client.setblocking(False)
+                client.connect(address)  # waits in the backlog: the listener is readable, accept() fails
+                for _ in range(200):  # turns of the loop: a listener that stayed registered fails on each
+                    await asyncio.sleep(0)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        failures = [r for r in caplog.records if "accept failed" in r.getMessage()]
+        assert len(failures) == 1 and "Too many open files" in failures[0].getMessage()
+        client.setblocking(True)
+        client.sendall(struct.pack("!I", 36) + secret + struct.pack("!I", 0))  # it was accepted once rested
+        await _until(lambda: ch.joined)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        client.close()
+        ch.close()
+
+
+async def test_a_rank_waits_for_room_when_the_sockets_backlog_is_full(monkeypatch):
+    monkeypatch.setattr(_channel, "CONNECT_TIMEOUT_S", 0.3)
+    hosts = [_Host()]
+    ch = _channel.Channel(hosts, "g")
+    fillers = []
+    try:
+        _, address, secret = hosts[0].serve_channel.args
+        while True:  # no turn of the loop here: nothing is accepted until the backlog is full
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            fillers.append(s)
+            try:
+                s.connect(address)
+            except BlockingIOError:
+                break
+        with pytest.raises(ConnectionError, match="backlog stayed full"):  # nothing is accepted while it waits here
+            _channel.connect(address, secret, 0)
+        monkeypatch.setattr(_channel, "CONNECT_TIMEOUT_S", 30)
+        sock = await anyio.to_thread.run_sync(_channel.connect, address, secret, 0)  # the loop accepts meanwhile
+        await _until(lambda: ch.joined)
+        sock.close()
+    finally:
+        for s in fillers:
+            s.close()
         ch.close()
