@@ -312,10 +312,10 @@ class Channel:
 
     def __init__(self, hosts: list[Any], group: str, remote: frozenset[int] = frozenset(),
                  node_ip: str | None = None,
-                 on_join_failed: Callable[[int, BaseException], None] | None = None) -> None:
+                 on_join_failed: Callable[[Channel, int, BaseException], None] | None = None) -> None:
         """``remote``: the ranks on other nodes than the controller's, which join over TCP at ``node_ip`` (the
         address Ray uses for this node); the others join over a Unix socket. ``on_join_failed(rank, error)``: a
-        rank could not join (every call sent meanwhile failed, run by no rank)."""
+        rank could not join (the calls sent meanwhile went through Ray, or failed as run by no rank)."""
         self.loop = asyncio.get_running_loop()
         self.group = group
         self.n = len(hosts)
@@ -363,7 +363,6 @@ class Channel:
         self._by_rank: dict[int, _Conn] = {}
         # each rank's frames (call id, length-prefixed frame) sent before every rank joined, in call order
         self._queued: dict[int, list[tuple[str, bytes]]] = {r: [] for r in range(self.n)}
-        self._settled = self.loop.create_future()  # every rank joined, or the join failed (or the channel closed)
         self._pending: dict[str, ChannelReply] = {}
         self._pending_by_rank: dict[int, set[str]] = {r: set() for r in range(self.n)}
         self._done_ranks: set[int] = set()
@@ -389,12 +388,8 @@ class Channel:
     async def ask(self, reply: ChannelReply) -> Any:
         """A Ray ref to ``reply``'s outcome, which its rank keeps for a reader (``Host.retain``/``retained``); None
         when the call already finished there (its reply is on its way here) or never ran (its reply fails)."""
-        if not self._settled.done():  # no call runs before every rank joined: wait to know whether they will
-            await asyncio.shield(self._settled)
         if reply.ray_ref is not None:  # its ranks could not join: the call went through Ray (_resend)
             return reply.ray_ref
-        if not self.joined:  # it never ran, and never will: its reply fails
-            return None
         host = self._hosts[reply.rank]
         # both sent before any await: ``retained`` ends the rank's entry whatever happens to this task meanwhile
         ask = f"{reply.call_id}:{next(_ids)}"  # this reader's own request: several may read one call
@@ -440,7 +435,6 @@ class Channel:
             return
         self.open = False
         self.closed = True
-        self._settle()
         try:
             if not self.loop.is_closed():  # futures of a closed loop cannot be failed (nobody can await them)
                 for reply in list(self._pending.values()):
@@ -459,6 +453,7 @@ class Channel:
             for rank, ids in self._pending_by_rank.items():
                 if ids:
                     self._hosts[rank].discard_kept.remote(sorted(ids))  # Ray owns it; its reply carries nothing
+                    self._hosts[rank].forget_session.remote(self.key)  # and readers waiting for them are told
                     ids.clear()
 
     def _stop_listening(self) -> None:
@@ -556,7 +551,6 @@ class Channel:
             stranger.close()
         self._conns.clear()
         self.joined = True
-        self._settle()
         for r, c in list(self._by_rank.items()):  # a write that finds a rank gone removes it meanwhile
             for _, data in self._queued.pop(r, []):
                 c.write(data)
@@ -649,6 +643,8 @@ class Channel:
     def _fail_rank(self, rank: int, error: BaseException) -> None:
         """Fail every call of ``rank`` still waiting for its reply."""
         ids = self._pending_by_rank.get(rank, set())
+        if ids:
+            self._forget([rank])
         for call_id in list(ids):
             reply = self._pending.pop(call_id, None)
             if reply is not None and not reply.out.done():
@@ -656,11 +652,24 @@ class Channel:
                 reply.out.exception()
         ids.clear()
 
+    def _forget(self, ranks: list[int]) -> None:
+        """Tell ``ranks`` that calls of this channel failed here without running there: a reader that asked one of
+        them for such a call's outcome (``Host.retain``) is told it never runs, instead of waiting for it."""
+        for r in ranks:
+            ref = self._hosts[r].forget_session.remote(self.key)
+            if not self.loop.is_closed():
+                asyncio.wrap_future(ref.future()).add_done_callback(_retrieve)  # a dead rank's refusal is no news
+
     def _serve_ended(self, rank: int, f: asyncio.Future) -> None:
         """A rank's serve loop returned (after a release) or failed (it died, or could not connect)."""
         if f.cancelled():
             return
         e = f.exception()
+        if e is None and not self.joined:  # its socket was closed before it proved the secret (too slow, or pushed
+            # out by a flood of strangers), so its loop saw the end of the stream: it can no longer join
+            e = ConnectionError("its connection was closed before it had said which rank it is (no hello within "
+                                f"{HELLO_TIMEOUT_S} s, or pushed out by more than {MAX_STRANGERS} other "
+                                f"connections)")
         if e is not None and not self.joined:
             self._join_failed(rank, e, died=isinstance(e, _DIED))
         elif e is not None:
@@ -685,6 +694,7 @@ class Channel:
         self.join_error = error
         cause = getattr(error, "cause", None) or error  # a Ray task error: the rank's own exception
         resend = self.open and not died
+        waiting = [r for r, q in self._queued.items() if q]  # ranks with calls written to none of them
         if resend:
             log.warning("group %r: rank %d could not join the fast path (%s: %s); the calls sent meanwhile go "
                         "through Ray", self.group, rank, type(cause).__name__, cause)
@@ -709,13 +719,14 @@ class Channel:
         for ids in self._pending_by_rank.values():
             ids.clear()
         self._queued.clear()
+        if not resend:
+            self._forget(waiting)
         self._stop_listening()
         self.open = False
-        self._settle()
         for conn in self._by_rank.values():
             self._shut(conn)
         if self._on_join_failed is not None and not died:
-            self._on_join_failed(rank, error)
+            self._on_join_failed(self, rank, error)
         self._maybe_finish()
 
     def _resend(self) -> None:
@@ -727,11 +738,7 @@ class Channel:
                 reply = self._pending.get(call_id)
                 if reply is None or reply.out.done():
                     continue
-                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(data[_LEN.size:]))
-
-    def _settle(self) -> None:
-        if not self._settled.done() and not self.loop.is_closed():
-            self._settled.set_result(None)
+                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(self.key, data[_LEN.size:]))
 
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:

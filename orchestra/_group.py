@@ -269,13 +269,16 @@ class _Shared:
         log.debug("group %r: fast path opened after %d qualifying calls in a row", self.name, self._streak)
         return self.channel
 
-    def _fast_join_failed(self, rank: int, error: BaseException) -> None:
-        """A rank could not join the channel (the calls sent meanwhile failed, run by no rank): later channels would
-        most likely fail the same way (a firewall between nodes), so the group's fast path is turned off."""
+    def _fast_join_failed(self, ch: _channel.Channel, rank: int, error: BaseException) -> None:
+        """A rank could not join channel ``ch`` (the calls sent meanwhile went through Ray, or failed as run by no
+        rank): later channels would most likely fail the same way (a firewall between nodes), so the group's fast
+        path is turned off. A newer channel than ``ch`` is left to be released by the group's next call (as the
+        switch does), not now: its calls, written to no rank yet, may still go through Ray if it cannot join."""
         if self.closed is not None:  # the group is closing: its ranks' loops end with it, nothing to turn off
             return
         self.fast_path_off = True
-        self.before_ray_compute()
+        if self.channel is ch:
+            self.before_ray_compute()
         log.warning("group %r: rank %d could not join the fast path (%r); the group's fast path is turned off and "
                     "its calls go through Ray. Set group.fast_path = True to try again, or ORCHESTRA_FAST_PATH=0 to "
                     "silence this", self.name, rank, getattr(error, "cause", None) or error)

@@ -455,6 +455,7 @@ class Host:
         served = 0
         session = self._session_state(path)
         sock = None
+        got_frame = False
         try:
             # a rank that cannot connect fails this call: the controller then fails the calls sent meanwhile (to no
             # rank: it writes none until every rank joined) and releases the others
@@ -463,31 +464,8 @@ class Host:
                 body = _channel.recv_frame(sock)
                 if body is None:
                     return served
-                call_id, role, name, blob = pickle.loads(body)
-                self._fast_call = call_id
-                try:
-                    args, kwargs = _frame.loads_frame(blob)
-                    kind, value = "ok", self._call(role, name, args, kwargs)
-                except BaseException as e:  # noqa: BLE001 - every error goes back to the controller as the reply
-                    kind, value = "err", e if isinstance(e, WorkerError) else self._error(e, role, name)
-                finally:
-                    self._fast_call = None
-                try:
-                    payload = _frame.dumps_frame(value)
-                except _frame.NeedsRay:  # holds refs (a large Batch's parts) or is too large: handed over by Ray
-                    if kind == "err":  # an error too large for a frame: cut down, it stays an error
-                        payload = _frame.dumps_frame(_shrunk(value))
-                    else:
-                        try:
-                            kept = self._snapshot(value)
-                        except Exception as e:  # noqa: BLE001 - a result that cannot be stored fails its call only
-                            kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
-                        else:
-                            with self._kept_lock:
-                                self._kept[call_id] = kept
-                            kind, payload = "kept", b""
-                except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
-                    kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
+                got_frame = True
+                call_id, kind, payload, value = self._run_frame(body)
                 self._fast_done(session, call_id, kind, payload, value)  # before the reply: see Host.retain
                 try:
                     _channel.send_frame(sock, pickle.dumps((call_id, kind, payload),
@@ -502,19 +480,62 @@ class Host:
         finally:
             if sock is not None:
                 sock.close()
-            self._session_ended(path)
+            if got_frame:
+                self._session_ended(path)
+            # else it never joined, or its channel never did: the controller either sends its calls through Ray
+            # (run_fast_call, which hands a reader that asked its outcome) or says they never run (forget_session)
 
-    @ray.method(concurrency_group=COMPUTE)
-    def run_fast_call(self, frame: bytes) -> Any:
-        """A fast-path call whose channel never opened (a rank could not join), sent through Ray instead: the same
-        frame, run under its own call id (so its cancellation reaches it), replying as the general path does."""
-        call_id, role, name, blob = pickle.loads(frame)
+    def _run_frame(self, body: bytes) -> tuple[str, str, bytes, Any]:
+        """Run one fast-path call frame exactly as the general path runs a call: (call id, "ok"/"err"/"kept",
+        the reply frame, the value). A reply too large for a frame (or holding refs) is kept (``take_result``)."""
+        call_id, role, name, blob = pickle.loads(body)
         self._fast_call = call_id
         try:
             args, kwargs = _frame.loads_frame(blob)
-            return self._reply(self._call(role, name, args, kwargs), role, name)
+            kind, value = "ok", self._call(role, name, args, kwargs)
+        except BaseException as e:  # noqa: BLE001 - every error goes back to the controller as the reply
+            kind, value = "err", e if isinstance(e, WorkerError) else self._error(e, role, name)
         finally:
             self._fast_call = None
+        try:
+            payload = _frame.dumps_frame(value)
+        except _frame.NeedsRay:  # holds refs (a large Batch's parts) or is too large: handed over by Ray
+            if kind == "err":  # an error too large for a frame: cut down, it stays an error
+                payload = _frame.dumps_frame(_shrunk(value))
+            else:
+                try:
+                    kept = self._snapshot(value)
+                except Exception as e:  # noqa: BLE001 - a result that cannot be stored fails its call only
+                    kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
+                else:
+                    with self._kept_lock:
+                        self._kept[call_id] = kept
+                    kind, payload = "kept", b""
+        except Exception as e:  # noqa: BLE001 - a result that cannot be pickled fails its call only
+            kind, payload = "err", _frame.dumps_frame(_shrunk(self._error(e, role, name)))
+        return call_id, kind, payload, value
+
+    @ray.method(concurrency_group=COMPUTE)
+    def run_fast_call(self, path: str, frame: bytes) -> Any:
+        """A call of fast-path session ``path`` whose channel never opened (a rank could not join), sent through Ray
+        instead: the same frame, run under its own call id (so its cancellation reaches it), replying as the
+        general path does; a reader that asked for its outcome (``retain``) gets it as from the channel."""
+        session = self._session_state(path)
+        call_id, kind, payload, value = self._run_frame(frame)
+        self._fast_done(session, call_id, kind, payload, value)
+        if kind == "ok":
+            return payload  # the reply frame, read by the controller (or a reader) as a general-path reply
+        if kind == "kept":
+            with self._kept_lock:
+                kept = self._kept.pop(call_id)
+            return self._unkept(kept)
+        raise _frame.loads_frame(payload)
+
+    @ray.method(concurrency_group=CONTROL)
+    def forget_session(self, path: str) -> None:
+        """Fast-path session ``path`` never opened and its calls will not run (they failed at the controller): a
+        reader waiting for one of them (``retained``) is told so."""
+        self._session_ended(path)
 
     def _session_state(self, path: str) -> list:
         """[number of the last call done, ended?] of fast-path session ``path`` (made when first named)."""

@@ -356,39 +356,81 @@ async def test_a_rank_that_cannot_join_the_channel_sends_the_calls_through_ray_a
     until every rank has joined, so the calls sent meanwhile ran nowhere; they then run through Ray, exactly once on
     each rank and in order, the other ranks' loops return, and the group's fast path is turned off with a warning
     (a rank that cannot reach the controller's socket, e.g. a firewall between nodes, would fail every later channel
-    too) until it is set back on."""
+    too) until it is set back on. A reader in another group that asked a rank for one of them before it ran (a
+    later call of its group hurried it out) gets its outcome from the Ray call that ran it."""
     g.fast_path = False  # release any open channel: the calls below start a new streak
     g.fast_path = True
-    try:
-        assert await g.refuse_connects(1) == [True, True]
-        while g._shared._streak < AFTER - 1:  # qualifying calls through Ray, up to the one that opens a channel
-            await g.note("ray")
-        assert g._shared.channel is None
-        first = g.note("opens")
-        ch = g._shared.channel
-        assert ch is not None
-        second = g.note("queued")
-        with caplog.at_level(logging.WARNING, logger="orchestra"):
-            with anyio.fail_after(60):  # bounds a broken build only: the calls would wait for rank 1's socket
-                assert await first == [(0, "opens"), (1, "opens")]
-                assert await second == [(0, "queued"), (1, "queued")]
-        assert not ch.open and not ch.joined
-        with anyio.fail_after(60):  # bounds a broken build only: rank 0 would wait in its loop
-            assert await ch._serves[0] == 0  # its loop returned without running a call: Ray ran them
-        assert g.fast_path is False and g._shared.channel is None
-        for h in await g.history():
-            assert [x for x in h if x in ("opens", "queued")] == ["opens", "queued"]  # once each, in order
-        assert any("rank 1" in r.getMessage() and "go through Ray" in r.getMessage() for r in caplog.records)
-        assert any("fast path" in r.getMessage() and "rank 1" in r.getMessage() and "turned off" in r.getMessage()
-                   for r in caplog.records)
-    finally:  # left as found for the module's later tests, whatever failed above
-        g.fast_path = False  # through Ray, whether or not the channel was released
-        with anyio.fail_after(60):  # bounds a broken build only
-            assert await g.refuse_connects(-1) == [True, True]
-        g.fast_path = True
+    async with WorkerGroup(ResourcePool(process_on_nodes=[1], cpus_per_worker=0.01), Recorder,
+                           group_name="reads") as h:
+        try:
+            assert await g.refuse_connects(1) == [True, True]
+            while g._shared._streak < AFTER - 2:  # qualifying calls through Ray, up to the one that opens a channel
+                await g.note("ray")
+            busy = g.stubborn(1.0)  # holds the ranks' lanes: the reader below asks for "opens" before it runs
+            assert g._shared.channel is None
+            first = g.note("opens")
+            ch = g._shared.channel
+            assert ch is not None
+            second = g.note("queued")
+            reader = h.echo(first)
+            behind = h.note("behind")  # waits for the reader to be sent: it is sent at once, with a Ray ref
+            with caplog.at_level(logging.WARNING, logger="orchestra"):
+                with anyio.fail_after(60):  # bounds a broken build only: the calls would wait for rank 1's socket
+                    assert await first == [(0, "opens"), (1, "opens")]
+                    assert await second == [(0, "queued"), (1, "queued")]
+                    read = await reader
+                    assert await behind == [(0, "behind")]
+                    assert await busy == ["done", "done"]
+            assert read == await h.echo(first) and "opens" in repr(read)  # what a reader sent later gets
+            assert not ch.open and not ch.joined
+            with anyio.fail_after(60):  # bounds a broken build only: rank 0 would wait in its loop
+                assert await ch._serves[0] == 0  # its loop returned without running a call: Ray ran them
+            assert g.fast_path is False and g._shared.channel is None
+            for hist in await g.history():
+                assert [x for x in hist if x in ("opens", "queued")] == ["opens", "queued"]  # once each, in order
+            assert any("rank 1" in r.getMessage() and "go through Ray" in r.getMessage() for r in caplog.records)
+            assert any("fast path" in r.getMessage() and "rank 1" in r.getMessage() and "turned off" in r.getMessage()
+                       for r in caplog.records)
+        finally:  # left as found for the module's later tests, whatever failed above
+            g.fast_path = False  # through Ray, whether or not the channel was released
+            with anyio.fail_after(60):  # bounds a broken build only
+                assert await g.refuse_connects(-1) == [True, True]
+            g.fast_path = True
     assert g._shared.channel is None
     await _open(g)
     assert await g.note("after") == [(0, "after"), (1, "after")]
+
+
+async def test_a_reader_in_the_same_group_sent_through_ray_during_a_failed_join_fails_with_its_upstream(g):
+    """A reader of a call no rank ran yet, hurried out by a later call of the same group, goes through Ray and so
+    releases the channel: the calls written to no rank can then no longer go through Ray before it (the reader
+    would wait on the ranks' lanes for a call queued behind it), so when the join fails they fail as sent to no
+    rank, and so does the reader and the call behind it waits for nothing: nothing hangs, nothing runs twice."""
+    g.fast_path = False
+    g.fast_path = True
+    try:
+        assert await g.refuse_connects(1) == [True, True]
+        while g._shared._streak < AFTER - 2:
+            await g.note("ray")
+        busy = g.stubborn(1.0)
+        first = g.note("never")
+        assert g._shared.channel is not None
+        reader = g.echo(first)
+        behind = g.note("behind")
+        with anyio.fail_after(60):  # bounds a broken build only
+            with pytest.raises(orc.WorkerError, match="sent to no rank"):
+                await first
+            with pytest.raises(orc.WorkerError) as e:
+                await reader
+            assert e.value.endpoint == "note" and e.value.rank == 1  # the upstream's own error, as reported
+            assert await behind == [(0, "behind"), (1, "behind")]
+            assert await busy == ["done", "done"]
+        assert all("never" not in hist for hist in await g.history())
+    finally:
+        g.fast_path = False
+        with anyio.fail_after(60):  # bounds a broken build only
+            assert await g.refuse_connects(-1) == [True, True]
+        g.fast_path = True
 
 
 _LEFT_OPEN = textwrap.dedent("""
