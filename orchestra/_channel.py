@@ -671,7 +671,8 @@ class Channel:
                                 f"{HELLO_TIMEOUT_S} s, or pushed out by more than {MAX_STRANGERS} other "
                                 f"connections)")
         if e is not None and not self.joined:
-            self._join_failed(rank, e, died=isinstance(e, _DIED))
+            # only a death is one: an unavailable actor may come back, and then the calls run through Ray
+            self._join_failed(rank, e, died=isinstance(e, ray.exceptions.ActorDiedError))
         elif e is not None:
             self._fail_rank(rank, e)
             self.release()  # the other ranks' loops return: their compute lanes are free for Ray calls again
@@ -710,9 +711,10 @@ class Channel:
             else:
                 reply.out.set_exception(WorkerError(
                     f"rank {rank} could not join the fast path ({type(cause).__name__}: {cause}); the call was sent "
-                    f"to no rank (a call of the group that went through Ray after it must not run before it). The "
-                    f"group's calls now go through Ray. If ranks on other nodes cannot reach this node's ephemeral "
-                    f"ports, allow it or set ORCHESTRA_FAST_PATH=0", group=self.group, rank=rank,
+                    f"to no rank (its channel had been released: the group's later calls go through Ray, and this one "
+                    f"must not run after them). The group's calls now go through Ray. If ranks on other nodes cannot "
+                    f"reach this node's ephemeral ports, allow it or set ORCHESTRA_FAST_PATH=0", group=self.group,
+                    rank=rank,
                     endpoint=reply.endpoint or None, exc_type="FastPathJoinError"))
             reply.out.exception()
         self._pending.clear()

@@ -409,3 +409,21 @@ async def test_a_join_failure_of_an_older_channel_leaves_the_groups_current_chan
     assert shared.fast_path_off and released == [] and shared.channel is current
     _Shared._fast_join_failed(shared, current, 1, ConnectionError("firewall"))
     assert released == [current]
+
+
+async def test_a_rank_unavailable_while_joining_is_not_taken_for_dead_and_the_calls_go_through_ray():
+    """Ray's ActorUnavailableError may pass (the actor restarts, a network blip): the calls go through Ray, which
+    runs them once it is back or fails them if it died, instead of reporting a death nobody saw."""
+    import ray
+
+    failed = []
+    hosts = [_Host(), _Host()]
+    ch = _channel.Channel(hosts, "g", on_join_failed=lambda ch, rank, e: failed.append(rank))
+    try:
+        replies = [_call(ch, 0), _call(ch, 1)]
+        hosts[1].serve_channel.fut.set_exception(ray.exceptions.ActorUnavailableError("restarting", None))
+        with anyio.fail_after(30):
+            assert [await r for r in replies] == [("by ray", r.call_id) for r in replies]
+        assert failed == [1]
+    finally:
+        ch.close()
