@@ -416,7 +416,12 @@ class Channel:
 
     def release(self) -> None:
         """Take no new call; every rank returns to the general path after the frames already written (its socket
-        is shut for writing once they are out)."""
+        is shut for writing once they are out). A channel whose event loop ended is closed instead, released before
+        or not: nothing would accept its ranks' connections or write their frames any more, and a rank waiting for
+        them holds its compute lane."""
+        if self.loop.is_closed():  # made in an asyncio.run that ended: nothing can be read here any more
+            self.close()
+            return
         if not self.open:
             return
         self.open = False
@@ -424,9 +429,6 @@ class Channel:
             for conn in self._by_rank.values():
                 if not conn.writing:
                     self._shut(conn)
-        if self.loop.is_closed():  # made in an asyncio.run that ended: nothing can be read here any more
-            self.close()
-            return
         self._maybe_finish()
 
     def close(self, error: BaseException | None = None) -> None:

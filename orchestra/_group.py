@@ -202,6 +202,8 @@ class _Shared:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # sync code: nothing to deliver to
             return
+        if self._draining:
+            self._close_orphaned()
         if self._owed:
             self._tell_owed()
         if not self._watch_refs or self.closed is not None:
@@ -295,9 +297,19 @@ class _Shared:
             log.debug("group %r: fast path released for a call that needs Ray (%d calls sent over it)", self.name,
                       ch.sent)
             ch.release()
-            self._draining = [c for c in self._draining if not c.closed]
             if not ch.closed:  # its ranks' loops have yet to return (or to join): closed with the group at the latest
                 self._draining.append(ch)
+        if self._draining:
+            self._close_orphaned()
+
+    def _close_orphaned(self) -> None:
+        """Close the released channels whose event loop ended (an ``asyncio.run`` that returned before their ranks
+        joined or read their last frames): no loop will serve them again, and each of their ranks holds its compute
+        lane, so every later call, queued behind it, would hang. Drop those that finished meanwhile."""
+        for c in self._draining:
+            if not c.closed and c.loop.is_closed():
+                c.release()  # closes it: its ranks' loops end, and they drop what they kept for its unread replies
+        self._draining = [c for c in self._draining if not c.closed]
 
     def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
         if f.cancelled():

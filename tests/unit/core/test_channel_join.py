@@ -427,3 +427,22 @@ async def test_a_rank_unavailable_while_joining_is_not_taken_for_dead_and_the_ca
         assert failed == [1]
     finally:
         ch.close()
+
+
+def test_a_released_channel_whose_event_loop_ended_is_closed_by_the_next_release():
+    """Released before its ranks joined, in an ``asyncio.run`` that then returned: no loop will accept the ranks or
+    write their frames, and each rank waiting for them holds its compute lane. Releasing it again (the group does
+    on its next call, from any loop) closes it: its socket goes, and the ranks hear the calls will not run."""
+    hosts = [_Host(), _Host()]
+
+    async def make():
+        ch = _channel.Channel(hosts, "g")
+        _call(ch, 0), _call(ch, 1)
+        ch.release()
+        return ch
+
+    ch = asyncio.run(make())
+    assert not ch.open and not ch.closed and os.path.isdir(ch._dir)
+    ch.release()
+    assert ch.closed and not os.path.exists(ch._dir)
+    assert hosts[0].forgotten == hosts[1].forgotten == [ch.key]
