@@ -48,6 +48,7 @@ import asyncio
 import atexit
 import contextlib
 import hmac
+import functools
 import itertools
 import logging
 import os
@@ -594,12 +595,16 @@ class Channel:
         self._watch_ref(reply, ref)
 
     @staticmethod
-    def _watch_ref(reply: ChannelReply, ref: Any) -> None:
-        """``reply`` comes by Ray: ``ref`` is its general-path reply (a kept result, or a call resent through Ray)."""
+    def _watch_ref(reply: ChannelReply, ref: Any, unreached: Callable[[], None] | None = None) -> None:
+        """``reply`` comes by Ray: ``ref`` is its general-path reply (a kept result, or a call resent through Ray).
+        ``unreached`` is called if Ray could not reach the rank (``ActorUnavailableError``: the call may not have
+        run, and the rank may live on)."""
         reply.ray_ref = ref
         wrapped = _replies.one(ref)  # its frame (``Host._reply``, ``Host._snapshot``), read off the event loop
 
         def copy(f: asyncio.Future) -> None:
+            if not f.cancelled() and isinstance(f.exception(), ray.exceptions.ActorUnavailableError) and unreached:
+                unreached()
             if reply.out.done():
                 _retrieve(f)
             elif f.cancelled():
@@ -736,13 +741,21 @@ class Channel:
     def _resend(self) -> None:
         """Send each call written to no rank as a Ray call of its rank's ``Host.run_fast_call`` (the same frame,
         run under the same call id: its cancellation still reaches it), rank by rank in the order they were made;
-        its reply then comes as a kept one's does (``reply.ray_ref``)."""
+        its reply then comes as a kept one's does (``reply.ray_ref``). One that Ray could not deliver is named to
+        its rank as never run (``Host.forget_calls``): a reader in another group waiting for its outcome there would
+        wait forever."""
         for rank, queued in self._queued.items():
             for call_id, data in queued:
                 reply = self._pending.get(call_id)
                 if reply is None or reply.out.done():
                     continue
-                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(self.key, data[_LEN.size:]))
+                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(self.key, data[_LEN.size:]),
+                                unreached=functools.partial(self._never_ran, rank, call_id))
+
+    def _never_ran(self, rank: int, call_id: str) -> None:
+        log.debug("group %r rank %d: fast-path call %s resent through Ray could not reach the rank", self.group,
+                  rank, call_id)
+        self._hosts[rank].forget_calls.remote(self.key, [call_id])  # Ray owns it; its reply carries nothing
 
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:

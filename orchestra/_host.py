@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from . import _backend, _channel, _frame
+from . import _backend, _channel, _frame, _sessions
 from ._batch import Batch, balanced_sizes
 from ._errors import DECLARED_DEAD, UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
@@ -97,7 +97,6 @@ CONTROL = "control"
 WATCH = "watch"  # one call per rank that never returns while the process lives: the controller's death notice
 FORWARD = "forward"  # a reader's fetch of a fast-path result that is still being computed (Host.retained)
 CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1, FORWARD: 4}
-_SESSIONS_KEPT = 64  # fast-path channel sessions a rank remembers (how far each got), newest last
 
 
 _DONE = object()
@@ -159,18 +158,6 @@ def _method(role: str, name: str, streaming: bool) -> Any:
             return self._reply(self._call(role, name, args, kwargs), role, name)
     m.__name__ = m.__qualname__ = name
     return ray.method(concurrency_group=COMPUTE)(m)
-
-
-class _Retained:
-    """A fast-path call's outcome kept for one reader that asked before the call finished (``Host.retain``)."""
-
-    __slots__ = ("call_id", "path", "decision", "outcome")
-
-    def __init__(self) -> None:
-        self.call_id: str | None = None
-        self.path: str | None = None
-        self.decision: str | None = None  # retain's answer: "retaining", "done" or "never"
-        self.outcome: tuple[str, Any] | None = None
 
 
 _SCALARS = frozenset((type(None), bool, int, float, str))  # replies Ray encodes itself (see Host._reply)
@@ -323,10 +310,7 @@ class Host:
         self._fast_call: str | None = None  # the id of the fast-path call running now on the compute lane
         self._kept: dict[str, Any] = {}  # fast-path results a frame cannot carry (refs, > 1 MiB), until taken
         self._kept_lock = threading.Lock()
-        # fast-path results a reader asked for before its call finished (Host.retain); under _fast_cond
-        self._fast_cond = threading.Condition()
-        self._retaining: dict[str, _Retained] = {}
-        self._sessions: collections.OrderedDict[str, list] = collections.OrderedDict()  # path -> [last done, ended]
+        self.sessions = _sessions.Sessions()  # how far each fast-path session got; readers waiting on its calls
         self.tracing = False
         self.events = _Events()
 
@@ -453,7 +437,7 @@ class Host:
         ``secret`` proves to the controller that Ray sent this rank. Each call runs exactly as on the general path;
         its reply (or error) is written back as one frame."""
         served = 0
-        session = self._session_state(path)
+        session = self.sessions.session(path)
         sock = None
         got_frame = False
         try:
@@ -481,7 +465,7 @@ class Host:
             if sock is not None:
                 sock.close()
             if got_frame:
-                self._session_ended(path)
+                self.sessions.ended(path)  # a reader still waiting for one of its calls waits for one that never ran
             # else it never joined, or its channel never did: the controller either sends its calls through Ray
             # (run_fast_call, which hands a reader that asked its outcome) or says they never run (forget_session)
 
@@ -520,7 +504,7 @@ class Host:
         """A call of fast-path session ``path`` whose channel never opened (a rank could not join), sent through Ray
         instead: the same frame, run under its own call id (so its cancellation reaches it), replying as the
         general path does; a reader that asked for its outcome (``retain``) gets it as from the channel."""
-        session = self._session_state(path)
+        session = self.sessions.session(path)
         call_id, kind, payload, value = self._run_frame(frame)
         self._fast_done(session, call_id, kind, payload, value)
         if kind == "ok":
@@ -535,80 +519,42 @@ class Host:
     def forget_session(self, path: str) -> None:
         """Fast-path session ``path`` never opened and its calls will not run (they failed at the controller): a
         reader waiting for one of them (``retained``) is told so."""
-        self._session_ended(path)
+        self.sessions.ended(path)
 
-    def _session_state(self, path: str) -> list:
-        """[number of the last call done, ended?] of fast-path session ``path`` (made when first named)."""
-        with self._fast_cond:
-            state = self._sessions.get(path)
-            if state is None:
-                state = self._sessions[path] = [-1, False]
-                while len(self._sessions) > _SESSIONS_KEPT:
-                    self._sessions.popitem(last=False)
-            return state
+    @ray.method(concurrency_group=CONTROL)
+    def forget_calls(self, path: str, call_ids: list[str]) -> None:
+        """These calls of fast-path session ``path``, resent through Ray, failed before they ran (Ray could not
+        reach this actor): a reader waiting for one (``retained``), or asking later, is told they never ran."""
+        self.sessions.never(path, call_ids)
 
-    def _fast_done(self, session: list, call_id: str, kind: str, payload: bytes, value: Any) -> None:
+    def _fast_done(self, session: _sessions.Session, call_id: str, kind: str, payload: bytes, value: Any) -> None:
         """A fast-path call finished: note how far its ``session`` got, and hand its outcome to a reader that asked
         (``retain``) — the value as the call returned it (the reply frame, or the kept snapshot), or its error."""
-        with self._fast_cond:
-            session[0] = _channel.call_number(call_id)
-            if not self._retaining:  # the usual case: no reader asked
-                return
-            slots = [s for s in self._retaining.values() if s.call_id == call_id and s.decision == "retaining"]
-            if not slots:
-                return
+        def outcome() -> tuple[str, Any]:
             if kind == "kept":
                 with self._kept_lock:
-                    outcome = ("kept", self._kept[call_id])
-            elif kind == "ok":
-                outcome = ("ok", payload)
-            else:
-                outcome = ("err", value if isinstance(value, BaseException) else _frame.loads_frame(payload))
-            for slot in slots:
-                slot.outcome = outcome
-            self._fast_cond.notify_all()
-
-    def _session_ended(self, path: str) -> None:
-        """A session's loop returned: a reader still waiting for one of its calls waits for a call that never ran."""
-        state = self._session_state(path)
-        with self._fast_cond:
-            state[1] = True
-            for slot in self._retaining.values():
-                if slot.path == path and slot.decision == "retaining" and slot.outcome is None:
-                    slot.outcome = ("never", None)
-            self._fast_cond.notify_all()
+                    return "kept", self._kept[call_id]
+            if kind == "ok":
+                return "ok", payload
+            return "err", value if isinstance(value, BaseException) else _frame.loads_frame(payload)
+        self.sessions.done(session, call_id, _channel.call_number(call_id), outcome)
 
     @ray.method(concurrency_group=CONTROL)
     def retain(self, path: str, call_id: str, ask: str) -> str:
         """A reader of fast-path call ``call_id`` is about to be sent while its reply has not reached the controller:
         "done" when the call already finished here (its reply is on its way: the controller waits for it), "never"
-        when its session ended without it, else "retaining": its outcome is kept for ``retained``, which the
-        reader fetches. Decided under the lock the serve loop takes when a call finishes, so nothing is missed.
-        ``ask`` names this reader's request (each reader has its own); the controller sends ``retained`` with it,
-        always (no await in between): that call ends the entry."""
-        n = _channel.call_number(call_id)
-        state = self._session_state(path)
-        with self._fast_cond:
-            slot = self._retaining.get(ask)
-            if slot is None:
-                slot = self._retaining[ask] = _Retained()
-            slot.call_id, slot.path = call_id, path
-            slot.decision = "done" if n <= state[0] else "never" if state[1] else "retaining"
-            self._fast_cond.notify_all()
-            return slot.decision
+        when it will not run here (its session ended without it, or the controller said so), else "retaining": its
+        outcome is kept for ``retained``, which the reader fetches. Decided under the lock a finishing call takes,
+        so nothing is missed. ``ask`` names this reader's request (each reader has its own); the controller sends
+        ``retained`` with it, always (no await in between): that call ends the entry."""
+        return self.sessions.retain(path, call_id, ask)
 
     @ray.method(concurrency_group=FORWARD)
     def retained(self, ask: str) -> Any:
         """The outcome of a fast-path call ``retain`` kept, once it finished: returned as its general-path reply
         would be (a reader's ``_split_refs`` reads it), or raised; None when ``retain`` kept nothing (the reader
         does not read this). On its own lane, since it waits: for ``retain`` (it may run first), then for the call."""
-        with self._fast_cond:
-            slot = self._retaining.get(ask)
-            if slot is None:
-                slot = self._retaining[ask] = _Retained()
-            self._fast_cond.wait_for(lambda: slot.decision is not None and
-                                     (slot.decision != "retaining" or slot.outcome is not None))
-            del self._retaining[ask]
+        slot = self.sessions.retained(ask)
         if slot.decision != "retaining":
             return None
         kind, v = slot.outcome

@@ -94,10 +94,10 @@ class Recorder(Worker):
     @endpoint
     def kept_here(self) -> int:
         """How many fast-path results this rank's host keeps for the controller or a reader to take (a test's look
-        inside: ``Host._kept`` and ``Host._retaining``)."""
+        inside: ``Host._kept`` and the readers' entries ``Host.sessions`` holds)."""
         import gc
 
-        return sum(len(o._kept) + len(o._retaining) for o in gc.get_objects()
+        return sum(len(o._kept) + o.sessions.waiting() for o in gc.get_objects()
                    if type(o).__name__ == "Host" and hasattr(o, "_kept"))
 
     @endpoint

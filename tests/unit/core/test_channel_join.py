@@ -40,10 +40,19 @@ class _Host:
         self.run_fast_call = SimpleNamespace(remote=self._run_fast_call)
         self.forgotten: list[str] = []  # sessions the controller said will not run
         self.forget_session = SimpleNamespace(remote=self._forget_session)
+        self.never: list[tuple[str, list[str]]] = []  # calls the controller said will not run
+        self.forget_calls = SimpleNamespace(remote=lambda path, ids: self.never.append((path, ids)))
+        self.unreachable = False  # Ray cannot deliver run_fast_call (ActorUnavailableError)
 
     def _run_fast_call(self, path: str, frame: bytes):
         call_id = pickle.loads(frame)[0]
         self.resent.append((path, call_id))
+        if self.unreachable:
+            import ray
+
+            fut = concurrent.futures.Future()
+            fut.set_exception(ray.exceptions.ActorUnavailableError("the connection to the actor was lost", None))
+            return SimpleNamespace(future=lambda: fut)
         return _done(("by ray", call_id))
 
     def _forget_session(self, path: str):
@@ -446,3 +455,24 @@ def test_a_released_channel_whose_event_loop_ended_is_closed_by_the_next_release
     ch.release()
     assert ch.closed and not os.path.exists(ch._dir)
     assert hosts[0].forgotten == hosts[1].forgotten == [ch.key]
+
+
+async def test_a_call_resent_through_ray_that_cannot_reach_its_rank_is_named_to_the_rank_as_never_run():
+    """Ray could not deliver the resent call (ActorUnavailableError: it may not have run, the rank may live on): the
+    call fails with Ray's error, and its rank hears it will not run (``Host.forget_calls``), so that a reader in
+    another group that asked the rank for its outcome is not left waiting for a call that never comes."""
+    import ray
+
+    hosts = [_Host(), _Host()]
+    hosts[0].unreachable = True
+    ch = _channel.Channel(hosts, "g")
+    try:
+        replies = [_call(ch, 0), _call(ch, 1)]
+        hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
+        with anyio.fail_after(30):
+            with pytest.raises(ray.exceptions.ActorUnavailableError):
+                await replies[0].out
+            assert await replies[1].out == ("by ray", replies[1].call_id)
+        assert hosts[0].never == [(ch.key, [replies[0].call_id])] and hosts[1].never == []
+    finally:
+        ch.close()
