@@ -362,7 +362,7 @@ class Channel:
         self.tcp_address = where if remote else None
         self._conns: list[_Conn] = []  # accepted, rank not yet known
         self._by_rank: dict[int, _Conn] = {}
-        # each rank's frames (call id, length-prefixed frame) sent before every rank joined, in call order
+        # each rank's frames (call id, frame) sent before every rank joined, in call order
         self._queued: dict[int, list[tuple[str, bytes]]] = {r: [] for r in range(self.n)}
         self._pending: dict[str, ChannelReply] = {}
         self._pending_by_rank: dict[int, set[str]] = {r: set() for r in range(self.n)}
@@ -383,7 +383,7 @@ class Channel:
         reply = ChannelReply(call_id, rank, self.loop.create_future(), self, endpoint)
         self._pending[call_id] = reply
         self._pending_by_rank[rank].add(call_id)
-        self._write(rank, call_id, _LEN.pack(len(frame)) + frame)
+        self._write(rank, call_id, frame)
         return reply
 
     async def ask(self, reply: ChannelReply) -> Any:
@@ -407,11 +407,11 @@ class Channel:
     def new_id() -> str:
         return f"fast-{_PREFIX}-{next(_ids)}"
 
-    def _write(self, rank: int, call_id: str, data: bytes) -> None:
+    def _write(self, rank: int, call_id: str, frame: bytes) -> None:
         if not self.joined:
-            self._queued.setdefault(rank, []).append((call_id, data))
+            self._queued.setdefault(rank, []).append((call_id, frame))
         elif rank in self._by_rank:
-            self._by_rank[rank].write(data)
+            self._by_rank[rank].write(_LEN.pack(len(frame)) + frame)
         else:  # lost a moment ago, in this same send (see _lost): its part of the call fails, the others' go out
             self._fail_rank(rank, _backend.RankDied(f"rank {rank}'s fast-path socket had closed"))
 
@@ -555,8 +555,8 @@ class Channel:
         self._conns.clear()
         self.joined = True
         for r, c in list(self._by_rank.items()):  # a write that finds a rank gone removes it meanwhile
-            for _, data in self._queued.pop(r, []):
-                c.write(data)
+            for _, frame in self._queued.pop(r, []):
+                c.write(_LEN.pack(len(frame)) + frame)
             if not self.open and not c.writing:
                 self._shut(c)
 
@@ -745,11 +745,11 @@ class Channel:
         its rank as never run (``Host.forget_calls``): a reader in another group waiting for its outcome there would
         wait forever."""
         for rank, queued in self._queued.items():
-            for call_id, data in queued:
+            for call_id, frame in queued:
                 reply = self._pending.get(call_id)
                 if reply is None or reply.out.done():
                     continue
-                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(self.key, data[_LEN.size:]),
+                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(self.key, frame),
                                 unreached=functools.partial(self._never_ran, rank, call_id))
 
     def _never_ran(self, rank: int, call_id: str) -> None:
