@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import hmac
 import functools
@@ -420,7 +421,7 @@ class Channel:
         is shut for writing once they are out). A channel whose event loop ended is closed instead, released before
         or not: nothing would accept its ranks' connections or write their frames any more, and a rank waiting for
         them holds its compute lane."""
-        if self.loop.is_closed():  # made in an asyncio.run that ended: nothing can be read here any more
+        if self.orphaned():  # made in an asyncio.run that ended (or a loop stopped): nothing reads here any more
             self.close()
             return
         if not self.open:
@@ -431,6 +432,17 @@ class Channel:
                 if not conn.writing:
                     self._shut(conn)
         self._maybe_finish()
+
+    def orphaned(self) -> bool:
+        """Whether no event loop will serve this channel again: its loop is closed, or stopped while its group is
+        used from another one (``run_until_complete`` without ``close``, then ``asyncio.run``)."""
+        if self.loop.is_closed():
+            return True
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # sync code: the loop may still be run again
+            return False
+        return running is not self.loop and not self.loop.is_running()
 
     def close(self, error: BaseException | None = None) -> None:
         """End now: replies not yet in fail with ``error`` (the group closed or a rank died)."""
@@ -603,8 +615,6 @@ class Channel:
         wrapped = _replies.one(ref)  # its frame (``Host._reply``, ``Host._snapshot``), read off the event loop
 
         def copy(f: asyncio.Future) -> None:
-            if not f.cancelled() and isinstance(f.exception(), ray.exceptions.ActorUnavailableError) and unreached:
-                unreached()
             if reply.out.done():
                 _retrieve(f)
             elif f.cancelled():
@@ -613,6 +623,9 @@ class Channel:
                 reply.out.set_exception(f.exception())
             else:
                 reply.out.set_result(f.result())
+            if unreached is not None and not f.cancelled() and isinstance(f.exception(),
+                                                                           ray.exceptions.ActorUnavailableError):
+                unreached()
         wrapped.add_done_callback(copy)
 
     def _lost(self, conn: _Conn, error: BaseException | None) -> None:
@@ -745,17 +758,35 @@ class Channel:
         its rank as never run (``Host.forget_calls``): a reader in another group waiting for its outcome there would
         wait forever."""
         for rank, queued in self._queued.items():
-            for call_id, frame in queued:
-                reply = self._pending.get(call_id)
-                if reply is None or reply.out.done():
-                    continue
-                self._watch_ref(reply, self._hosts[rank].run_fast_call.remote(self.key, frame),
-                                unreached=functools.partial(self._never_ran, rank, call_id))
+            live = [(c, f, self._pending[c]) for c, f in queued
+                    if c in self._pending and not self._pending[c].out.done()]
+            for i, (call_id, frame, reply) in enumerate(live):
+                # the last one ends the rank's session there (its serve loop, which got no frame, left it open)
+                ref = self._hosts[rank].run_fast_call.remote(self.key, frame, i == len(live) - 1)
+                self._watch_ref(reply, ref, unreached=functools.partial(self._never_ran, rank, call_id))
 
-    def _never_ran(self, rank: int, call_id: str) -> None:
-        log.debug("group %r rank %d: fast-path call %s resent through Ray could not reach the rank", self.group,
-                  rank, call_id)
-        self._hosts[rank].forget_calls.remote(self.key, [call_id])  # Ray owns it; its reply carries nothing
+    def _never_ran(self, rank: int, call_id: str, tries: int = 0) -> None:
+        """Tell ``rank`` that resent call ``call_id`` did not reach it (``Host.forget_calls``), so that a reader
+        waiting there for its outcome is answered; retried while Ray cannot reach the rank either (the same
+        outage), until it lands or the rank is found dead (a reader on a dead rank fails with it)."""
+        log.debug("group %r rank %d: fast-path call %s resent through Ray could not reach the rank (try %d)",
+                  self.group, rank, call_id, tries)
+        try:
+            ref = self._hosts[rank].forget_calls.remote(self.key, [call_id])
+        except Exception as e:  # noqa: BLE001 - Ray itself going down: the reader goes with it
+            log.warning("group %r rank %d: could not say that fast-path call %s never ran (%r)", self.group, rank,
+                        call_id, e)
+            return
+
+        def landed(f: concurrent.futures.Future) -> None:  # on Ray's thread
+            e = None if f.cancelled() else f.exception()
+            if isinstance(e, ray.exceptions.ActorUnavailableError) and tries < _NEVER_RAN_TRIES:
+                with contextlib.suppress(RuntimeError):  # the loop ended: nothing more is owed from it
+                    self.loop.call_soon_threadsafe(self.loop.call_later, min(0.1 * 2 ** tries, 5.0),
+                                                   self._never_ran, rank, call_id, tries + 1)
+            elif e is not None:
+                log.debug("group %r rank %d: forget_calls: %r", self.group, rank, e)
+        ref.future().add_done_callback(landed)
 
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:
@@ -763,6 +794,8 @@ class Channel:
 
 
 _DIED = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)  # a rank's process is gone
+
+_NEVER_RAN_TRIES = 12  # tries to say a resent call never ran: ~35 s of backoff, as long as Ray says "unavailable"
 
 _DIRS: set[str] = set()  # socket directories of channels not yet closed: removed at exit at the latest
 

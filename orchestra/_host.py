@@ -500,13 +500,18 @@ class Host:
         return call_id, kind, payload, value
 
     @ray.method(concurrency_group=COMPUTE)
-    def run_fast_call(self, path: str, frame: bytes) -> Any:
+    def run_fast_call(self, path: str, frame: bytes, last: bool = False) -> Any:
         """A call of fast-path session ``path`` whose channel never opened (a rank could not join), sent through Ray
         instead: the same frame, run under its own call id (so its cancellation reaches it), replying as the
-        general path does; a reader that asked for its outcome (``retain``) gets it as from the channel."""
+        general path does; a reader that asked for its outcome (``retain``) gets it as from the channel. ``last``:
+        the session's last call here, which ends it (its serve loop got no frame and left it open)."""
         session = self.sessions.session(path)
-        call_id, kind, payload, value = self._run_frame(frame)
-        self._fast_done(session, call_id, kind, payload, value)
+        try:
+            call_id, kind, payload, value = self._run_frame(frame)
+            self._fast_done(session, call_id, kind, payload, value)
+        finally:
+            if last:
+                self.sessions.ended(path)
         if kind == "ok":
             return payload  # the reply frame, read by the controller (or a reader) as a general-path reply
         if kind == "kept":

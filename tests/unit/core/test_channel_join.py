@@ -41,23 +41,37 @@ class _Host:
         self.forgotten: list[str] = []  # sessions the controller said will not run
         self.forget_session = SimpleNamespace(remote=self._forget_session)
         self.never: list[tuple[str, list[str]]] = []  # calls the controller said will not run
-        self.forget_calls = SimpleNamespace(remote=lambda path, ids: self.never.append((path, ids)))
+        self.forget_calls = SimpleNamespace(remote=self._forget_calls)
         self.unreachable = False  # Ray cannot deliver run_fast_call (ActorUnavailableError)
+        self.unreachable_tells = 0  # how many forget_calls Ray cannot deliver either before one lands
+        self.lasts: list[bool] = []  # run_fast_call's ``last``, in order
 
-    def _run_fast_call(self, path: str, frame: bytes):
+    def _run_fast_call(self, path: str, frame: bytes, last: bool = False):
         call_id = pickle.loads(frame)[0]
         self.resent.append((path, call_id))
+        self.lasts.append(last)
         if self.unreachable:
-            import ray
-
-            fut = concurrent.futures.Future()
-            fut.set_exception(ray.exceptions.ActorUnavailableError("the connection to the actor was lost", None))
-            return SimpleNamespace(future=lambda: fut)
+            return _unavailable()
         return _done(("by ray", call_id))
+
+    def _forget_calls(self, path: str, ids: list[str]):
+        if self.unreachable_tells:
+            self.unreachable_tells -= 1
+            return _unavailable()
+        self.never.append((path, ids))
+        return _done(None)
 
     def _forget_session(self, path: str):
         self.forgotten.append(path)
         return _done(None)
+
+
+def _unavailable():
+    import ray
+
+    fut = concurrent.futures.Future()
+    fut.set_exception(ray.exceptions.ActorUnavailableError("the connection to the actor was lost", None))
+    return SimpleNamespace(future=lambda: fut)
 
 
 def _done(value):
@@ -476,3 +490,84 @@ async def test_a_call_resent_through_ray_that_cannot_reach_its_rank_is_named_to_
         assert hosts[0].never == [(ch.key, [replies[0].call_id])] and hosts[1].never == []
     finally:
         ch.close()
+
+
+async def test_telling_a_rank_a_call_never_ran_is_retried_while_ray_cannot_reach_it_and_fails_no_reply():
+    """The outage that lost the resent call loses the first ``forget_calls`` too: it is retried until it lands (a
+    reader waiting on the rank would wait forever otherwise). And whatever telling does, the call's own reply is
+    settled first: a ``forget_calls`` that raises at once (Ray shutting down) left it unresolved, its caller hung."""
+    import ray
+
+    hosts = [_Host(), _Host()]
+    hosts[0].unreachable, hosts[0].unreachable_tells = True, 2
+    ch = _channel.Channel(hosts, "g")
+    try:
+        replies = [_call(ch, 0), _call(ch, 1)]
+        hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
+        with anyio.fail_after(30):
+            with pytest.raises(ray.exceptions.ActorUnavailableError):
+                await replies[0].out
+            await _until(lambda: hosts[0].never)
+        assert hosts[0].never == [(ch.key, [replies[0].call_id])] and hosts[0].unreachable_tells == 0
+    finally:
+        ch.close()
+
+    def boom(path, ids):
+        raise ray.exceptions.RaySystemError("core worker is shutting down")
+
+    hosts = [_Host(), _Host()]
+    hosts[0].unreachable = True
+    hosts[0].forget_calls = SimpleNamespace(remote=boom)
+    ch = _channel.Channel(hosts, "g")
+    try:
+        reply = _call(ch, 0)
+        hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
+        with anyio.fail_after(30):
+            with pytest.raises(ray.exceptions.ActorUnavailableError):
+                await reply.out
+    finally:
+        ch.close()
+
+
+async def test_the_last_call_resent_to_a_rank_ends_its_session_there():
+    """A rank whose serve loop got no frame leaves its session open for the controller; the resent calls' last one
+    ends it (open sessions are never dropped: one per join failure stayed on every rank for good)."""
+    hosts = [_Host(), _Host()]
+    ch = _channel.Channel(hosts, "g")
+    try:
+        replies = [_call(ch, 0), _call(ch, 1), _call(ch, 0), _call(ch, 1)]
+        cancelled = _call(ch, 0)
+        cancelled.out.cancel()  # ended before the join failed: not resent, so the one before it is the last
+        hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
+        with anyio.fail_after(30):
+            for r in replies:
+                await r.out
+        assert hosts[0].lasts == hosts[1].lasts == [False, True]
+    finally:
+        ch.close()
+
+
+def test_a_released_channel_whose_loop_stopped_is_closed_when_its_group_is_used_from_another_loop():
+    """``loop.run_until_complete`` without ``loop.close()``, then ``asyncio.run``: the first loop is not closed,
+    but nothing runs it; its channel is as orphaned as one of a closed loop."""
+    hosts = [_Host(), _Host()]
+
+    async def make():
+        ch = _channel.Channel(hosts, "g")
+        _call(ch, 0), _call(ch, 1)
+        ch.release()
+        return ch
+
+    loop = asyncio.new_event_loop()
+    try:
+        ch = loop.run_until_complete(make())
+        ch.release()  # from sync code: that loop may still be run again
+        assert not ch.closed
+
+        async def later():
+            ch.release()
+
+        asyncio.run(later())
+        assert ch.closed and not os.path.exists(ch._dir)
+    finally:
+        loop.close()
