@@ -528,8 +528,9 @@ class Host:
 
     @ray.method(concurrency_group=CONTROL)
     def forget_calls(self, path: str, call_ids: list[str]) -> None:
-        """These calls of fast-path session ``path``, resent through Ray, failed before they ran (Ray could not
-        reach this actor): a reader waiting for one (``retained``), or asking later, is told they never ran."""
+        """These calls of fast-path session ``path``, resent through Ray, failed at the controller (Ray could not
+        reach this actor, so they may not have run): a reader waiting for one (``retained``), or asking later, is
+        told not to wait for them here."""
         self.sessions.never(path, call_ids)
 
     def _fast_done(self, session: _sessions.Session, call_id: str, kind: str, payload: bytes, value: Any) -> None:

@@ -82,7 +82,8 @@ class Sessions:
             session.last = number
             if not self._retaining:  # the usual case: no reader asked
                 return
-            slots = [s for s in self._retaining.values() if s.call_id == call_id and s.decision == "retaining"]
+            slots = [s for s in self._retaining.values()  # one already told "never" keeps that answer
+                     if s.call_id == call_id and s.decision == "retaining" and s.outcome is None]
             if not slots:
                 return
             got = outcome()
@@ -101,8 +102,9 @@ class Sessions:
             self._drop_old()
 
     def never(self, path: str, call_ids: list[str]) -> None:
-        """These calls of session ``path`` will not run here (their Ray call failed before it ran): a reader waiting
-        for one is told so, and so is one that asks later."""
+        """These calls of session ``path`` are not to be waited for here (Ray could not deliver their call, so the
+        controller failed them; one may still have run): a reader waiting for one is told so, as is one that asks
+        later, and fails as the controller's reply did."""
         ids = set(call_ids)
         with self._cond:
             if self._was_dropped(path):
