@@ -202,6 +202,9 @@ class _Shared:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # sync code: nothing to deliver to
             return
+        home = self.home_loop()
+        if home is not None and _runtime.runs_elsewhere(home):
+            return  # the group's loop runs in another thread: its channel and supervision are touched there only
         if self._draining:
             self._close_orphaned()
         if self._owed:

@@ -611,3 +611,45 @@ def test_a_channel_released_before_its_ranks_joined_is_closed_once_its_loop_ende
             await g8.aclose()
 
     asyncio.run(again())
+
+
+def test_asking_health_from_another_threads_loop_leaves_the_groups_channel_and_supervision_alone():
+    """``health()`` (or ``on_death``) from a thread running its own event loop, while the group's loop
+    runs in another thread: it moved supervision to the asking loop and released the group's channel from the
+    wrong thread, racing the group's own loop. It only reads now."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_home(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    async def make():
+        g9 = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder, group_name="other")
+        await g9.ready()
+        await _open(g9)
+        return g9
+
+    g9 = on_home(make())
+    try:
+        ch, watching = g9._shared.channel, g9._shared._watch_loop
+
+        async def ask():
+            assert [h["alive"] for h in g9.health()] == [True, True]
+            g9.on_death(lambda err: None)()  # registered, then unregistered
+
+        asyncio.run(ask())
+        assert g9._shared.channel is ch and ch.open and g9._shared._watch_loop is watching is loop
+
+        async def again():
+            return await g9.note("home")
+
+        assert on_home(again()) == [(0, "home"), (1, "home")]
+        assert g9._shared.channel is ch  # still the same channel: nothing released it
+    finally:
+        on_home(g9.aclose())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
