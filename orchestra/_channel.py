@@ -48,8 +48,8 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import hmac
 import functools
+import hmac
 import itertools
 import logging
 import os

@@ -307,8 +307,9 @@ class _Shared:
 
     def _close_orphaned(self) -> None:
         """Close the released channels whose event loop ended (an ``asyncio.run`` that returned before their ranks
-        joined or read their last frames; a loop stopped, the group now used from another): no loop serves them, and each of their ranks holds its compute
-        lane, so every later call, queued behind it, would hang. Drop those that finished meanwhile."""
+        joined or read their last frames; a loop stopped, the group now used from another): no loop serves them,
+        and each of their ranks holds its compute lane, so every later call, queued behind it, would hang. Drop
+        those that finished meanwhile."""
         for c in self._draining:
             if not c.closed and c.orphaned():
                 c.release()  # closes it: its ranks' loops end, and they drop what they kept for its unread replies

@@ -44,7 +44,8 @@ class Retained:
         self.call_id: str | None = None
         self.path: str | None = None
         self.decision: str | None = None  # retain's answer: "retaining", "done" or "never"
-        self.outcome: tuple[str, Any] | None = None  # ("ok", frame), ("kept", snapshot), ("err", error), ("never", None)
+        # ("ok", frame), ("kept", snapshot), ("err", error) or ("never", None)
+        self.outcome: tuple[str, Any] | None = None
 
 
 class Sessions:
