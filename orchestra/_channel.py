@@ -333,6 +333,9 @@ class Channel:
         self._listeners: list[socket.socket] = []
         self.joined = False  # every rank has connected: frames are written from then on, never before
         self.join_error: BaseException | None = None
+        # resent calls Ray could not deliver whose rank is still to hear they never ran: the retry timer, if waiting
+        self._owed_tells: dict[tuple[int, str], asyncio.TimerHandle | None] = {}
+        self._tells_ended = False  # closed with the group, or orphaned: nothing more is told from here
         addresses: list[Any] = [None] * self.n
         try:
             if len(remote) < self.n:
@@ -464,6 +467,8 @@ class Channel:
                     conn.close()
             finally:
                 self._remove_dir()
+        if error is not None or self.orphaned():  # else (every reply in, the loop alive) what is owed goes on
+            self._end_owed_tells(error)
         if error is None:  # the ranks live on (a loop that ended): results they keep for unread replies are dropped
             for rank, ids in self._pending_by_rank.items():
                 if ids:
@@ -758,8 +763,8 @@ class Channel:
         its rank as never run (``Host.forget_calls``): a reader in another group waiting for its outcome there would
         wait forever."""
         for rank, queued in self._queued.items():
-            live = [(c, f, self._pending[c]) for c, f in queued
-                    if c in self._pending and not self._pending[c].out.done()]
+            live = [(c, f, reply) for c, f in queued
+                    if (reply := self._pending.get(c)) is not None and not reply.out.done()]
             for i, (call_id, frame, reply) in enumerate(live):
                 # the last one ends the rank's session there (its serve loop, which got no frame, left it open)
                 ref = self._hosts[rank].run_fast_call.remote(self.key, frame, i == len(live) - 1)
@@ -768,25 +773,62 @@ class Channel:
     def _never_ran(self, rank: int, call_id: str, tries: int = 0) -> None:
         """Tell ``rank`` that resent call ``call_id`` did not reach it (``Host.forget_calls``), so that a reader
         waiting there for its outcome is answered; retried while Ray cannot reach the rank either (the same
-        outage), until it lands or the rank is found dead (a reader on a dead rank fails with it)."""
+        outage), until it lands or the rank is found dead (a reader on a dead rank fails with it). The channel owns
+        the tell until it lands: ``close`` ends what is still owed (see there)."""
         log.debug("group %r rank %d: fast-path call %s resent through Ray could not reach the rank (try %d)",
                   self.group, rank, call_id, tries)
+        if self._tells_ended:
+            return
+        key = (rank, call_id)
+        self._owed_tells[key] = None
         try:
             ref = self._hosts[rank].forget_calls.remote(self.key, [call_id])
         except Exception as e:  # noqa: BLE001 - Ray itself going down: the reader goes with it
+            del self._owed_tells[key]
             log.warning("group %r rank %d: could not say that fast-path call %s never ran (%r)", self.group, rank,
                         call_id, e)
             return
 
-        def landed(f: concurrent.futures.Future) -> None:  # on Ray's thread
+        def landed(f: concurrent.futures.Future) -> None:  # on Ray's thread: the channel's state is the loop's
             e = None if f.cancelled() else f.exception()
-            if isinstance(e, ray.exceptions.ActorUnavailableError) and tries < _NEVER_RAN_TRIES:
-                with contextlib.suppress(RuntimeError):  # the loop ended: nothing more is owed from it
-                    self.loop.call_soon_threadsafe(self.loop.call_later, min(0.1 * 2 ** tries, 5.0),
-                                                   self._never_ran, rank, call_id, tries + 1)
-            elif e is not None:
-                log.debug("group %r rank %d: forget_calls: %r", self.group, rank, e)
+            with contextlib.suppress(RuntimeError):  # the loop ended: the tell stays owed, ``close`` sends it
+                self.loop.call_soon_threadsafe(self._tell_landed, rank, call_id, tries, e)
         ref.future().add_done_callback(landed)
+
+    def _tell_landed(self, rank: int, call_id: str, tries: int, error: BaseException | None) -> None:
+        """A ``forget_calls`` of ``_never_ran`` ended: done, or tried again later while Ray says "unavailable"."""
+        key = (rank, call_id)
+        if key not in self._owed_tells:  # the channel closed meanwhile, dropping it
+            return
+        if isinstance(error, ray.exceptions.ActorUnavailableError) and tries < _NEVER_RAN_TRIES:
+            self._owed_tells[key] = self.loop.call_later(min(0.1 * 2 ** tries, 5.0), self._never_ran, rank, call_id,
+                                                         tries + 1)
+            return
+        del self._owed_tells[key]
+        if isinstance(error, ray.exceptions.ActorUnavailableError):
+            log.warning("group %r rank %d: Ray could not reach the rank to say that fast-path call %s never ran, "
+                        "%d times; a reader in another group waiting there for its outcome waits until that rank dies",
+                        self.group, rank, call_id, tries + 1)
+        elif error is not None:  # the rank died (a reader there fails with it), or Ray is going down
+            log.debug("group %r rank %d: forget_calls: %r", self.group, rank, error)
+
+    def _end_owed_tells(self, error: BaseException | None) -> None:
+        """At close: the group closing (``error``) kills the ranks, and a reader waiting on one fails with it, so
+        what is still owed is dropped. A channel closed because its loop ended sends each owed tell once more, Ray
+        owning it (no loop of this channel will retry)."""
+        owed, self._owed_tells = self._owed_tells, {}
+        self._tells_ended = True
+        by_rank: dict[int, list[str]] = {}
+        for (rank, call_id), timer in owed.items():
+            if timer is not None:
+                timer.cancel()
+            by_rank.setdefault(rank, []).append(call_id)
+        for rank, ids in by_rank.items():
+            if error is not None:
+                log.debug("group %r rank %d: not telling it that fast-path calls %s never ran: the channel closed "
+                          "(%r)", self.group, rank, ids, error)
+            else:
+                self._hosts[rank].forget_calls.remote(self.key, sorted(ids))  # Ray owns it; its reply carries nothing
 
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:

@@ -452,19 +452,21 @@ async def test_a_rank_unavailable_while_joining_is_not_taken_for_dead_and_the_ca
         ch.close()
 
 
+async def _released_before_joining(hosts: list[_Host]) -> _channel.Channel:
+    """A channel with one call per rank, released (the group went through Ray) before any rank joined it."""
+    ch = _channel.Channel(hosts, "g")
+    _call(ch, 0), _call(ch, 1)
+    ch.release()
+    return ch
+
+
 def test_a_released_channel_whose_event_loop_ended_is_closed_by_the_next_release():
     """Released before its ranks joined, in an ``asyncio.run`` that then returned: no loop will accept the ranks or
     write their frames, and each rank waiting for them holds its compute lane. Releasing it again (the group does
     on its next call, from any loop) closes it: its socket goes, and the ranks hear the calls will not run."""
     hosts = [_Host(), _Host()]
 
-    async def make():
-        ch = _channel.Channel(hosts, "g")
-        _call(ch, 0), _call(ch, 1)
-        ch.release()
-        return ch
-
-    ch = asyncio.run(make())
+    ch = asyncio.run(_released_before_joining(hosts))
     assert not ch.open and not ch.closed and os.path.isdir(ch._dir)
     ch.release()
     assert ch.closed and not os.path.exists(ch._dir)
@@ -529,6 +531,45 @@ async def test_telling_a_rank_a_call_never_ran_is_retried_while_ray_cannot_reach
         ch.close()
 
 
+async def _owing_a_tell(hosts: list[_Host]) -> tuple[_channel.Channel, asyncio.TimerHandle, str]:
+    """A channel whose call resent to rank 0 could not reach it, nor could the tell that it never ran: the tell
+    waits on its retry timer (rank 1 could not join, so the calls went through Ray)."""
+    import ray
+
+    hosts[0].unreachable, hosts[0].unreachable_tells = True, 1_000
+    ch = _channel.Channel(hosts, "g")
+    reply = _call(ch, 0)
+    hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
+    with anyio.fail_after(30):
+        with pytest.raises(ray.exceptions.ActorUnavailableError):
+            await reply.out
+    await _until(lambda: any(t is not None for t in ch._owed_tells.values()))
+    (timer,) = ch._owed_tells.values()
+    return ch, timer, reply.call_id
+
+
+async def test_a_tell_still_owed_when_the_group_closes_is_dropped_with_its_retry_timer():
+    """The channel owns the retries of ``forget_calls``: closing the group (its ranks are killed, a reader waiting
+    on one fails with it) cancels the one waiting, and nothing more is sent."""
+    hosts = [_Host(), _Host()]
+    ch, timer, _ = await _owing_a_tell(hosts)
+    ch.close(RuntimeError("the group was closed"))
+    assert timer.cancelled() and ch._owed_tells == {} and hosts[0].never == []
+    ch._never_ran(0, "late")  # a Ray reply settling after the close tells nothing either
+    assert ch._owed_tells == {} and hosts[0].never == []
+
+
+def test_a_tell_still_owed_when_its_loop_ended_is_sent_once_more_when_the_channel_is_closed():
+    """The ``asyncio.run`` retrying the tell returned: no loop of the channel will retry it, so closing the orphaned
+    channel (the group's next call does) sends it once more, Ray owning it."""
+    hosts = [_Host(), _Host()]
+    ch, _, call_id = asyncio.run(_owing_a_tell(hosts))
+    hosts[0].unreachable_tells = 0  # Ray reaches the rank again
+    ch.release()
+    assert ch.closed and ch._owed_tells == {}
+    assert hosts[0].never == [(ch.key, [call_id])]
+
+
 async def test_the_last_call_resent_to_a_rank_ends_its_session_there():
     """A rank whose serve loop got no frame leaves its session open for the controller; the resent calls' last one
     ends it (open sessions are never dropped: one per join failure stayed on every rank for good)."""
@@ -552,15 +593,9 @@ def test_a_released_channel_whose_loop_stopped_is_closed_when_its_group_is_used_
     but nothing runs it; its channel is as orphaned as one of a closed loop."""
     hosts = [_Host(), _Host()]
 
-    async def make():
-        ch = _channel.Channel(hosts, "g")
-        _call(ch, 0), _call(ch, 1)
-        ch.release()
-        return ch
-
     loop = asyncio.new_event_loop()
     try:
-        ch = loop.run_until_complete(make())
+        ch = loop.run_until_complete(_released_before_joining(hosts))
         ch.release()  # from sync code: that loop may still be run again
         assert not ch.closed
 
