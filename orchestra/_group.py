@@ -370,20 +370,21 @@ class _Shared:
 
     def add_death_callback(self, cb: Callable[[WorkerDiedError], None]) -> None:
         """Register ``cb`` for deaths; the ranks already known dead are told to it too, once each: at once when
-        registered on an event loop (the group then follows it), else on the group's loop (or the next one the
-        group is used from)."""
+        registered on the group's event loop (or on a loop the group then follows), else on the group's loop when it
+        runs in another thread, or on the next one the group is used from."""
         self.follow_loop()  # a death found now is told to the callbacks registered before
         known = [err for _, err in sorted(self.dead.items())]
         self.death_callbacks.append(cb)
         if not known:
             return
         self._owed.append((cb, known))
+        home = self.home_loop()
+        if home is not None and _runtime.runs_elsewhere(home):  # sync code or another thread's loop: told there
+            home.call_soon_threadsafe(self._tell_owed)
+            return
         try:
             asyncio.get_running_loop()
-        except RuntimeError:  # sync code or another thread: the group's loop tells it, if one runs now
-            loop = self._watch_loop
-            if loop is not None and not loop.is_closed() and loop.is_running():
-                loop.call_soon_threadsafe(self._tell_owed)
+        except RuntimeError:  # sync code, no loop runs the group now: the next one it is used from tells it
             return
         self._tell_owed()
 

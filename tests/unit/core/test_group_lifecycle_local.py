@@ -13,6 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -118,6 +119,33 @@ async def test_on_death_registered_after_a_rank_died_is_told_of_it_once():
         with pytest.raises(orc.WorkerDiedError):
             g.echo(None)
         assert (early, late) == ([1], [1])
+
+
+async def test_on_death_registered_from_another_threads_loop_is_told_on_the_groups_loop():
+    """Registered from an event loop running in another thread (a monitor thread's ``asyncio.run``) after a rank
+    died: the death is told on the group's own loop, not on the registering thread, whose loop the group's state is
+    not touched from."""
+    import threading
+
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Hazard,
+                           group_name="late_elsewhere") as g:
+        await kill_rank(g, 0)
+        told: list[tuple[int, int]] = []
+        heard = asyncio.Event()
+
+        def on_death(err: orc.WorkerDiedError) -> None:
+            told.append((err.rank, threading.get_ident()))
+            heard.set()
+
+        async def register() -> None:
+            g.on_death(on_death)
+
+        await asyncio.to_thread(asyncio.run, register())
+        with anyio.fail_after(30):  # a hang, not a threshold
+            await heard.wait()
+        assert told == [(0, threading.get_ident())]
+        assert [h["alive"] for h in g.health()] == [False, True]  # and nobody is told twice
+        assert len(told) == 1
 
 
 # -- async for over a call not yet sent ------------------------------------------------------------------------------
