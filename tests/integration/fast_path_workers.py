@@ -126,6 +126,12 @@ class Recorder(Worker):
         return "ran out"
 
     @endpoint
+    def hold(self, seq, positions: list[int]) -> int:  # noqa: ANN001 - a Sequencer
+        """Wait for this rank's position of ``seq`` (``positions[rank]``): holds the rank until the test says."""
+        with seq(positions[self.rank]):
+            return self.rank
+
+    @endpoint
     def stubborn(self, seconds: float) -> str:
         """Run for ``seconds`` whatever happens (cancellation is not looked at)."""
         time.sleep(seconds)

@@ -583,27 +583,31 @@ def test_a_fast_call_left_running_when_the_loop_ends_does_not_break_shutdown():
             ray.get(h.ping.remote(), timeout=60)
 
 
-def test_a_channel_released_before_its_ranks_joined_is_closed_once_its_loop_ended():
+def test_a_channel_released_before_its_ranks_joined_is_closed_once_its_loop_ended(orc_sequencer):
     """A channel released before its ranks joined, in an event loop that then ended, is closed by the group's next
     call from another loop: nothing could accept the ranks' connections any more, so their serve loops waited for
     frames forever and every later call, queued behind them on the compute lane, hung."""
     async def run():
         g8 = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Recorder, group_name="orphan")
         await g8.ready()
-        for i in range(AFTER - 2):
-            await g8.note(f"warm{i}")
-        g8.stubborn(2.0)  # through Ray (the channel is not open yet): the ranks join only after it, in the next loop
-        g8.note("queued")  # opens the channel: its frames wait for the ranks to join; never awaited
+        # through Ray (a Sequencer argument needs it): the ranks join a channel only after it, which the next loop
+        # lets end; the calls below queue behind it, the last opening a channel. None of them is awaited
+        held = g8.hold(orc_sequencer, [1, 2])
+        for i in range(AFTER - 1):
+            g8.note(f"warm{i}")
+        g8.note("queued")  # opens the channel: its frames wait for the ranks to join
         ch = g8._shared.channel
         assert ch is not None and not ch.joined
         g8.fast_path = False  # released before any rank joined; this loop ends before they can
-        assert not ch.open and not ch.closed
+        assert not ch.open and not ch.closed and not held.done()
         return g8, ch
 
     g8, ch = asyncio.run(run())
 
     async def again():
         try:
+            async with orc_sequencer(0):  # the held ranks go on: they join a channel no loop serves any more
+                pass
             with anyio.fail_after(120):  # a hang, not a threshold: the call takes well under a second
                 assert await g8.note("second loop") == [(0, "second loop"), (1, "second loop")]
             assert ch.closed and not os.path.exists(ch._dir)
