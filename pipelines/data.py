@@ -99,6 +99,7 @@ class PromptSampler:
     each epoch, so every record is seen over epochs); unshuffled, where dropping would skip the same
     records every pass, the order wraps around instead: the last batch of a pass is filled from the
     start of the next, so every record is trained on.  ``drop_last=False`` keeps a partial last batch.
+    ``take(k)`` draws the next ``k`` records of the same stream (the next batch starts after them).
     The position is two integers, so ``state_dict()`` saved with a checkpoint and ``load_state_dict()``
     on a fresh sampler continue with exactly the batches an uninterrupted run would have produced,
     mid-epoch included.
@@ -167,16 +168,34 @@ class PromptSampler:
 
     def __next__(self) -> list[dict[str, Any]]:
         """The next batch, as a list of (shallow-copied) records."""
-        n, start, size = len(self._records), self._start, self.batch_size
-        if self.wraps:  # file order every pass: the batch runs on into the next pass's first records
-            idx = (start + np.arange(size)) % n
-            self._start += size
-            if self._start >= n:
-                self._epoch, self._start = self._epoch + 1, self._start - n
-        else:
-            idx = self._epoch_order()[start : start + size]
-            self._start += size
-            if self._start // size == self.batches_per_epoch:
+        size = self.batch_size
+        if not self.drop_last:  # a partial batch at the end of an epoch, as ever
+            size = min(size, len(self._records) - self._start)
+        return self._draw(size)
+
+    def take(self, count: int) -> list[dict[str, Any]]:
+        """The next ``count`` records of the batches' stream, in order (running on into the next epoch if need
+        be); the next batch starts after them. For a draw of another size than a batch (DAPO's extra sampling
+        rounds): taking a whole batch and dropping the rest would skip records the run never trains on."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        return self._draw(count)
+
+    def _epoch_length(self) -> int:
+        """Records an epoch's stream holds: all of them, less the dropped remainder when shuffled with drop_last."""
+        n = len(self._records)
+        return n // self.batch_size * self.batch_size if self.drop_last and self.shuffle else n
+
+    def _draw(self, count: int) -> list[dict[str, Any]]:
+        """The next ``count`` records of the stream: the epochs' orders one after another."""
+        idx: list[int] = []
+        length = self._epoch_length()
+        while len(idx) < count:
+            order = np.arange(len(self._records)) if self.wraps else self._epoch_order()
+            m = min(count - len(idx), length - self._start)
+            idx.extend(order[self._start:self._start + m].tolist())
+            self._start += m
+            if self._start >= length:
                 self._epoch, self._start = self._epoch + 1, 0
         return [dict(self._records[i]) for i in idx]
 
@@ -193,9 +212,11 @@ class PromptSampler:
 
     def state_dict(self) -> dict[str, int | bool | str]:
         """JSON-serializable position plus the settings a resume must share. The position is ``epoch`` and
-        ``batch_in_epoch``, or with the wrap-around ``epoch`` and ``record_in_epoch`` (``wrap`` says which)."""
-        where: dict[str, int] = ({"record_in_epoch": self._start} if self.wraps
-                                 else {"batch_in_epoch": self._start // self.batch_size})
+        ``batch_in_epoch``, or ``epoch`` and ``record_in_epoch`` with the wrap-around or after a ``take`` of
+        another size than a batch this epoch."""
+        aligned = not self.wraps and self._start % self.batch_size == 0  # no take() since the epoch began
+        where: dict[str, int] = ({"batch_in_epoch": self._start // self.batch_size} if aligned
+                                 else {"record_in_epoch": self._start})
         return {
             "epoch": self._epoch,
             **where,
@@ -230,10 +251,10 @@ class PromptSampler:
             raise ValueError("sampler state does not match this sampler: " + "; ".join(mismatched))
         n, size = len(self._records), self.batch_size
         epoch = int(state["epoch"])
-        if state.get("wrap"):
+        if "record_in_epoch" in state:
             start = int(state["record_in_epoch"])
-            ok = 0 <= start < n
-            where = f"record_in_epoch={start} (records: {n})"
+            ok = 0 <= start < self._epoch_length()
+            where = f"record_in_epoch={start} (records in an epoch: {self._epoch_length()})"
         else:
             batch = int(state["batch_in_epoch"])
             start = batch * size

@@ -477,9 +477,9 @@ class Runner:
         return _Launched(step, prompts, rollouts, self.rollout_version, time.time(), greedy, before)
 
     def _sample_more(self, step: int, count: int) -> DataFuture:
-        """DAPO's extra sampling round for ``step``: the first ``count`` prompts of the sampler's next batch,
-        generated with the current weights (returns at once)."""
-        recs = next(self.sampler)[:count]
+        """DAPO's extra sampling round for ``step``: the sampler's next ``count`` prompts (the next batch starts
+        after them), generated with the current weights (returns at once)."""
+        recs = self.sampler.take(count)
         prompts = prompt_batch(recs, self.tok, uid_offset=step * self.cfg.data.prompts_per_step)
         return self.cluster.rollout.generate(prompts, micro_batches=min(self.cfg.runner.micro_batches_per_step,
                                                                         len(recs)), seed=self.cfg.rollout.seed)

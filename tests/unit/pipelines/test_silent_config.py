@@ -73,6 +73,62 @@ def test_an_unshuffled_resume_continues_with_the_batches_of_an_uninterrupted_run
     assert resumed.epoch == reference.epoch
 
 
+def test_a_take_of_fewer_records_than_a_batch_leaves_the_rest_for_the_next_batch():
+    """DAPO's extra sampling round needs only some prompts: it took a whole batch and dropped the rest, so with
+    data.shuffle=false the records after its cut were never trained on in that pass. ``take(k)`` draws the next k
+    records; the next batch starts after them, and every record is still drawn."""
+    s = PromptSampler(RECORDS, 4, shuffle=False)
+    assert [r["i"] for r in next(s)] == [0, 1, 2, 3]
+    assert [r["i"] for r in s.take(2)] == [4, 5]
+    assert take(s, 3) == [[6, 7, 8, 9], [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [r["i"] for r in s.take(5)] == [8, 9, 0, 1, 2]  # across the end of a pass, in file order
+    assert s.epoch == 2 and s.state_dict()["record_in_epoch"] == 3  # 23 records drawn: the third pass's 4th is next
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(4, 12), st.integers(1, 4), st.booleans(), st.lists(st.integers(0, 6), max_size=8))
+def test_takes_and_batches_draw_each_record_of_a_pass_once_and_resume_exactly(n, batch, shuffle, takes):
+    """Any mix of batches and takes draws the stream of records the batches alone would (a shuffled epoch's dropped
+    remainder stays dropped), and a state saved between them resumes the same stream."""
+    records = [{"prompt": str(i), "i": i} for i in range(n)]
+
+    def stream(s: PromptSampler, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            out += [r["i"] for r in next(s)]
+        return out[:k]
+
+    mixed, drawn = PromptSampler(records, batch, seed=3, shuffle=shuffle), []
+    for k in takes:
+        drawn += [r["i"] for r in mixed.take(k)]
+        drawn += [r["i"] for r in next(mixed)]
+    resumed = PromptSampler(records, batch, seed=3, shuffle=shuffle)
+    resumed.load_state_dict(json.loads(json.dumps(mixed.state_dict())))
+    more = [r["i"] for r in resumed.take(3)] + [r["i"] for r in next(resumed)]
+    assert drawn + more == stream(PromptSampler(records, batch, seed=3, shuffle=shuffle), len(drawn) + len(more))
+
+
+def test_dapos_extra_round_draws_only_the_prompts_it_generates(tmp_path):
+    """The runner's extra sampling round (``_sample_more``) asks for 2 prompts: the next step's batch begins with the
+    record after them (it began a whole batch later: records 6 and 7 of this pass were skipped)."""
+    r = _runner(tmp_path, "data.shuffle=false", "data.prompts_per_step=4", "task.params={num_prompts: 10}")
+    generated = []
+    r.cluster.rollout = type("Rollout", (), {"generate": lambda self, prompts, **kw: generated.append(prompts)})()
+    first = next(r.sampler)
+    r._sample_more(0, 2)
+    assert len(generated[0]) == 2
+    after = next(r.sampler)
+    records = r.task.records
+    assert first + after == [*records[:4], *records[6:10]]
+    assert [rec["prompt"] for rec in records[4:6]] == _prompts_of(r, generated[0])
+
+
+def _prompts_of(r: Runner, prompts) -> list[str]:
+    tok = r.tok
+    return [tok.decode([t for t, m in zip(row.tolist(), mask.tolist()) if m], skip_special_tokens=True)
+            for row, mask in zip(prompts["prompts"], prompts["attention_mask"])]
+
+
 def test_an_unshuffled_sampler_state_of_the_old_sampler_resumes_at_the_same_record(caplog):
     """A checkpoint written before the wrap-around (epoch / batch_in_epoch, the tail dropped) resumes with the batch
     the old sampler would have drawn next, then wraps around; a warning says so."""
