@@ -827,8 +827,12 @@ class Channel:
             if error is not None:
                 log.debug("group %r rank %d: not telling it that fast-path calls %s never ran: the channel closed "
                           "(%r)", self.group, rank, ids, error)
-            else:
+                continue
+            try:
                 self._hosts[rank].forget_calls.remote(self.key, sorted(ids))  # Ray owns it; its reply carries nothing
+            except Exception as e:  # noqa: BLE001 - Ray itself going down: the reader goes with it
+                log.warning("group %r rank %d: could not say that fast-path calls %s never ran (%r)", self.group,
+                            rank, ids, e)
 
     def _maybe_finish(self) -> None:
         if not self.open and not self._pending and len(self._done_ranks) == self.n and not self.closed:
