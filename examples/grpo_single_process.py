@@ -121,7 +121,9 @@ def sample(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, gen
 
 
 def decode_responses(tok, response_ids):
-    return [tok.decode(tok.truncate_at_eos(r)) for r in response_ids.tolist()]
+    """Each response up to its first <eos>; a pad or bos the policy sampled before it stays in the text (as the
+    pipeline's rule reward keeps it), so ``1<pad>5`` is not read as ``15``."""
+    return [tok.decode(tok.truncate_at_eos(r), skip_special_tokens=False) for r in response_ids.tolist()]
 
 
 # -------------------------------------------------------------------------- loss
