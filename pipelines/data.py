@@ -187,9 +187,15 @@ class PromptSampler:
         return n // self.batch_size * self.batch_size if self.drop_last and self.shuffle else n
 
     def _draw(self, count: int) -> list[dict[str, Any]]:
-        """The next ``count`` records of the stream: the epochs' orders one after another."""
+        """The next ``count`` records of the stream: the epochs' orders one after another. Shuffled, one draw never
+        spans two epochs (two permutations could give it one record twice): an epoch's last records too few for it
+        are dropped, as its remainder is."""
         idx: list[int] = []
         length = self._epoch_length()
+        if length <= 0:
+            raise RuntimeError("the sampler has no records left to draw (its record list was emptied)")
+        if self.shuffle and self.drop_last and self._start and length - self._start < count:
+            self._epoch, self._start = self._epoch + 1, 0
         while len(idx) < count:
             order = np.arange(len(self._records)) if self.wraps else self._epoch_order()
             m = min(count - len(idx), length - self._start)
@@ -212,9 +218,10 @@ class PromptSampler:
 
     def state_dict(self) -> dict[str, int | bool | str]:
         """JSON-serializable position plus the settings a resume must share. The position is ``epoch`` and
-        ``batch_in_epoch``, or ``epoch`` and ``record_in_epoch`` with the wrap-around or after a ``take`` of
-        another size than a batch this epoch."""
-        aligned = not self.wraps and self._start % self.batch_size == 0  # no take() since the epoch began
+        ``batch_in_epoch``, or ``epoch`` and ``record_in_epoch`` with the wrap-around or when a ``take`` of another
+        size than a batch left the position between batch boundaries (a sampler of the code before ``take`` cannot
+        load such a state)."""
+        aligned = not self.wraps and self._start % self.batch_size == 0
         where: dict[str, int] = ({"batch_in_epoch": self._start // self.batch_size} if aligned
                                  else {"record_in_epoch": self._start})
         return {

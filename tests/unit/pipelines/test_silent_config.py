@@ -86,10 +86,11 @@ def test_a_take_of_fewer_records_than_a_batch_leaves_the_rest_for_the_next_batch
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(4, 12), st.integers(1, 4), st.booleans(), st.lists(st.integers(0, 6), max_size=8))
-def test_takes_and_batches_draw_each_record_of_a_pass_once_and_resume_exactly(n, batch, shuffle, takes):
-    """Any mix of batches and takes draws the stream of records the batches alone would (a shuffled epoch's dropped
-    remainder stays dropped), and a state saved between them resumes the same stream."""
+@given(st.integers(4, 12), st.integers(1, 4), st.booleans(), st.lists(st.integers(0, 4), max_size=8))
+def test_takes_and_batches_draw_each_record_once_a_pass_and_resume_exactly(n, batch, shuffle, takes):
+    """Any mix of batches and takes: unshuffled, the stream the batches alone would draw; shuffled, no draw holds a
+    record twice and no epoch gives one twice (a draw too large for what is left of an epoch starts the next, the
+    rest dropped like the remainder). A state saved between them resumes the same draws."""
     records = [{"prompt": str(i), "i": i} for i in range(n)]
 
     def stream(s: PromptSampler, k: int) -> list[int]:
@@ -98,14 +99,38 @@ def test_takes_and_batches_draw_each_record_of_a_pass_once_and_resume_exactly(n,
             out += [r["i"] for r in next(s)]
         return out[:k]
 
-    mixed, drawn = PromptSampler(records, batch, seed=3, shuffle=shuffle), []
-    for k in takes:
-        drawn += [r["i"] for r in mixed.take(k)]
-        drawn += [r["i"] for r in next(mixed)]
+    mixed, draws, per_epoch = PromptSampler(records, batch, seed=3, shuffle=shuffle), [], {}
+    for k in [*takes, 0]:
+        for draw in (lambda: mixed.take(min(k, batch)), lambda: next(mixed)):
+            epoch = mixed.epoch
+            got = [r["i"] for r in draw()]
+            draws.append(got)
+            if shuffle and got:
+                assert len(set(got)) == len(got)
+                # one epoch's: the one it ended in, or the one before when it ended that one exactly
+                at = mixed.epoch - 1 if mixed._start == 0 else mixed.epoch
+                assert at >= epoch
+                per_epoch.setdefault(at, []).extend(got)
+    assert all(len(set(v)) == len(v) for v in per_epoch.values())
     resumed = PromptSampler(records, batch, seed=3, shuffle=shuffle)
     resumed.load_state_dict(json.loads(json.dumps(mixed.state_dict())))
-    more = [r["i"] for r in resumed.take(3)] + [r["i"] for r in next(resumed)]
-    assert drawn + more == stream(PromptSampler(records, batch, seed=3, shuffle=shuffle), len(drawn) + len(more))
+    more = [[r["i"] for r in mixed.take(min(3, batch))], [r["i"] for r in next(mixed)]]
+    assert [[r["i"] for r in resumed.take(min(3, batch))], [r["i"] for r in next(resumed)]] == more
+    if not shuffle:
+        drawn = [i for d in draws + more for i in d]
+        assert drawn == stream(PromptSampler(records, batch, shuffle=False), len(drawn))
+
+
+def test_a_shuffled_batch_after_a_take_never_holds_a_record_twice():
+    """7 records, batches of 3, shuffled: an epoch is 6 records. After a take of 2 the batch boundaries are shifted,
+    and a batch spanning two epochs mixed two permutations (the review found [2, 5, 2]). A draw never spans epochs."""
+    s = PromptSampler([{"i": i} for i in range(7)], 3, seed=0)
+    s.take(2)
+    for _ in range(12):
+        epoch = s.epoch
+        got = [r["i"] for r in next(s)]
+        assert len(set(got)) == 3, got
+        assert s.epoch >= epoch
 
 
 def test_dapos_extra_round_draws_only_the_prompts_it_generates(tmp_path):
