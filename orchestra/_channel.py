@@ -448,8 +448,11 @@ class Channel:
         return running is not self.loop and not self.loop.is_running()
 
     def close(self, error: BaseException | None = None) -> None:
-        """End now: replies not yet in fail with ``error`` (the group closed or a rank died)."""
+        """End now: replies not yet in fail with ``error`` (the group closed or a rank died). On a channel closed
+        already, it ends the tells it still owes (see ``_end_owed_tells``) once the group closes or its loop ended."""
         if self.closed:
+            if self.owes_tells and (error is not None or self.orphaned()):
+                self._end_owed_tells(error)
             return
         self.open = False
         self.closed = True
@@ -475,6 +478,12 @@ class Channel:
                     self._hosts[rank].discard_kept.remote(sorted(ids))  # Ray owns it; its reply carries nothing
                     self._hosts[rank].forget_session.remote(self.key)  # and readers waiting for them are told
                     ids.clear()
+
+    @property
+    def owes_tells(self) -> bool:
+        """Whether a rank is still to hear that a resent call never ran (``_never_ran``): the channel's group keeps
+        it until then, closed or not, so that a loop's end or the group's close ends them (``close``)."""
+        return bool(self._owed_tells)
 
     def _stop_listening(self) -> None:
         listeners, self._listeners = self._listeners, []
@@ -791,7 +800,9 @@ class Channel:
 
         def landed(f: concurrent.futures.Future) -> None:  # on Ray's thread: the channel's state is the loop's
             e = None if f.cancelled() else f.exception()
-            with contextlib.suppress(RuntimeError):  # the loop ended: the tell stays owed, ``close`` sends it
+            # the loop ended: the tell stays owed, and ``close`` sends it once more (twice told is harmless: the
+            # rank's Sessions.never keeps its first answer)
+            with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self._tell_landed, rank, call_id, tries, e)
         ref.future().add_done_callback(landed)
 

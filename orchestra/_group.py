@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import weakref
@@ -311,9 +312,9 @@ class _Shared:
         and each of their ranks holds its compute lane, so every later call, queued behind it, would hang. Drop
         those that finished meanwhile."""
         for c in self._draining:
-            if not c.closed and c.orphaned():
+            if (not c.closed or c.owes_tells) and c.orphaned():
                 c.release()  # closes it: its ranks' loops end, and they drop what they kept for its unread replies
-        self._draining = [c for c in self._draining if not c.closed]
+        self._draining = [c for c in self._draining if not c.closed or c.owes_tells]
 
     def _rank_exited(self, rank: int, f: asyncio.Future) -> None:
         if f.cancelled():
@@ -380,7 +381,9 @@ class _Shared:
         self._owed.append((cb, known))
         home = self.home_loop()
         if home is not None and _runtime.runs_elsewhere(home):  # sync code or another thread's loop: told there
-            home.call_soon_threadsafe(self._tell_owed)
+            # a loop closed meanwhile: still owed, told by the next loop the group is used from
+            with contextlib.suppress(RuntimeError):
+                home.call_soon_threadsafe(self._tell_owed)
             return
         try:
             asyncio.get_running_loop()

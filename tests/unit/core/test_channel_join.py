@@ -570,6 +570,24 @@ def test_a_tell_still_owed_when_its_loop_ended_is_sent_once_more_when_the_channe
     assert hosts[0].never == [(ch.key, [call_id])]
 
 
+def test_a_tell_owed_by_a_channel_closed_before_its_loop_ended_is_sent_when_it_is_released_again():
+    """Every reply in, the channel closes itself while a tell is still retried on its loop; then the loop ends.
+    The group keeps such a channel (``owes_tells``), and releasing it from a later loop sends the tell once more
+    (the review found it lost: the channel was closed, so nothing looked at it again)."""
+    hosts = [_Host(), _Host()]
+
+    async def closed_owing():
+        ch, timer, call_id = await _owing_a_tell(hosts)
+        ch.close()  # as _maybe_finish does: the loop is alive, so the retries go on
+        assert ch.closed and ch.owes_tells and not timer.cancelled()
+        return ch, call_id
+
+    ch, call_id = asyncio.run(closed_owing())
+    hosts[0].unreachable_tells = 0
+    ch.release()
+    assert not ch.owes_tells and hosts[0].never == [(ch.key, [call_id])]
+
+
 async def test_the_last_call_resent_to_a_rank_ends_its_session_there():
     """A rank whose serve loop got no frame leaves its session open for the controller; the resent calls' last one
     ends it (open sessions are never dropped: one per join failure stayed on every rank for good)."""
