@@ -11,11 +11,15 @@ backend need no cluster and stay in the fast tier (``tests/contract``: the ``loc
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 _CLUSTER_DIR = Path(__file__).parent / "cluster"
+_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
@@ -24,3 +28,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         needs_ray = "orc_cluster" in getattr(item, "fixturenames", ()) or _CLUSTER_DIR in Path(item.path).parents
         if needs_ray and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def load_example() -> Callable[[str], ModuleType]:
+    """``load_example("name")`` imports ``examples/name.py`` as a module (the examples are scripts, not a package),
+    once a session, so a test can call its functions without running its ``main``."""
+    loaded: dict[str, ModuleType] = {}
+
+    def load(name: str) -> ModuleType:
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"example_{name}", _EXAMPLES / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            loaded[name] = mod
+        return loaded[name]
+
+    return load

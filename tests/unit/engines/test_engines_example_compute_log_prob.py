@@ -3,23 +3,15 @@ its check flags a disagreement between trainer and sampler log-probs while accep
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from orchestra import Batch
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "compute_log_prob.py"
-
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("compute_log_prob_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def example(load_example):
+    return load_example("compute_log_prob")
 
 
 def rollout_batch() -> tuple[Batch, Batch]:

@@ -4,21 +4,13 @@ special tokens a response holds stay in its text (skipped, a pad sampled inside 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "grpo_single_process.py"
-
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("grpo_single_process_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def example(load_example):
+    return load_example("grpo_single_process")
 
 
 def test_a_pad_sampled_inside_an_answer_is_not_read_as_the_answer(example):
