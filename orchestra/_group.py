@@ -111,6 +111,10 @@ class _Shared:
         self.unseen: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
         self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
+        # held while a death is recorded and the callbacks to tell it are read, and while a registration reads the
+        # deaths already known and adds its callback: a registration from another thread's loop hears each death
+        # once, either told at once or owed (it could read the deaths, then miss one recorded before it was added)
+        self.deaths_lock = threading.Lock()
         self.callback_errors: list[str] = []  # what on_death callbacks raised (logged too), for death_callback_errors()
         # deaths known when a callback was registered with no event loop running there: told on the group's loop
         self._owed: list[tuple[Callable[[WorkerDiedError], None], list[WorkerDiedError]]] = []
@@ -348,12 +352,16 @@ class _Shared:
 
     def _died(self, rank: int, err: WorkerDiedError) -> None:
         """Rank ``rank`` is dead: fail the calls in flight, refuse new ones (``dead``), tell ``on_death``."""
-        self.dead[rank] = err
+        with self.deaths_lock:
+            if rank in self.dead:  # recorded meanwhile (the watch's reply and a ping's both say so)
+                return
+            self.dead[rank] = err
+            callbacks = list(self.death_callbacks)
         log.warning("group %r: rank %d died", self.name, rank)
         for inv in self._live_calls():  # a group with a dead rank cannot finish any call: fail them now
             inv.fail(WorkerDiedError(err.message, group=inv.group, rank=rank, endpoint=inv.endpoint,
                                      exc_type=err.exc_type))
-        for cb in list(self.death_callbacks):
+        for cb in callbacks:
             self._tell(cb, err)
 
     def _tell(self, cb: Callable[[WorkerDiedError], None], err: WorkerDiedError) -> None:
@@ -374,8 +382,9 @@ class _Shared:
         registered on the group's event loop (or on a loop the group then follows), else on the group's loop when it
         runs in another thread, or on the next one the group is used from."""
         self.follow_loop()  # a death found now is told to the callbacks registered before
-        known = [err for _, err in sorted(self.dead.items())]
-        self.death_callbacks.append(cb)
+        with self.deaths_lock:  # a death recorded in another thread is in ``known`` or told to ``cb`` by _died
+            known = [err for _, err in sorted(self.dead.items())]
+            self.death_callbacks.append(cb)
         if not known:
             return
         self._owed.append((cb, known))

@@ -148,6 +148,61 @@ async def test_on_death_registered_from_another_threads_loop_is_told_on_the_grou
         assert len(told) == 1
 
 
+async def test_on_death_registered_from_another_thread_hears_a_death_recorded_while_it_registers():
+    """A rank dies on the group's loop while another thread's loop registers a callback, between the registration
+    reading the deaths already known and adding the callback: the callback is told of it once, not missed (it was
+    neither among the deaths read nor among the callbacks told)."""
+    import threading
+
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01, backend="local"), Hazard,
+                           group_name="dies_meanwhile") as g:
+        shared, home, home_thread = g._shared, asyncio.get_running_loop(), threading.get_ident()
+        registering = threading.Event()
+        # the registration waits, after reading the deaths, until the group's loop recorded the death or waits to
+        # record it (blocked by the registration)
+        recorded_or_waiting = threading.Event()
+
+        class DeadRead(dict):
+            def items(self):  # the registration reads the deaths here
+                known = list(super().items())
+                if registering.is_set():
+                    registering.clear()
+                    home.call_soon_threadsafe(shared.declared_dead, 1, "test: dies while a callback registers")
+                    recorded_or_waiting.wait()
+                return known
+
+        class ReportingLock:
+            def __init__(self, lock):
+                self._lock = lock
+
+            def __enter__(self):
+                if threading.get_ident() == home_thread:
+                    recorded_or_waiting.set()  # the group's loop is about to wait for the registration
+                return self._lock.__enter__()
+
+            def __exit__(self, *exc):
+                return self._lock.__exit__(*exc)
+
+        def record_then_report(rank, why, _declared=shared.declared_dead):
+            _declared(rank, why)
+            recorded_or_waiting.set()
+
+        shared.dead = DeadRead(shared.dead)
+        shared.deaths_lock = ReportingLock(getattr(shared, "deaths_lock", threading.Lock()))
+        shared.declared_dead = record_then_report
+        told: list[tuple[int, int]] = []
+
+        async def register() -> None:
+            registering.set()
+            g.on_death(lambda err: told.append((err.rank, threading.get_ident())))
+
+        await asyncio.to_thread(asyncio.run, register())
+        await asyncio.sleep(0)  # a tell owed to a callback registered elsewhere is posted to this loop
+        assert told == [(1, home_thread)]
+        assert [h["alive"] for h in g.health()] == [True, False]
+        assert len(told) == 1
+
+
 # -- async for over a call not yet sent ------------------------------------------------------------------------------
 async def test_cancelling_an_async_for_over_a_call_not_yet_sent_cancels_the_call(seq):
     """The task iterating ``async for part in fut`` is cancelled while the call still waits in its group's send
