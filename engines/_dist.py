@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -136,6 +137,7 @@ def _spawn_entry(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
+    faulthandler.enable(all_threads=True)  # a native crash (a gloo thread's abort) shows every thread's Python stack
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         result = fn(rank, world_size, *args)

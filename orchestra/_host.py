@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import faulthandler
 import inspect
 import logging
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -290,12 +292,22 @@ class _Events:
         return list(items)
 
 
+def _dump_stacks_on_crash() -> None:
+    """On a fatal signal (SIGSEGV, SIGABRT from a heap-corruption check or ``std::terminate``, ...), write every
+    Python thread's stack to stderr (the worker's log), before Ray's own handler runs. Ray enables ``faulthandler`` for
+    the current thread only, and its core worker's handler then takes the signal first; on a corrupted heap that
+    handler can die before passing it on, leaving a log with no Python stack at all."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
 class Host:
     """Ray actor hosting the roles of one rank (several roles when colocated)."""
 
     def __init__(self, group: str, rank: int, world_size: int, local_rank: int, placement: dict[str, Any],
                  runtime: Any = None) -> None:
         self.runtime = runtime if runtime is not None else RayRuntime()
+        if self.runtime.own_process:
+            _dump_stacks_on_crash()
         self.group, self.rank, self.world_size, self.local_rank = group, rank, world_size, local_rank
         self.placement = placement
         self.roles: dict[str, Worker] = {}

@@ -264,6 +264,14 @@ class Scorer(Worker):
         return self.rank
 
     @endpoint(D.broadcast())
+    def abort_on(self, rank: int) -> int:
+        """Rank ``rank`` aborts its process (SIGABRT, as a native library's failed heap check or ``std::terminate``
+        does); the others answer their rank."""
+        if self.rank == rank:
+            os.abort()
+        return self.rank
+
+    @endpoint(D.broadcast())
     def pid(self) -> int:
         return os.getpid()
 

@@ -33,6 +33,29 @@ async def test_dead_actor_gives_worker_died_error(orc_sequencer):
         g.shutdown()
 
 
+async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log():
+    """A rank's process killed by a fatal signal (here SIGABRT in the compute thread; in the wild a native library's
+    heap check) writes the Python stack of each of its threads to its worker log, not only the crashing thread's:
+    the main thread (Ray's task loop) is there too, so a crash in a native thread is not left without a stack."""
+    import glob
+    import os
+
+    import ray
+
+    async with WorkerGroup(ResourcePool(process_on_nodes=[2]), Scorer, group_name="aborts") as g:
+        pid = (await g.pid())[1]
+        with pytest.raises(orc.WorkerDiedError) as info:
+            await g.abort_on(1)
+        assert info.value.rank == 1
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    (err_log,) = glob.glob(os.path.join(logs, f"worker-*-{pid}.err"))
+    with open(err_log, errors="replace") as f:
+        text = f.read()
+    crash = text[text.index("Fatal Python error: Aborted"):]
+    assert "in abort_on" in crash  # the crashing thread (the compute lane)
+    assert "in main_loop" in crash  # and another: Ray's main thread
+
+
 async def test_placement_error_lists_needed_and_available():
     # fails at once, from the fit check (its message), not after waiting for placement: with an hour's
     # placement_timeout, only a hang would reach the bound
