@@ -335,9 +335,18 @@ class _Shared:
         if not isinstance(err, WorkerDiedError):
             log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
             return
-        self._died(rank, WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); check its log "
-                                         f"for an OOM kill or crash, then recreate the group", group=self.name,
-                                         rank=rank, exc_type="WorkerDied"))
+        self._died(rank, WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); {self._log_hint(rank)}"
+                                         f", then recreate the group", group=self.name, rank=rank, exc_type="WorkerDied"))
+
+    def _log_hint(self, rank: int) -> str:
+        """Where to look for why rank ``rank``'s process died: its log file (and node), as it described itself."""
+        info = self.info[rank] if rank < len(self.info) else {}
+        where = info.get("log")
+        if not where:
+            return "check its log for an OOM kill or crash"
+        return (f"its log, {where} (pid {info.get('pid')}, on node {info.get('node_ip')}), ends with what it wrote "
+                f"last (after a crash, each thread's Python stack); no stack there: an OOM kill or SIGKILL (see the "
+                f"kernel log, dmesg)")
 
     def declared_dead(self, rank: int, why: str) -> None:
         """Rank ``rank`` declared itself dead (``Worker.declare_dead``): from now on it is dead to the group."""
@@ -668,7 +677,8 @@ class WorkerGroup:
         return list(results)
 
     async def describe(self) -> list[dict[str, Any]]:
-        """Per rank: rank, local rank, node, pid, bundle, devices, roles and registered meshes."""
+        """Per rank: rank, local rank, node, pid, log file (``log``: the process's stderr, None in-process), bundle,
+        devices, roles and registered meshes."""
         return await self._control("describe")
 
     async def stats(self) -> list[dict[str, dict[str, float]]]:

@@ -207,6 +207,15 @@ class RayRuntime:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def log_path(self) -> str | None:
+        """The file this process's stderr goes to (Ray's ``worker-...-<pid>.err`` on its node), if it is one: where
+        a crash leaves its last words and each thread's Python stack."""
+        try:
+            path = os.readlink("/proc/self/fd/2")
+        except OSError:  # not Linux, or no stderr
+            return None
+        return path if path.startswith("/") and os.path.isfile(path) else None
+
     def placement(self) -> tuple[list[Any], str | None]:
         """(GPU ids, node id) of this process."""
         try:
@@ -373,7 +382,7 @@ class Host:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return {
             "rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "node_ip": self.runtime.node_ip(),
-            "node_id": node, **self.placement, "gpu_ids": list(gpu_ids), "device": device, "roles": list(self.roles),
+            "node_id": node, "log": self.runtime.log_path(), **self.placement, "gpu_ids": list(gpu_ids), "device": device, "roles": list(self.roles),
             "meshes": {role: {n: dataclasses.asdict(m) for n, m in c.meshes.items()}
                        for role, c in self.contexts.items()},
         }

@@ -1334,7 +1334,8 @@ def _died(e: BaseException, group: str, endpoint: str, rank: int | None) -> Work
     return WorkerDiedError(
         f"the worker process{'' if rank is None else f' of rank {rank}'} died while running this call "
         f"({type(e).__name__}{f': {e}' if isinstance(e, _backend.RankDied) and str(e) else ''}); check the worker's "
-        f"log for an OOM kill or crash, then recreate the group", group=group, rank=rank, endpoint=endpoint,
+        f"log for an OOM kill or crash (the group's report of the death, group.health() or on_death, names the file), "
+        f"then recreate the group", group=group, rank=rank, endpoint=endpoint,
         exc_type="WorkerDied")
 
 

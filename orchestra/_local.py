@@ -237,6 +237,9 @@ class _Runtime:
     def node_ip(self) -> str:
         return "127.0.0.1"
 
+    def log_path(self) -> str | None:
+        return None  # in-process: the controller's own output
+
     def placement(self) -> tuple[list[Any], str | None]:
         return [], LocalBackend.NODE_ID
 

@@ -7,6 +7,8 @@ mid-call and cancellation on both backends by tests/contract."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import pytest
 
@@ -36,7 +38,8 @@ async def test_dead_actor_gives_worker_died_error(orc_sequencer):
 async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log():
     """A rank's process killed by a fatal signal (here SIGABRT in the compute thread; in the wild a native library's
     heap check) writes the Python stack of each of its threads to its worker log, not only the crashing thread's:
-    the main thread (Ray's task loop) is there too, so a crash in a native thread is not left without a stack."""
+    the main thread (Ray's task loop) is there too, so a crash in a native thread is not left without a stack. The
+    death, as supervision reports it, names that file (``describe()`` does too)."""
     import glob
     import os
 
@@ -44,11 +47,20 @@ async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log()
 
     async with WorkerGroup(ResourcePool(process_on_nodes=[2]), Scorer, group_name="aborts") as g:
         pid = (await g.pid())[1]
-        with pytest.raises(orc.WorkerDiedError) as info:
+        described = await g.describe()
+        died = asyncio.get_running_loop().create_future()
+        g.on_death(lambda err: died.done() or died.set_result(err))
+        # the call fails with the death supervision saw (naming the file), or with Ray's report of the call's
+        # failure when that came first (pointing to supervision's)
+        with pytest.raises(orc.WorkerDiedError, match=r"its log, /.*\.err|group\.health\(\) or on_death, names the"):
             await g.abort_on(1)
-        assert info.value.rank == 1
+        with anyio.fail_after(60):  # a hang, not a threshold
+            death = await died
+        assert death.rank == 1
     logs = ray._private.worker._global_node.get_logs_dir_path()
     (err_log,) = glob.glob(os.path.join(logs, f"worker-*-{pid}.err"))
+    assert all(d["log"] for d in described) and described[1]["log"] == err_log  # describe() names each rank's log
+    assert f"its log, {err_log} (pid {pid}, on node " in death.message  # the death names the file to read
     with open(err_log, errors="replace") as f:
         text = f.read()
     crash = text[text.index("Fatal Python error: Aborted"):]
