@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import faulthandler
+import ipaddress
 import logging
 import multiprocessing
 import os
@@ -106,14 +107,62 @@ def init_distributed(device: torch.device | None = None) -> torch.device:
     kw: dict[str, Any] = {}
     if device.type == "cuda":
         kw["device_id"] = device
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        rank=rank,
-        world_size=world_size,
-        **kw,
-    )
+    _sockets_on_loopback_for(os.environ["MASTER_ADDR"], "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME")
+    store = rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
     return device
+
+
+def _sockets_on_loopback_for(addr: str, variable: str) -> None:
+    """With ``MASTER_ADDR`` on loopback (every rank on this machine), the backend's own sockets listen on the
+    loopback interface too (``variable``: ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME``). By default gloo listens
+    on the address this machine's hostname resolves to and NCCL's bootstrap on a non-loopback interface, both of
+    which the network can reach. A value the user set is left as it is."""
+    if variable in os.environ:
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.getaddrinfo(addr, None)[0][4][0]).is_loopback
+    except (OSError, ValueError):  # unresolvable: the store's connect says so
+        return
+    name = _loopback_interface() if loopback else None
+    if name is not None:
+        os.environ[variable] = name
+
+
+def _loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (Linux: IFF_LOOPBACK in /sys/class/net/<name>/flags)."""
+    for _, name in socket.if_nameindex():
+        try:
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read(), 16) & 0x8:
+                    return name
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+    """The process group's key-value store at ``addr:port``, served by rank 0 on that address only.
+
+    torch's ``tcp://`` rendezvous serves it on every interface of rank 0's machine, whatever ``addr`` is; the store
+    tells each rank where its peers listen and authenticates nobody, so a job on 127.0.0.1 was open to the network.
+    Rank 0 binds the listening socket itself (``addr``, as ``MASTER_ADDR`` says) and hands it to the store."""
+    timeout = dist.distributed_c10d.default_pg_timeout
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout)
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(where)
+        listener.listen(max(128, world_size))
+    except OSError as e:
+        listener.close()
+        raise RuntimeError(f"rank 0 could not listen on MASTER_ADDR:MASTER_PORT = {addr}:{port} for the process "
+                           f"group's store ({e}): MASTER_ADDR must be an address of rank 0's machine, and "
+                           f"MASTER_PORT a free port there") from e
+    # the store owns the socket from here (its fd is closed with the store, not by this socket object)
+    return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=listener.detach())
 
 
 def _spawn_entry(

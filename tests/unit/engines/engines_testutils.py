@@ -193,3 +193,47 @@ def dies_without_a_word(rank: int, world: int) -> None:
     import os
 
     os._exit(3)
+
+
+def _listening_ips() -> list[str]:
+    """The addresses this process's TCP sockets listen on (Linux: its socket inodes matched in /proc/net/tcp{,6})."""
+    import os
+    import socket
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ips = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(local.split(":")[0])  # 32-bit words in host (little-endian) order
+                ips.add(socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+    return sorted(ips)
+
+
+def listening_addresses_worker(rank: int, world: int) -> dict:
+    """Join the default process group as an engine does (``init_distributed``), run one all-reduce, and report the
+    addresses this process listens on meanwhile (the rendezvous store's on rank 0, gloo's on every rank)."""
+    import os
+
+    import torch.distributed as dist
+
+    from engines._dist import init_distributed
+
+    init_distributed(torch.device("cpu"))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    listening = _listening_ips()
+    dist.barrier()  # nobody leaves (closing its listeners) before every rank looked
+    return {"sum": t.item(), "listening": listening, "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
