@@ -38,6 +38,7 @@ _EXPORTS = {
     "build_reward_model": "engines.models",
     "tiny_qwen2_config": "engines.models",
     "init_distributed": "engines._dist",
+    "rendezvous_store": "engines._dist",
     "spawn": "engines._dist",
 }
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("orchestra")
 
-__all__ = ["default_device", "init_distributed", "failed_ranks", "free_port", "spawn", "PRELOAD", "VOLATILE_ENV"]
+__all__ = ["default_device", "init_distributed", "failed_ranks", "free_port", "rendezvous_store", "spawn", "PRELOAD",
+           "VOLATILE_ENV", "PORT_TRIES"]
 
 #: what the fork server imports once, so that ranks forked from it do not (``__main__`` is multiprocessing's default)
 PRELOAD = ("__main__", "engines._dist", "engines.fsdp", "engines.models")
@@ -108,7 +109,7 @@ def init_distributed(device: torch.device | None = None) -> torch.device:
     if device.type == "cuda":
         kw["device_id"] = device
     _sockets_on_loopback_for(os.environ["MASTER_ADDR"], "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME")
-    store = rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size)
+    store = rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size, backend)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
     return device
 
@@ -118,7 +119,7 @@ def _sockets_on_loopback_for(addr: str, variable: str) -> None:
     loopback interface too (``variable``: ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME``). By default gloo listens
     on the address this machine's hostname resolves to and NCCL's bootstrap on a non-loopback interface, both of
     which the network can reach. A value the user set is left as it is."""
-    if variable in os.environ:
+    if variable in os.environ or not _pinned_address(addr):
         return
     try:
         loopback = ipaddress.ip_address(socket.getaddrinfo(addr, None)[0][4][0]).is_loopback
@@ -141,28 +142,54 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def rendezvous_store(addr: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+def _pinned_address(addr: str) -> bool:
+    """Whether ``addr`` names one address the same way on every machine: an IP literal, or ``localhost``. Another
+    hostname may resolve here to another address than on the other nodes (Debian maps this machine's own name to
+    127.0.1.1), so its store keeps torch's default of every interface."""
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return addr == "localhost"
+    return True
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world_size: int, backend: str = "gloo") -> dist.TCPStore:
     """The process group's key-value store at ``addr:port``, served by rank 0 on that address only.
 
     torch's ``tcp://`` rendezvous serves it on every interface of rank 0's machine, whatever ``addr`` is; the store
     tells each rank where its peers listen and authenticates nobody, so a job on 127.0.0.1 was open to the network.
-    Rank 0 binds the listening socket itself (``addr``, as ``MASTER_ADDR`` says) and hands it to the store."""
-    timeout = dist.distributed_c10d.default_pg_timeout
-    if rank != 0:
+    Rank 0 binds the listening socket itself (``addr``, as ``MASTER_ADDR`` says) and hands it to the store. As
+    torch's rendezvous does: every rank is a client under torchrun's agent (which serves the store), the timeout is
+    the backend's default, ``USE_LIBUV=0`` picks the older server. An ``addr`` that is a hostname other than
+    ``localhost`` is served on every interface, as before (see :func:`_pinned_address`)."""
+    import importlib
+
+    _rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package's name is a function)
+    c10d = dist.distributed_c10d
+    timeout = c10d._get_default_timeout(c10d.Backend(backend)) if hasattr(c10d, "_get_default_timeout") \
+        else c10d.default_pg_timeout
+    use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
+    agent_serves = getattr(_rdzv, "_torchelastic_use_agent_store", lambda: False)()
+    if rank != 0 or agent_serves:
         return dist.TCPStore(addr, port, world_size, False, timeout)
-    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
+    if not _pinned_address(addr):
+        return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True, use_libuv=use_libuv)
+    listener = None
     try:
+        family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(where)
         listener.listen(max(128, world_size))
-    except OSError as e:
-        listener.close()
+    except OSError as e:  # socket.gaierror too
+        if listener is not None:
+            listener.close()
         raise RuntimeError(f"rank 0 could not listen on MASTER_ADDR:MASTER_PORT = {addr}:{port} for the process "
                            f"group's store ({e}): MASTER_ADDR must be an address of rank 0's machine, and "
                            f"MASTER_PORT a free port there") from e
     # the store owns the socket from here (its fd is closed with the store, not by this socket object)
-    return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=listener.detach())
+    return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=listener.detach(),
+                         use_libuv=use_libuv)
 
 
 def _spawn_entry(
@@ -186,7 +213,7 @@ def _spawn_entry(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
-    faulthandler.enable(all_threads=True)  # a native crash (a gloo thread's abort) shows every thread's Python stack
+    faulthandler.enable(file=2, all_threads=True)  # a native crash (a gloo thread's abort): every thread's stack
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         result = fn(rank, world_size, *args)
@@ -273,28 +300,46 @@ def spawn(
     """
     import torch.multiprocessing as mp
 
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="engines_spawn_") as out_dir:
-        try:
-            mp.start_processes(
-                _spawn_entry,
-                args=(world_size, port, out_dir, fn, args, threads, dict(os.environ)),
-                nprocs=world_size,
-                join=True,
-                start_method=_start_method(),
-            )
-        except Exception as exc:
-            errors = []
+    for attempt in range(1, PORT_TRIES + 1):
+        port = free_port()
+        with tempfile.TemporaryDirectory(prefix="engines_spawn_") as out_dir:
+            try:
+                mp.start_processes(
+                    _spawn_entry,
+                    args=(world_size, port, out_dir, fn, args, threads, dict(os.environ)),
+                    nprocs=world_size,
+                    join=True,
+                    start_method=_start_method(),
+                )
+            except Exception as exc:
+                errors = {}
+                for r in range(world_size):
+                    p = os.path.join(out_dir, f"rank{r}.pt")
+                    if os.path.exists(p):
+                        rec = torch.load(p, weights_only=True)
+                        if not rec["ok"]:
+                            errors[r] = rec["error"]
+                if attempt < PORT_TRIES and _port_taken(errors.get(0, "")):
+                    # the port was free when picked, and taken before rank 0 listened on it: nothing ran yet
+                    log.warning("spawn: port %d was taken by another process before rank 0 listened on it; "
+                                "starting the ranks again on another port (try %d of %d)", port, attempt + 1,
+                                PORT_TRIES)
+                    continue
+                detail = "\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items())
+                detail = detail or f"no rank reported an error (one died: {exc})"
+                raise RuntimeError("spawned rank failed:\n" + detail) from exc
+            results = []
             for r in range(world_size):
-                p = os.path.join(out_dir, f"rank{r}.pt")
-                if os.path.exists(p):
-                    rec = torch.load(p, weights_only=True)
-                    if not rec["ok"]:
-                        errors.append(f"--- rank {r} ---\n{rec['error']}")
-            detail = "\n".join(errors) or f"no rank reported an error (one died: {exc})"
-            raise RuntimeError("spawned rank failed:\n" + detail) from exc
-        results = []
-        for r in range(world_size):
-            rec = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
-            results.append(rec["result"])
-        return results
+                rec = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
+                results.append(rec["result"])
+            return results
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+#: how many ports ``spawn`` tries when the one it picked is taken before rank 0 listens on it
+PORT_TRIES = 3
+
+
+def _port_taken(error: str) -> bool:
+    """Whether rank 0's error ``error`` (a traceback) says its store's port was in use."""
+    return "EADDRINUSE" in error or "address already in use" in error.lower()

@@ -18,7 +18,6 @@ import logging
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -303,10 +302,17 @@ class _Events:
 
 def _dump_stacks_on_crash() -> None:
     """On a fatal signal (SIGSEGV, SIGABRT from a heap-corruption check or ``std::terminate``, ...), write every
-    Python thread's stack to stderr (the worker's log), before Ray's own handler runs. Ray enables ``faulthandler`` for
-    the current thread only, and its core worker's handler then takes the signal first; on a corrupted heap that
-    handler can die before passing it on, leaving a log with no Python stack at all."""
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    Python thread's stack to stderr (fd 2: the worker's log) first. Ray enables ``faulthandler`` for the current
+    thread only, then its core worker installs its own crash handler, which runs first and passes the signal on;
+    on a corrupted heap it died before that, leaving a log with no Python stack at all. ``enable()`` on an enabled
+    faulthandler does not reinstall its handlers, so it is disabled (which also takes Ray's handler down: its report
+    of the signal is replaced by Python's ``Fatal Python error: ...``) and enabled again."""
+    try:
+        faulthandler.disable()
+        faulthandler.enable(file=2, all_threads=True)
+    except (OSError, ValueError, RuntimeError) as e:  # no fd 2: the rank runs on, without the dump
+        log.warning("rank process %d: could not enable faulthandler on fd 2 (%r); a crash will leave no Python stack",
+                    os.getpid(), e)
 
 
 class Host:

@@ -37,8 +37,9 @@ async def test_dead_actor_gives_worker_died_error(orc_sequencer):
 
 async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log():
     """A rank's process killed by a fatal signal (here SIGABRT in the compute thread; in the wild a native library's
-    heap check) writes the Python stack of each of its threads to its worker log, not only the crashing thread's:
-    the main thread (Ray's task loop) is there too, so a crash in a native thread is not left without a stack. The
+    heap check) writes the Python stack of each of its threads to its worker log, first, and not only the crashing
+    thread's: the main thread (Ray's task loop) is there too, so a crash in a native thread is not left without a
+    stack. The
     death, as supervision reports it, names that file (``describe()`` does too)."""
     import glob
     import os
@@ -66,6 +67,8 @@ async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log()
     crash = text[text.index("Fatal Python error: Aborted"):]
     assert "in abort_on" in crash  # the crashing thread (the compute lane)
     assert "in main_loop" in crash  # and another: Ray's main thread
+    # written first, not after Ray's handler (which, on a corrupted heap, died before passing the signal on)
+    assert "SIGABRT received" not in text[:text.index("Fatal Python error: Aborted")]
 
 
 async def test_placement_error_lists_needed_and_available():

@@ -40,3 +40,52 @@ def test_the_backend_is_put_on_loopback_only_for_a_loopback_master_and_never_ove
     monkeypatch.setenv(variable, "eth7")
     dist_mod._sockets_on_loopback_for("127.0.0.1", variable)
     assert os.environ[variable] == "eth7"
+
+
+@pytest.mark.slow  # forks 2 gloo ranks, twice
+def test_spawn_starts_again_on_another_port_when_its_port_was_taken_before_rank_0_listened(monkeypatch, caplog):
+    """``spawn`` picks a free port and closes it; rank 0's store binds it later. Another process can take it in
+    between (an outgoing connection's ephemeral port): rank 0 then fails with EADDRINUSE before anything ran, and
+    the ranks start again on another port. (Before, the spawn failed; the test makes it certain by handing out a
+    port that is taken.)"""
+    import logging
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        ports = iter([port])
+        real = dist_mod.free_port
+        monkeypatch.setattr(dist_mod, "free_port", lambda: next(ports, None) or real())
+        caplog.set_level(logging.WARNING, logger="orchestra")
+        per_rank = spawn(listening_addresses_worker, 2)
+    assert [r["sum"] for r in per_rank] == [2.0, 2.0]
+    assert f"spawn: port {port} was taken by another process before rank 0 listened on it" in caplog.text
+
+
+def test_under_torchruns_agent_every_rank_is_a_client_of_the_agents_store(monkeypatch):
+    """torchrun's agent serves the store on MASTER_PORT itself (``TORCHELASTIC_USE_AGENT_STORE=True``): rank 0 joins
+    it as a client, as torch's own rendezvous does, instead of failing to bind a port the agent holds."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    rank0 = dist_mod.rendezvous_store("127.0.0.1", port, 0, 2)
+    rank0.set("from_rank_0", "1")
+    assert agent.get("from_rank_0") == b"1"
+
+
+@pytest.mark.parametrize("addr, pinned", [("127.0.0.1", True), ("::1", True), ("10.1.2.3", True), ("localhost", True),
+                                          ("vm", False), ("head-node.cluster.internal", False)])
+def test_only_an_address_every_machine_reads_alike_is_listened_on_alone(addr, pinned):
+    """An IP literal or ``localhost`` is served on that address only; another hostname can resolve here to another
+    address than on the other nodes (Debian maps this machine's own name to 127.0.1.1), so it keeps torch's every
+    interface, and no loopback interface is forced on gloo or NCCL for it."""
+    assert dist_mod._pinned_address(addr) is pinned
