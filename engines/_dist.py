@@ -108,7 +108,8 @@ def init_distributed(device: torch.device | None = None) -> torch.device:
     kw: dict[str, Any] = {}
     if device.type == "cuda":
         kw["device_id"] = device
-    _sockets_on_loopback_for(os.environ["MASTER_ADDR"], "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME")
+    _sockets_on_loopback_for(os.environ["MASTER_ADDR"],
+                             "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME")
     store = rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size, backend)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
     return device

@@ -335,8 +335,9 @@ class _Shared:
         if not isinstance(err, WorkerDiedError):
             log.error("group %r rank %d: supervision call failed without a death: %r", self.name, rank, e)
             return
-        self._died(rank, WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); {self._log_hint(rank)}"
-                                         f", then recreate the group", group=self.name, rank=rank, exc_type="WorkerDied"))
+        self._died(rank, WorkerDiedError(f"the worker process of rank {rank} died ({type(e).__name__}); "
+                                         f"{self._log_hint(rank)}, then recreate the group", group=self.name,
+                                         rank=rank, exc_type="WorkerDied"))
 
     def _log_hint(self, rank: int) -> str:
         """Where to look for why rank ``rank``'s process died: its log file (and node), as it described itself."""

@@ -388,7 +388,8 @@ class Host:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return {
             "rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(), "node_ip": self.runtime.node_ip(),
-            "node_id": node, "log": self.runtime.log_path(), **self.placement, "gpu_ids": list(gpu_ids), "device": device, "roles": list(self.roles),
+            "node_id": node, "log": self.runtime.log_path(), **self.placement, "gpu_ids": list(gpu_ids),
+            "device": device, "roles": list(self.roles),
             "meshes": {role: {n: dataclasses.asdict(m) for n, m in c.meshes.items()}
                        for role, c in self.contexts.items()},
         }
