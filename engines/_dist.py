@@ -72,6 +72,16 @@ def is_agreed(error: BaseException) -> bool:
     return getattr(error, "orc_agreed", False) is True
 
 
+def _hold_port() -> socket.socket:
+    """A socket bound to a free port on 127.0.0.1 with SO_REUSEADDR, not listening: while it is open, no other
+    process can bind the port or get it for an outgoing connection, and rank 0's store can still listen on it (torch's
+    store and :func:`rendezvous_store` bind with SO_REUSEADDR)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -284,7 +294,8 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return the results.
 
-    Each child gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT (a free port) and
+    Each child gets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT (a free port, held bound by this
+    process until the ranks end, so that no other process takes it before rank 0 listens on it) and
     ``torch.set_num_threads(threads)``; ``fn`` must be importable (module level). ``fn`` should
     create its engine (which joins the group) and return tensors, numbers, strings, None and
     dicts/lists/tuples of them (what ``torch.load(weights_only=True)`` reads back; other objects
@@ -302,8 +313,9 @@ def spawn(
     import torch.multiprocessing as mp
 
     for attempt in range(1, PORT_TRIES + 1):
-        port = free_port()
-        with tempfile.TemporaryDirectory(prefix="engines_spawn_") as out_dir:
+        hold = _hold_port()
+        port = int(hold.getsockname()[1])
+        with hold, tempfile.TemporaryDirectory(prefix="engines_spawn_") as out_dir:
             try:
                 mp.start_processes(
                     _spawn_entry,

@@ -338,6 +338,7 @@ class Host:
         self._kept: dict[str, Any] = {}  # fast-path results a frame cannot carry (refs, > 1 MiB), until taken
         self._kept_lock = threading.Lock()
         self.sessions = _sessions.Sessions()  # how far each fast-path session got; readers waiting on its calls
+        self._held_ports: list[socket.socket] = []  # MASTER_PORT, kept bound for this rank's process group (address)
         self.tracing = False
         self.events = _Events()
 
@@ -354,11 +355,20 @@ class Host:
 
     @ray.method(concurrency_group=CONTROL)
     def address(self) -> tuple[str, int]:
-        """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT."""
+        """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT. The port stays bound by
+        this host (with SO_REUSEADDR, never listening) for as long as it lives: another process can neither bind it
+        nor get it as an outgoing connection's port before this rank's process group listens on it (binding with
+        SO_REUSEADDR, as torch's store and ``engines.rendezvous_store`` do). A port picked free and released could be
+        taken in between, failing the group's start."""
         ip = self.runtime.node_ip()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        hold = socket.socket()
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hold.bind(("", 0))
+        port = hold.getsockname()[1]
+        if self.runtime.own_process:  # closed with the process
+            self._held_ports.append(hold)
+        else:  # in-process ranks build no process group of their own
+            hold.close()
         return ip, port
 
     @ray.method(concurrency_group=COMPUTE)

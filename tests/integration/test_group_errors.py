@@ -71,6 +71,19 @@ async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log()
     assert "SIGABRT received" not in text[:text.index("Fatal Python error: Aborted")]
 
 
+async def test_the_master_port_a_rank_hands_out_stays_bound_by_it():
+    """``MASTER_PORT`` is picked by rank 0's process (``Host.address``), which keeps it bound (SO_REUSEADDR, not
+    listening) for as long as it lives: no other process can bind it, or get it for an outgoing connection, before
+    the rank's process group listens on it. Before, the port was picked free and released, and anything could take
+    it in between, failing the group's start."""
+    import socket
+
+    async with WorkerGroup(ResourcePool(process_on_nodes=[1]), Scorer, group_name="port") as g:
+        ip, port = await g._shared.hosts[0].address.remote()
+        with socket.socket() as s, pytest.raises(OSError, match="Address already in use"):
+            s.bind((ip, port))
+
+
 async def test_placement_error_lists_needed_and_available():
     # fails at once, from the fit check (its message), not after waiting for placement: with an hour's
     # placement_timeout, only a hang would reach the bound

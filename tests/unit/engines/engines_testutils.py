@@ -237,3 +237,16 @@ def listening_addresses_worker(rank: int, world: int) -> dict:
     listening = _listening_ips()
     dist.barrier()  # nobody leaves (closing its listeners) before every rank looked
     return {"sum": t.item(), "listening": listening, "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+
+def plain_bind_refused_worker(rank: int, world: int) -> bool:
+    """Whether a plain bind (no SO_REUSEADDR, as most programs do) of ``MASTER_PORT`` is refused now."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError:
+            return True
+    return False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from engines_testutils import listening_addresses_worker
+from engines_testutils import listening_addresses_worker, plain_bind_refused_worker
 
 import engines._dist as dist_mod
 from engines._dist import spawn
@@ -44,10 +44,9 @@ def test_the_backend_is_put_on_loopback_only_for_a_loopback_master_and_never_ove
 
 @pytest.mark.slow  # forks 2 gloo ranks, twice
 def test_spawn_starts_again_on_another_port_when_its_port_was_taken_before_rank_0_listened(monkeypatch, caplog):
-    """``spawn`` picks a free port and closes it; rank 0's store binds it later. Another process can take it in
-    between (an outgoing connection's ephemeral port): rank 0 then fails with EADDRINUSE before anything ran, and
-    the ranks start again on another port. (Before, the spawn failed; the test makes it certain by handing out a
-    port that is taken.)"""
+    """Should the port ``spawn`` holds for rank 0's store be taken anyway (another process listening on it with
+    SO_REUSEADDR), rank 0 fails with EADDRINUSE before anything ran, and the ranks start again on another port.
+    (Before, the spawn failed; the test makes it certain by handing out a port that is taken.)"""
     import logging
     import socket
 
@@ -55,9 +54,20 @@ def test_spawn_starts_again_on_another_port_when_its_port_was_taken_before_rank_
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        ports = iter([port])
-        real = dist_mod.free_port
-        monkeypatch.setattr(dist_mod, "free_port", lambda: next(ports, None) or real())
+
+        class Taken:  # what a hold of a port someone took meanwhile would look like
+            def getsockname(self):
+                return ("127.0.0.1", port)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+        holds = iter([Taken()])
+        real = dist_mod._hold_port
+        monkeypatch.setattr(dist_mod, "_hold_port", lambda: next(holds, None) or real())
         caplog.set_level(logging.WARNING, logger="orchestra")
         per_rank = spawn(listening_addresses_worker, 2)
     assert [r["sum"] for r in per_rank] == [2.0, 2.0]
@@ -89,3 +99,12 @@ def test_only_an_address_every_machine_reads_alike_is_listened_on_alone(addr, pi
     address than on the other nodes (Debian maps this machine's own name to 127.0.1.1), so it keeps torch's every
     interface, and no loopback interface is forced on gloo or NCCL for it."""
     assert dist_mod._pinned_address(addr) is pinned
+
+
+@pytest.mark.slow  # forks a rank
+def test_spawn_holds_its_port_until_the_ranks_end():
+    """The port a spawn's ranks get is held bound by the caller (SO_REUSEADDR, not listening) until they end: no
+    other process can bind it, or get it for an outgoing connection, before rank 0's store listens on it. Before, it
+    was picked free and released, and anything could take it in between."""
+    (refused,) = spawn(plain_bind_refused_worker, 1)
+    assert refused, "another process could bind the port the ranks were given"
