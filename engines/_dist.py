@@ -73,12 +73,21 @@ def is_agreed(error: BaseException) -> bool:
 
 
 def _hold_port() -> socket.socket:
-    """A socket bound to a free port on 127.0.0.1 with SO_REUSEADDR, not listening: while it is open, no other
-    process can bind the port or get it for an outgoing connection, and rank 0's store can still listen on it (torch's
-    store and :func:`rendezvous_store` bind with SO_REUSEADDR)."""
+    """A socket bound with SO_REUSEADDR to a free port on every address (IPv6 ``::`` taking IPv4 too, else IPv4),
+    never listening. While it is open, a plain bind of the port on any address, a bind to port 0 and an outgoing
+    connection cannot get it, and rank 0's store can still listen on it (torch's store and :func:`rendezvous_store`
+    bind with SO_REUSEADDR; so can any other SO_REUSEADDR bind, which only a port chosen on purpose would meet)."""
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("::", 0))
+        return s
+    except OSError:  # no IPv6 here
+        s.close()
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
+    s.bind(("", 0))
     return s
 
 

@@ -355,15 +355,25 @@ class Host:
 
     @ray.method(concurrency_group=CONTROL)
     def address(self) -> tuple[str, int]:
-        """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT. The port stays bound by
-        this host (with SO_REUSEADDR, never listening) for as long as it lives: another process can neither bind it
-        nor get it as an outgoing connection's port before this rank's process group listens on it (binding with
-        SO_REUSEADDR, as torch's store and ``engines.rendezvous_store`` do). A port picked free and released could be
-        taken in between, failing the group's start."""
+        """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT. This host keeps the port
+        bound on every address (SO_REUSEADDR, never listening) for as long as it lives, so that a port picked free is
+        not taken before this rank's process group listens on it (which binds with SO_REUSEADDR, as torch's store and
+        ``engines.rendezvous_store`` do): a plain bind, a bind to port 0 and an outgoing connection cannot get it. (A
+        SO_REUSEADDR bind can, which only a port chosen on purpose would meet.)"""
         ip = self.runtime.node_ip()
-        hold = socket.socket()
-        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        hold.bind(("", 0))
+        for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):  # IPv6 "::" takes IPv4 too
+            hold = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                if family == socket.AF_INET6:
+                    hold.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                hold.bind((anywhere, 0))
+                break
+            except OSError:
+                hold.close()
+                if family == socket.AF_INET:
+                    raise
+                # no IPv6 here: IPv4 alone
         port = hold.getsockname()[1]
         if self.runtime.own_process:  # closed with the process
             self._held_ports.append(hold)
