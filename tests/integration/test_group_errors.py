@@ -39,8 +39,7 @@ async def test_a_rank_that_aborts_leaves_every_python_threads_stack_in_its_log()
     """A rank's process killed by a fatal signal (here SIGABRT in the compute thread; in the wild a native library's
     heap check) writes the Python stack of each of its threads to its worker log, first, and not only the crashing
     thread's: the main thread (Ray's task loop) is there too, so a crash in a native thread is not left without a
-    stack. The
-    death, as supervision reports it, names that file (``describe()`` does too)."""
+    stack. The death, as supervision reports it, names that file (``describe()`` does too)."""
     import glob
     import os
 
