@@ -77,17 +77,12 @@ def _hold_port() -> socket.socket:
     never listening. While it is open, a plain bind of the port on any address, a bind to port 0 and an outgoing
     connection cannot get it, and rank 0's store can still listen on it (torch's store and :func:`rendezvous_store`
     bind with SO_REUSEADDR; so can any other SO_REUSEADDR bind, which only a port chosen on purpose would meet)."""
-    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    try:
+    dual = socket.has_dualstack_ipv6()  # "::" then takes IPv4 too
+    s = socket.socket(socket.AF_INET6 if dual else socket.AF_INET, socket.SOCK_STREAM)
+    if dual:
         s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("::", 0))
-        return s
-    except OSError:  # no IPv6 here
-        s.close()
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("", 0))
+    s.bind(("::" if dual else "", 0))
     return s
 
 

@@ -300,6 +300,19 @@ class _Events:
         return list(items)
 
 
+def _bound_anywhere() -> socket.socket:
+    """A TCP socket bound with SO_REUSEADDR to a free port on every address (IPv6 ``::`` taking IPv4 too, else
+    IPv4), never listening. (``engines._dist._hold_port`` is the same for ``spawn``: engines do not import
+    orchestra, which imports Ray.)"""
+    dual = socket.has_dualstack_ipv6()  # "::" then takes IPv4 too
+    s = socket.socket(socket.AF_INET6 if dual else socket.AF_INET, socket.SOCK_STREAM)
+    if dual:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("::" if dual else "", 0))
+    return s
+
+
 def _dump_stacks_on_crash() -> None:
     """On a fatal signal (SIGSEGV, SIGABRT from a heap-corruption check or ``std::terminate``, ...), write every
     Python thread's stack to stderr (fd 2: the worker's log) first. Ray enables ``faulthandler`` for the current
@@ -361,19 +374,7 @@ class Host:
         ``engines.rendezvous_store`` do): a plain bind, a bind to port 0 and an outgoing connection cannot get it. (A
         SO_REUSEADDR bind can, which only a port chosen on purpose would meet.)"""
         ip = self.runtime.node_ip()
-        for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):  # IPv6 "::" takes IPv4 too
-            hold = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                if family == socket.AF_INET6:
-                    hold.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                hold.bind((anywhere, 0))
-                break
-            except OSError:
-                hold.close()
-                if family == socket.AF_INET:
-                    raise
-                # no IPv6 here: IPv4 alone
+        hold = _bound_anywhere()
         port = hold.getsockname()[1]
         if self.runtime.own_process:  # closed with the process
             self._held_ports.append(hold)
