@@ -58,9 +58,14 @@ def kl_loss(
 ) -> Tensor:
     """Scalar KL(policy || ref) loss term (the KL-in-loss form of GRPO); gradients reach ``logp``.
 
-    Multiply by the KL coefficient and add to the policy loss.
+    Multiply by the KL coefficient and add to the policy loss. Masked positions are zeroed *before* the estimator:
+    a NaN / inf log-prob there reaches neither the loss nor the gradient (k2's backward is ``d * grad``, NaN for a
+    non-finite ``d`` even where the aggregation's ``where`` passes back 0).
     """
-    return aggregate(kl_penalty(logp, ref_logp.detach(), kind), response_mask, agg, normalizer)
+    keep = response_mask.bool()
+    logp = torch.where(keep, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    ref_logp = torch.where(keep, ref_logp.detach(), torch.zeros((), dtype=ref_logp.dtype, device=ref_logp.device))
+    return aggregate(kl_penalty(logp, ref_logp, kind), response_mask, agg, normalizer)
 
 
 def min_kl_horizon(samples_per_step: int) -> int:

@@ -4,7 +4,8 @@
 import pytest
 import torch
 
-from pipelines.algorithms import AGG_MODES, cispo_loss, gmpo_loss, gspo_loss, policy_loss, value_loss
+from pipelines.algorithms import (AGG_MODES, KL_KINDS, cispo_loss, gmpo_loss, gspo_loss, kl_loss, policy_loss,
+                                 value_loss)
 
 MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
 
@@ -48,5 +49,26 @@ def test_value_loss_ignores_non_finite_values_at_masked_positions(agg, clip_rang
                  (_poison(values, bad), old, returns)):
         loss, grad = _grad(value_loss, *args, MASK, clip_range=clip_range, agg=agg)
         assert torch.isfinite(grad).all(), f"value_loss/{agg}: non-finite gradient from a masked {bad}"
+        torch.testing.assert_close(loss, clean_loss)
+        torch.testing.assert_close(grad, clean_grad)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("kind", KL_KINDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_kl_loss_ignores_non_finite_values_at_masked_positions(kind, agg, bad):
+    """k2's ``d**2 / 2`` backpropagated ``2 * d * 0`` = NaN from a masked non-finite ``d`` (the aggregation's
+    ``where`` came after the arithmetic); every estimator now masks ``d`` first."""
+    g = torch.Generator().manual_seed(2)
+    logp = -torch.rand(3, 4, generator=g) * 2
+    ref = logp + 0.3 * torch.randn(3, 4, generator=g)
+
+    def kl(x, r, mask, agg):
+        return kl_loss(x, r, mask, kind=kind, agg=agg), None
+
+    clean_loss, clean_grad = _grad(kl, logp, ref, MASK, agg=agg)
+    for args in ((_poison(logp, bad), ref), (logp, _poison(ref, bad)), (_poison(logp, bad), _poison(ref, bad))):
+        loss, grad = _grad(kl, *args, MASK, agg=agg)
+        assert torch.isfinite(grad).all(), f"kl_loss {kind}/{agg}: non-finite gradient from a masked {bad}"
         torch.testing.assert_close(loss, clean_loss)
         torch.testing.assert_close(grad, clean_grad)
