@@ -180,10 +180,24 @@ def _rng_to_restore(spath: str, state: Mapping[str, Any], rank: int, world: int,
     return cpu, cuda
 
 
+# param-group flags that choose how the update is computed, not what it is (a checkpoint written where one applied
+# loads where it does not): the running optimizer's values stay. Every other flag must be the running one's.
+_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _finite_number(v: Any) -> bool:
+    """A JSON number no optimizer writes as NaN or inf (Python's json reads ``NaN`` and ``Infinity``)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_flag(v: Any) -> bool:
+    """A param-group value that switches behaviour: a bool, or None (not set: ``foreach``, ``fused``)."""
+    return isinstance(v, bool) or v is None
+
+
 def _same_kind(cur: Any, saved: Any) -> bool:
     """Whether ``saved`` (a param-group value read from JSON) can stand for ``cur`` (the running optimizer's)."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    number = _finite_number
 
     if isinstance(cur, torch.Tensor):
         return cur.numel() == 1 and number(saved)
@@ -350,8 +364,11 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
                               f"{unexpected or 'nothing'}; was it saved with another optimizer?")
     for fqn, st in opt["scalars"].items():
         for n, v in st.items():
-            _expect(isinstance(v, dict) and isinstance(v.get("value"), (bool, int, float)), spath,
-                    f"optimizer scalar {fqn}/{n} is not a number")
+            value = v.get("value") if isinstance(v, dict) else None
+            _expect(_finite_number(value), spath, f"optimizer scalar {fqn}/{n} is {value!r:.100}, not a finite number")
+            # Adam's step counts updates: a NaN, negative or fractional one breaks its bias correction silently
+            _expect(n != "step" or (value >= 0 and float(value).is_integer()), spath,
+                    f"optimizer scalar {fqn}/{n} is {value!r:.100}, not a whole number of steps")
     groups = optim_sd.get("param_groups", [])
     saved_params = [g.get("params") if isinstance(g, dict) else None for g in opt["param_groups"]]
     if saved_params != [list(g["params"]) for g in groups]:
@@ -359,10 +376,17 @@ def _check_index(directory: str, index: Any, state: Any, entries: Mapping[str, t
                               f"optimizer's; was it saved with another model or optimizer?")
     for i, (group, saved) in enumerate(zip(groups, opt["param_groups"])):
         for k, v in saved.items():
-            if k != "params" and k in group and not _same_kind(group[k], v):
+            if k == "params" or k not in group:
+                continue
+            if not _same_kind(group[k], v):
                 raise CheckpointError(f"{spath}: optimizer param group {i}'s {k!r} is {v!r:.100}, which cannot "
                                       f"stand for the running optimizer's {group[k]!r:.100}; the file is corrupt or "
                                       f"was written by another optimizer")
+            if _is_flag(group[k]) and k not in _IMPLEMENTATION_FLAGS and v != group[k]:
+                raise CheckpointError(f"{spath}: optimizer param group {i}'s {k!r} is {v!r}, the running optimizer's "
+                                      f"is {group[k]!r}: the flag changes the update rule (and the state it keeps); "
+                                      f"the file was changed, or written by an optimizer configured otherwise. Load "
+                                      f"it into an engine configured as the one that saved it")
 
 
 def _natural(v: Any) -> bool:
@@ -564,7 +588,7 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
                     st[name] = type(v)(value)
     for group, saved in zip(optim_sd.get("param_groups", []), state["optimizer"]["param_groups"]):
         for k, v in saved.items():
-            if k == "params" or k not in group:
+            if k == "params" or k not in group or _is_flag(group[k]):  # flags: checked equal, or the running one's
                 continue
             cur = group[k]
             if isinstance(cur, tuple):

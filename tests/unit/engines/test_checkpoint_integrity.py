@@ -256,6 +256,18 @@ _BAD_VALUES = {
     "lr a string": ("engine_state.json", ["optimizer", "param_groups", 0, "lr"], "fast", "'lr'"),
     "betas of one": ("engine_state.json", ["optimizer", "param_groups", 0, "betas"], [0.9], "'betas'"),
     "amsgrad a number": ("engine_state.json", ["optimizer", "param_groups", 0, "amsgrad"], 1, "'amsgrad'"),
+    # values of the right type that no optimizer could have written: each loaded silently before (an Adam step of
+    # NaN left every weight NaN after one more step that reported nothing; maximize turned descent into ascent)
+    "adam step NaN": ("engine_state.json", ["optimizer", "scalars", "w", "step", "value"], float("nan"), "w/step"),
+    "adam step inf": ("engine_state.json", ["optimizer", "scalars", "w", "step", "value"], float("inf"), "w/step"),
+    "adam step -3": ("engine_state.json", ["optimizer", "scalars", "w", "step", "value"], -3, "w/step"),
+    "adam step 1.5": ("engine_state.json", ["optimizer", "scalars", "w", "step", "value"], 1.5, "w/step"),
+    "adam step true": ("engine_state.json", ["optimizer", "scalars", "w", "step", "value"], True, "w/step"),
+    "eps NaN": ("engine_state.json", ["optimizer", "param_groups", 0, "eps"], float("nan"), "'eps'"),
+    "betas with inf": ("engine_state.json", ["optimizer", "param_groups", 0, "betas"], [0.9, float("inf")],
+                       "'betas'"),
+    "maximize true": ("engine_state.json", ["optimizer", "param_groups", 0, "maximize"], True, "'maximize'"),
+    "amsgrad true": ("engine_state.json", ["optimizer", "param_groups", 0, "amsgrad"], True, "'amsgrad'"),
     "global_step true": ("engine_state.json", ["global_step"], True, "global_step"),
     "global_step -5": ("engine_state.json", ["global_step"], -5, "global_step"),
     "a file entry a number": ("index.json", ["files", "model-rank00000-of-00001.safetensors"], 5,
@@ -302,3 +314,17 @@ def test_the_adam_state_round_trips(tmp_path):
     for k, v in saved_optim["state"]["w"].items():
         assert torch.equal(optim_sd["state"]["w"][k], v), k
     assert optim_sd["param_groups"] == saved_optim["param_groups"]
+
+
+def test_the_running_optimizers_implementation_flags_stay(tmp_path):
+    """``foreach``, ``fused``, ``capturable`` and ``differentiable`` choose how the update is computed, not what it
+    is (a checkpoint written where one applied loads where it does not): the running optimizer's values stay, and
+    no flag is copied from the file."""
+    d = tmp_path / "ckpt"
+    saved_model, saved_optim = _adam_state_dicts()
+    saved_optim["param_groups"][0].update(foreach=True, capturable=True)
+    save_sharded(d, saved_model, saved_optim, device=CPU, engine_state={"global_step": 1})
+    model_sd, optim_sd = _adam_state_dicts()
+    load_sharded(d, model_sd, optim_sd, device=CPU, verify=True)
+    assert optim_sd["param_groups"][0]["foreach"] is None
+    assert optim_sd["param_groups"][0]["capturable"] is False
