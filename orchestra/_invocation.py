@@ -926,8 +926,13 @@ class _WriteCheck:
 
 def _mark(b: Batch) -> tuple:
     tensors = {k: (t, t._version) for k, t in b.tensors.items(include_nested=True, leaves_only=True)}
-    return (tuple(b.keys()), tensors, {k: (a, _fingerprint(a)) for k, a in b.non_tensors.items()}, dict(b.meta),
+    return (_names(b), tensors, {k: (a, _fingerprint(a)) for k, a in b.non_tensors.items()}, dict(b.meta),
             _fingerprint(b.meta))
+
+
+def _names(b: Batch) -> tuple:
+    """Every column name of ``b``, nested leaves too (as tuples): a leaf added under a nested column is a change."""
+    return (*b.keys(), *(k for k in b.tensors.keys(include_nested=True, leaves_only=True) if isinstance(k, tuple)))
 
 
 def _fingerprint(x: Any) -> bytes | None:
@@ -945,8 +950,9 @@ def _fingerprint(x: Any) -> bytes | None:
 def _changed(b: Batch, mark: tuple) -> str | None:
     """What changed in ``b`` since ``mark`` (None: nothing)."""
     keys, tensors, non_tensors, meta, meta_print = mark
-    if tuple(b.keys()) != keys:
-        added, gone = sorted(set(b.keys()) - set(keys), key=str), sorted(set(keys) - set(b.keys()), key=str)
+    names = _names(b)
+    if names != keys:
+        added, gone = sorted(set(names) - set(keys), key=str), sorted(set(keys) - set(names), key=str)
         return f"column(s) {', '.join(map(repr, added + gone))} {'added' if added else 'removed'}"
     now = dict(b.tensors.items(include_nested=True, leaves_only=True))
     for k, (t, version) in tensors.items():

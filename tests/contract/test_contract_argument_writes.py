@@ -106,3 +106,25 @@ async def test_a_batch_written_in_place_beyond_its_tensors_fails_a_call_sent_lat
     with pytest.raises(orc.DispatchError, match=r"written after the call was made"):
         await fut
     assert (await g.echo(xs(8)))["x"].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("how", ["leaf added", "leaf removed"])
+async def test_a_nested_column_given_a_leaf_after_a_call_was_made_fails_the_call(bed, how):
+    """The check compared the top-level names and the leaves it had seen: a leaf added under a nested column went out
+    with the call, unnamed."""
+    from orchestra._tensordict import TensorDict
+
+    g = bed["e2"]
+    n = 4
+    nested = TensorDict({"p": torch.zeros(n), **({"q": torch.ones(n)} if how == "leaf removed" else {})},
+                        batch_size=[n])
+    mine = Batch(TensorDict({"x": torch.arange(n), "n": nested}, batch_size=[n]))
+    g.echo(g.echo(xs(4)))  # queued before it: the call is sent later
+    fut = g.echo(mine)
+    if how == "leaf added":
+        mine.tensors["n"]["q"] = torch.ones(n)
+    else:
+        del mine.tensors["n"]["q"]
+    with pytest.raises(orc.DispatchError, match=r"written after the call was made.*\('n', 'q'\) (added|removed)"):
+        await fut
+    assert (await g.echo(xs(8)))["x"].tolist() == list(range(8))
