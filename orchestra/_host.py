@@ -908,6 +908,11 @@ class Host:
         if len(pieces) == 1:  # a view of one stored part (or of a reply other calls here may read too): copy it
             return pieces[0] if zero_copy else pieces[0].clone()
         if len(wanted) > 1:  # a pad read wrapping around to the first rows: an upstream pad count would sit mid-way
+            own = sum(fetched.get(i, parts[i].ref).pad_count for i in need)
+            if own:  # dropping it would make the upstream's filler rows real rows (unpad() would keep them)
+                raise ValueError(f"shard(pad=True) / pad() would pad forwarded rows that hold {own} padding row(s) "
+                                 f"of their own (pad_to_multiple), and the pieces could not say which are which: "
+                                 f"unpad() them in the upstream endpoint first, or read them with a call without pad")
             pieces = [p._pad_free() for p in pieces]
         if pieces:
             return Batch.concat(pieces)

@@ -242,15 +242,18 @@ class _Tagger(orc.Worker):
         return out
 
 
-async def test_a_pad_read_wrapping_around_a_padded_upstream_result_reads_its_rows():
+async def test_a_pad_read_wrapping_around_a_padded_upstream_result_is_refused_naming_pad_to_multiple():
     """A shard(pad=True) reader whose last share wraps to the first rows joined [the upstream's last rows, ending in
     its padding rows] + [the first rows], which concat refused (padding followed by real rows), naming batches the
-    user never sees. The wrapped read is rows like any: no pad count."""
+    user never sees. Then the wrapped read dropped the upstream's pad count: its filler row came back as a real row
+    ([0, 1, 2, 3, 0] with pad count 0, so unpad() kept it). Refused now, as the same rows given as a Batch are."""
     async with WorkerGroup(pool(1), _Tagger, group_name="tagger") as up, \
             WorkerGroup(pool(3), _PadReader, group_name="pad_reader3") as down:
         src = rows(4).pad_to_multiple(5)  # 4 rows + 1 padding row
-        out = await down.tiled(up.tag(src))
-        assert out["x"].tolist() == [0, 1, 2, 3, 0] and out["pad_seen"].tolist() == [0] * 5
+        with pytest.raises(orc.WorkerError, match=r"1 padding row\(s\) of their own \(pad_to_multiple\).*unpad\(\)"):
+            await down.tiled(up.tag(src))
+        out = await down.tiled(up.tag(src.unpad()))  # unpadded first: 4 rows over 3 ranks, pad()'s fillers dropped
+        assert out["x"].tolist() == [0, 1, 2, 3] and out["pad_seen"].tolist() == [0] * 4
 
 
 class _RankChoice(orc.Worker):
