@@ -81,6 +81,12 @@ class DataFuture:
     def __repr__(self) -> str:
         return f"<DataFuture {self.group}.{self.endpoint} {'done' if self.done() else 'pending'}>"
 
+    def __reduce__(self) -> Any:
+        """A future is the controller's handle on a call, not data: it travels only as a call's argument itself."""
+        raise TypeError(f"{self!r} cannot be serialized: a DataFuture is forwarded only as a top-level argument of a "
+                        f"call (or a union of futures), not inside a list, dict, object column or other value. "
+                        f"Pass it as an argument of its own, or await it and pass the value")
+
     async def wait(self) -> None:
         """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
         await self._inv.wait()

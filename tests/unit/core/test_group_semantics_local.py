@@ -583,6 +583,22 @@ async def test_unserializable_broadcast_argument_is_rejected_before_sending(bed)
     assert await h4.seen_calls() == before
 
 
+@pytest.mark.parametrize("wrap", [lambda f: [f], lambda f: {"a": f}, lambda f: Batch.from_dict({"f": [f, f]})],
+                         ids=["list", "dict", "object-column"])
+async def test_a_future_inside_an_argument_is_refused_naming_it_before_sending(bed, wrap):
+    """A DataFuture is forwarded only as an argument itself (or a union of such): one inside a list, a dict or a
+    Batch's object column cannot travel, and the error says so, not that some lock cannot be pickled."""
+    h4 = bed["h4"]
+    before = await h4.seen_calls()
+    fut = h4.echo(rows(4))
+    with pytest.raises(orc.DispatchError, match="argument 'tag'") as info:
+        await h4.mark(tag=wrap(fut))
+    msg = str(info.value)
+    assert "DataFuture" in msg and "top-level argument" in msg and "await" in msg and "_thread.lock" not in msg
+    assert await h4.seen_calls() == before
+    assert (await fut)["x"].tolist() == [0, 1, 2, 3]
+
+
 async def test_unions_of_differently_split_futures_forward_by_rows(bed):
     h4 = bed["h4"]
     b10 = rows(10)
