@@ -30,7 +30,8 @@ from . import _backend, _channel, _frame, _sessions
 from ._batch import Batch, balanced_sizes
 from ._errors import DECLARED_DEAD, UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Output, PartInfo, RefAt, Source, Span, overlapping, rank_value, reader_cuts, row_range)
+                    Output, PartInfo, RefAt, Source, Span, overlapping, padded_again, rank_value, reader_cuts,
+                    row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 log = logging.getLogger("orchestra")
@@ -840,6 +841,10 @@ class Host:
         if arg.layout.kind == "balanced" and stop <= start and not arg.layout.allow_empty:
             raise ValueError(f"this rank's shard of {n} rows is empty; pass at least {arg.layout.count} rows, or use "
                              f"shard(pad=True) / shard(allow_empty=True)")
+        for parts in part_lists:  # the rule the controller applies when it has the headers: every rank alike
+            refusal = padded_again(n, arg.layout, sum(p.pad for p in parts))
+            if refusal is not None:
+                raise ValueError(refusal)
         wanted = _wanted(start, stop, n) if arg.layout.kind == "balanced" else [(0, n)]
         out = None
         for parts in part_lists:
@@ -907,14 +912,7 @@ class Host:
             pieces.append(b if (lo, hi) == (0, len(b)) else b.slice(lo, hi))
         if len(pieces) == 1:  # a view of one stored part (or of a reply other calls here may read too): copy it
             return pieces[0] if zero_copy else pieces[0].clone()
-        if len(wanted) > 1:  # a pad read wrapping around to the first rows: an upstream pad count would sit mid-way
-            own = sum(fetched.get(i, parts[i].ref).pad_count for i in need)
-            if own:  # dropping it would make the upstream's filler rows real rows (unpad() would keep them)
-                raise ValueError(f"shard(pad=True) / pad() would pad forwarded rows that hold {own} padding row(s) "
-                                 f"of their own (pad_to_multiple), and the pieces could not say which are which: "
-                                 f"unpad() them in the upstream endpoint first, or read them with a call without pad")
-            pieces = [p._pad_free() for p in pieces]
-        if pieces:
+        if pieces:  # (a pad read wrapping around reads no padding of the producer's own: _materialize refused it)
             return Batch.concat(pieces)
         if not parts:
             return Batch.from_dict({})
@@ -951,9 +949,10 @@ class Host:
             if nbytes < INLINE_BYTES:
                 self._inline_parts += 1
                 parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}",
-                                      start=where[0], total=where[1]))
+                                      start=where[0], total=where[1], pad=piece.pad_count))
             else:
-                parts.append(PartInfo(self.runtime.put(piece), len(piece), size, start=where[0], total=where[1]))
+                parts.append(PartInfo(self.runtime.put(piece), len(piece), size, start=where[0], total=where[1],
+                                      pad=piece.pad_count))
             counters["parts_out"] += 1
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size

@@ -38,7 +38,7 @@ from ._errors import (
     WorkerError,
 )
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Layout, Output, PartInfo, RefAt, Source, Span, rank_value)
+                    Layout, Output, PartInfo, RefAt, Source, Span, padded_again, rank_value)
 from .dispatch import Plan, check_final, forwarded_as, joins_rows
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
@@ -432,8 +432,10 @@ class Invocation:
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
             return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
-        return {d: (flat, Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty), guards)
-                for d in range(D)}
+        layouts = {d: Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty) for d in range(D)}
+        if spec.pad:
+            _check_padded_again(plan, comps, layouts[0])
+        return {d: (flat, layouts[d], guards) for d in range(D)}
 
     async def _all_outputs(self, c: Any, plan: Plan, hurry: Callable[[], asyncio.Future]) -> list[Any]:
         if isinstance(c, Batch):
@@ -597,10 +599,16 @@ class Invocation:
 
     def rows_if_known(self) -> int | None:
         """Rows the producers reported (every collected rank done, every output a Batch), else None."""
+        parts = self.known_parts()
+        return None if parts is None else sum(p.rows for p in parts)
+
+    def known_parts(self) -> list[PartInfo] | None:
+        """The part headers of the rows, in row order, once every collected rank is done and every output is a
+        Batch; else None (nothing is waited for)."""
         if not self.submitted.done() or self.submitted.exception() is not None or self.error is not None:
             return None
-        total = 0
-        for s in self.slots:
+        parts: list[PartInfo] = []
+        for s in _row_order(self.plan, self.slots):
             if not s.collected:
                 continue
             if not s.finished() or s.done.exception() is not None:
@@ -611,8 +619,8 @@ class Invocation:
                 v = o.result()
                 if not (isinstance(v, Output) and v.is_batch):
                     return None
-                total += v.rows
-        return total
+                parts.extend(v.parts)
+        return parts
 
     def _running_ranks(self) -> list[int]:
         return sorted({s.rank for s in self.slots if not s.finished()})
@@ -1185,17 +1193,29 @@ class _ArgBuilder:
         return o
 
 
+def _check_padded_again(plan: Plan, comps: list[Any], layout: Layout) -> None:
+    """Refuse, before sending, a pad read of rows that hold padding of their own (``padded_again``), for each input
+    whose part headers are here; an input still being produced is refused by every rank alike, by the same rule."""
+    for c in comps:
+        parts = c.known_parts() if isinstance(c, Invocation) else None
+        rows, own = ((len(c), c.pad_count) if isinstance(c, Batch) else
+                     (sum(p.rows for p in parts), sum(p.pad for p in parts)) if parts is not None else (0, 0))
+        refusal = padded_again(rows, layout, own)
+        if refusal is not None:
+            raise DispatchError(f"{plan.where()}: {refusal}")
+
+
 def _put(b: Batch, plan: Plan, what: str, rank: int | None = None, nbytes: int | None = None) -> PartInfo:
     """``b`` as a part: itself when small, else stored (``nbytes``: its size when the caller knows it)."""
     nbytes = b.nbytes if nbytes is None else nbytes
     if nbytes < INLINE_BYTES:
-        return PartInfo(b, len(b), nbytes)
+        return PartInfo(b, len(b), nbytes, pad=b.pad_count)
     try:
         ref = plan.group.pool.backend.put(b)
     except Exception as e:
         raise _unserializable(plan, what, rank, b, e) from None
     _stats.add_put(nbytes)
-    return PartInfo(ref, len(b), nbytes)
+    return PartInfo(ref, len(b), nbytes, pad=b.pad_count)
 
 
 def _describe_batches(plan: Plan) -> dict[int, Any]:

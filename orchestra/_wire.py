@@ -13,8 +13,8 @@ from typing import Any
 
 from ._batch import Batch, balanced_sizes
 
-__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "overlapping", "reader_cuts",
-           "private_part", "RefAt",
+__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "padded_again", "overlapping",
+           "reader_cuts", "private_part", "RefAt",
            "REFS_KWARG", "SHARED_KWARG", "FRAME_KWARG", "FRAME_REFS_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
@@ -44,6 +44,7 @@ class PartInfo:
     tag: str = ""  # names a part that rides inline (no ref) so traces can follow it from producer to reader
     start: int = -1  # its first row's index in the rows of the whole call (-1: not known)
     total: int = -1  # how many rows the whole call has (-1: not known)
+    pad: int = 0  # how many of its last rows are padding of the producer's own (``Batch.pad_to_multiple``)
 
     @property
     def key(self) -> str:
@@ -142,6 +143,19 @@ def rank_value(outs: list[Output], rows: Callable[[list[PartInfo]], Any]) -> Any
     if len(outs) == 1:
         return outs[0].value
     return [rows(list(o.parts)) if o.is_batch else o.value for o in outs]
+
+
+def padded_again(rows: int, layout: Layout, own: int) -> str | None:
+    """Why a pad read of ``layout`` cannot take rows that hold ``own`` padding rows of their own (``PartInfo.pad``,
+    ``rows`` rows in all), or None when it can: ``rows`` is not a multiple of the read's pieces, so pad() would pad
+    them again, and no piece could say which rows are whose. The controller asks when it has the part headers
+    (before sending), every rank when it reads them: the same answer everywhere, so the call runs on every rank or
+    on none."""
+    if not own or layout.kind != "balanced" or not layout.pad or rows % layout.count == 0:
+        return None
+    return (f"shard(pad=True) / pad() would pad forwarded rows that hold {own} padding row(s) of their own "
+            f"(pad_to_multiple), {rows} rows over {layout.count} pieces, and no piece could say which rows are whose: "
+            f"unpad() them in the upstream endpoint first, or read them with a call without pad()")
 
 
 def row_range(n: int, layout: Layout) -> tuple[int, int, int]:

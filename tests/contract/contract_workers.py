@@ -90,6 +90,7 @@ class Echo(FailOnCue, Worker):
 
     @endpoint(D.shard(pad=True))
     def padded(self, batch: Batch) -> Batch:
+        self.seen += 1
         return Batch.from_dict({"n": torch.full((len(batch),), len(batch))})
 
     @endpoint(D.shard())

@@ -323,6 +323,24 @@ async def test_each_await_of_a_union_is_private_and_never_the_callers_batch(bed)
     assert mine["w"].tolist() == [0.0] * 4 and mine.meta["tags"] == ["orig"]
 
 
+@pytest.mark.parametrize("awaited", [True, False], ids=["headers known", "upstream running"])
+async def test_a_pad_read_over_rows_padded_on_their_own_runs_on_no_rank(bed, awaited):
+    """5 rows, the last the upstream's own pad_to_multiple padding, read by a shard(pad=True) call over 3 ranks: pad()
+    would pad them again and no piece could say which rows are whose. The controller refuses when it has the part
+    headers; else every rank refuses alike (a rank whose share did not wrap around used to run)."""
+    e2, e3 = bed["e2"], bed["e3"]
+    fut = e2.echo(xs(4).pad_to_multiple(5))  # echo keeps the pad count: the result's last row is padding
+    if awaited:
+        await fut
+    before = await e3.seen_calls()
+    with pytest.raises((orc.DispatchError, orc.WorkerError), match=r"1 padding row\(s\) of their own") as info:
+        await e3.padded(fut)
+    if awaited:
+        assert isinstance(info.value, orc.DispatchError)
+    assert await e3.seen_calls() == before
+    assert (await e3.padded(e2.echo(xs(4).pad_to_multiple(5).unpad())))["n"].tolist() == [2] * 4
+
+
 async def test_a_padded_endpoint_must_return_a_row_per_input_row(bed):
     with pytest.raises(orc.WorkerError, match="one row per input row") as info:
         await bed["e3"].padded_short(xs(7))

@@ -215,11 +215,19 @@ async def test_a_mesh_registered_again_with_another_layout_is_refused():
 
 
 class _PadReader(orc.Worker):
+    def __init__(self) -> None:
+        self.calls = 0
+
     @endpoint(D.shard() | D.pad())
     def tiled(self, b: Batch) -> Batch:
+        self.calls += 1
         out = b.repeat(2, interleave=False).slice(0, len(b))  # rows picked by position: the filler rows not last
         out["pad_seen"] = torch.full((len(b),), b.pad_count)
         return out
+
+    @endpoint(D.broadcast())
+    def seen(self) -> int:
+        return self.calls
 
 
 async def test_a_pad_calls_filler_rows_are_rows_like_any_to_its_endpoint():
@@ -254,6 +262,27 @@ async def test_a_pad_read_wrapping_around_a_padded_upstream_result_is_refused_na
             await down.tiled(up.tag(src))
         out = await down.tiled(up.tag(src.unpad()))  # unpadded first: 4 rows over 3 ranks, pad()'s fillers dropped
         assert out["x"].tolist() == [0, 1, 2, 3] and out["pad_seen"].tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("awaited", [True, False], ids=["headers known", "upstream running"])
+async def test_a_pad_read_over_a_padded_upstream_result_runs_on_no_rank(awaited):
+    """6 rows, the last 2 the upstream's own padding, read by a pad() call over 4 ranks (padded to 8 again): no
+    share wraps around, so no rank saw the conflict, and the rank reading rows 4-5 got them as its rows, with a pad
+    count of 2 that no one drops. The same rows given as a Batch are refused before sending; now the part headers
+    carry their padding, so the controller refuses them when it has the headers, and every rank alike when not."""
+    async with WorkerGroup(pool(1), _Tagger, group_name="tagger6") as up, \
+            WorkerGroup(pool(4), _PadReader, group_name="pad_reader4") as down:
+        fut = up.tag(rows(4).pad_to_multiple(6))
+        if awaited:
+            await fut
+        with pytest.raises((orc.DispatchError, orc.WorkerError),
+                           match=r"2 padding row\(s\) of their own \(pad_to_multiple\).*unpad\(\)") as info:
+            await down.tiled(fut)
+        if awaited:  # the controller had the headers: nothing was sent
+            assert isinstance(info.value, orc.DispatchError) and "'pad_reader4'" in str(info.value)
+        assert await down.seen() == [0, 0, 0, 0]
+        out = await down.tiled(up.tag(rows(6)))  # a multiple of nothing: padded by pad() alone, fillers dropped
+        assert out["x"].tolist() == list(range(6)) and out["pad_seen"].tolist() == [0] * 6
 
 
 class _RankChoice(orc.Worker):
