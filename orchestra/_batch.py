@@ -132,6 +132,44 @@ def _kind(dtype: torch.dtype) -> str:
     return "int" if dtype.is_signed else "uint"
 
 
+def _rows_only(td: TensorDict, path: tuple[str, ...] = ()) -> TensorDict:
+    """``td`` with every nested TensorDict column's batch size cut to the row dimension, as the top level's is:
+    what a call delivers (the wire carries leaves and rows), so a Batch is the same before and after a call. A nested
+    column without a tensor in it is refused: nothing of it would arrive."""
+    n = td.batch_size[:1]
+    out = {}
+    for k, v in td.items():
+        if isinstance(v, TensorDict):
+            if not any(True for _ in v.values(include_nested=True, leaves_only=True)):
+                raise ValueError(f"nested column {'.'.join((*path, k))!r} holds no tensor: a Batch carries its nested "
+                                 f"columns' tensors (leaves) and nothing else would reach a rank; give it a tensor, "
+                                 f"or leave it out")
+            v = _rows_only(TensorDict(dict(v.items()), batch_size=n), (*path, k))
+        out[k] = v
+    return TensorDict(out, batch_size=n, device=td.device)
+
+
+def _element_kind(v: Any) -> str:
+    """The numpy kind a value of an object column would have in a typed column ("O": none)."""
+    if isinstance(v, (bool, np.bool_)):
+        return "b"
+    if isinstance(v, (int, np.integer)):
+        return "i"
+    if isinstance(v, (float, np.floating)):
+        return "f"
+    if isinstance(v, (complex, np.complexfloating)):
+        return "c"
+    return "U" if isinstance(v, str) else "S" if isinstance(v, bytes) else "O"
+
+
+def _odd_element(a: np.ndarray, b: np.ndarray) -> tuple[Any] | None:
+    """Of an object column and a typed one (either order), the object column's first value that is not of the typed
+    one's kind, as a 1-tuple (None when all are: boxed integers join integers, strings join strings)."""
+    typed, boxed = (b, a) if a.dtype == object else (a, b)
+    want = {"u": "i"}.get(typed.dtype.kind, typed.dtype.kind)
+    return next(((v,) for v in boxed.flat if _element_kind(v) != want), None)
+
+
 def _name(key: str | tuple[str, ...]) -> str:
     """A column's name as users write it: a nested TensorDict leaf ``("a", "b")`` is ``"a.b"``."""
     return ".".join(key) if isinstance(key, tuple) else key
@@ -214,6 +252,8 @@ class Batch:
             raise ValueError("a Batch needs a TensorDict with a row (batch) dimension, got batch_size=[]")
         if len(td.batch_size) != 1:
             td = TensorDict(dict(td.items()), batch_size=td.batch_size[:1])
+        if _validate and any(isinstance(v, TensorDict) for v in td.values()):
+            td = _rows_only(td)
         self._td = td
         self._nt = {k: _as_object_array(v, k) for k, v in nt.items()} if _validate else nt
         self.meta = dict(meta or {})
@@ -424,9 +464,15 @@ class Batch:
         """Rows of all batches in order, sharing nothing writable with them (one batch is returned as is); meta is
         (a copy of) the first one's. Batches without rows are left out (a rank's empty result decides no column's
         type); the others must have the same columns, each of one kind (bool, integer, float, complex, strings: a
-        wider dtype of the kind is taken) and row shape (a ValueError names the one that differs: ``torch.cat`` would
-        convert it), and padding rows (``pad_to_multiple``) only at the end."""
+        wider dtype of the kind is taken; an object column's values must be of the kind a typed one holds) and row
+        shape (a ValueError names the one that differs: ``torch.cat`` would convert it), and padding rows
+        (``pad_to_multiple``) only at the end."""
         batches = list(batches)
+        return Batch._concat(batches, [f"batch {i}" for i in range(len(batches))])
+
+    @staticmethod
+    def _concat(batches: list[Batch], names: list[str]) -> Batch:
+        """``concat``, its errors naming each batch by ``names`` (the controller names ranks)."""
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
         if len(batches) == 1:
@@ -439,29 +485,37 @@ class Batch:
             theirs = dict(b._td.items(include_nested=True, leaves_only=True))
             if set(theirs) != set(leaves) or set(b._nt) != set(first._nt):
                 raise ValueError(
-                    f"Batch.concat: batch {i} has tensor columns {_names(theirs)} and non-tensor columns "
-                    f"{sorted(b._nt)}, batch {i0} has {_names(leaves)} and {sorted(first._nt)}")
+                    f"Batch.concat: {names[i]} has tensor columns {_names(theirs)} and non-tensor columns "
+                    f"{sorted(b._nt)}, {names[i0]} has {_names(leaves)} and {sorted(first._nt)}")
             for k, t in theirs.items():
                 mine = leaves[k]
                 if _kind(t.dtype) != _kind(mine.dtype) or t.shape[1:] != mine.shape[1:]:
-                    raise ValueError(f"Batch.concat: column {_name(k)!r} of batch {i} is {t.dtype} with rows of shape "
-                                     f"{tuple(t.shape[1:])}, batch {i0}'s is {mine.dtype} with rows of shape "
+                    raise ValueError(f"Batch.concat: column {_name(k)!r} of {names[i]} is {t.dtype} with rows of "
+                                     f"shape {tuple(t.shape[1:])}, {names[i0]}'s is {mine.dtype} with rows of shape "
                                      f"{tuple(mine.shape[1:])}; make them one kind (bool, integer, float, complex) "
                                      f"and row shape: a wider dtype of the same kind is taken, another kind would "
                                      f"be converted")
             for k, a in b._nt.items():
                 mine_a = first._nt[k]
-                if (a.dtype != mine_a.dtype and object not in (a.dtype, mine_a.dtype)
-                        and not a.dtype.kind == mine_a.dtype.kind == np.result_type(a, mine_a).kind):
-                    raise ValueError(f"Batch.concat: column {k!r} of batch {i} is {a.dtype}, batch {i0}'s is "
+                if a.dtype == mine_a.dtype:
+                    continue
+                if object in (a.dtype, mine_a.dtype):
+                    odd = _odd_element(a, mine_a)
+                    if odd is not None:
+                        raise ValueError(f"Batch.concat: column {k!r} of {names[i]} is {a.dtype}, {names[i0]}'s is "
+                                         f"{mine_a.dtype}, and the object column holds {odd[0]!r:.40} "
+                                         f"({type(odd[0]).__name__}), not a value of the other's kind: make them one "
+                                         f"kind (an object column of any values concatenates with another)")
+                elif not a.dtype.kind == mine_a.dtype.kind == np.result_type(a, mine_a).kind:
+                    raise ValueError(f"Batch.concat: column {k!r} of {names[i]} is {a.dtype}, {names[i0]}'s is "
                                      f"{mine_a.dtype}; make them one kind (strings of any width, integers, floats: "
                                      f"a wider dtype of the same kind is taken, another kind would be converted)")
         pad = 0
         for j, (i, b) in enumerate(numbered):
             if pad and b._pad != len(b):
                 prev = next(k for k, c in reversed(numbered[:j]) if c._pad)
-                raise ValueError(f"Batch.concat: batch {prev} ends in {dict(numbered)[prev]._pad} padding row(s) "
-                                 f"(pad_to_multiple), and batch {i} after it has rows that are not padding: unpad() "
+                raise ValueError(f"Batch.concat: {names[prev]} ends in {dict(numbered)[prev]._pad} padding row(s) "
+                                 f"(pad_to_multiple), and {names[i]} after it has rows that are not padding: unpad() "
                                  f"each batch first")
             pad += b._pad
         parts = [b for _, b in numbered]

@@ -139,7 +139,10 @@ class DataFuture:
                         raise inv.fail(await inv.converted(d.exception(), slot))
                     out = d.result()
                     out = out if isinstance(out, Output) else Output(slot.rank, value=out)
-                    for p in out.parts or ():  # rows that rode in the reply: the Part's own copy
+                    if out.parts is None:  # a plain value has no rows to hand out as parts: say so, not end empty
+                        raise TypeError(f"{inv.where()}: rank {slot.rank} returned {type(out.value).__name__}, not "
+                                        f"a Batch: only rows come as parts; await the future for its values")
+                    for p in out.parts:  # rows that rode in the reply: the Part's own copy
                         yield Part(i, seq, slot.rank, p.rows, p.nbytes, out.keys, private_part(p))
         except asyncio.CancelledError:
             if not inv.finished():
@@ -217,6 +220,10 @@ class UnionFuture(DataFuture):
             if not isinstance(v, Batch):
                 raise TypeError(f"{getattr(s, 'group', '?')}.{getattr(s, 'endpoint', '?')} returned "
                                 f"{type(v).__name__}; only Batch results can be joined with |")
+        if len({len(v) for v in vals}) > 1:
+            names = [f"{s.group}.{s.endpoint}" if isinstance(s, DataFuture) else "a Batch" for s in self._parts_of]
+            raise ValueError("a union joins row-aligned sources, but " + ", ".join(
+                f"{name} has {len(v)} rows" for name, v in zip(names, vals)) + ": join results of the same rows")
         out = vals[0]
         for v in vals[1:]:
             out = out.union(v)

@@ -893,12 +893,29 @@ class _Endpoint:
         check_final(plan, spec.dispatch)
         check_forwarded(plan)
         _check_columns(plan, spec)
+        _check_padded_stream(plan, spec)
         if shared._start is None:
             shared.start()
         inv = Invocation(g, spec, plan, self.timeout)
         _stats.add_call()
         inv.start()
         return DataFuture(inv)
+
+
+def _check_padded_stream(plan: Plan, spec: EndpointSpec) -> None:
+    """A padded shard and a stream do not go together, whatever the rows: refused at the call (a rank given filler
+    rows refused a generator's call while the others ran it, and stream() ran the call per part, unpadded)."""
+    if plan.shard is None or not plan.shard.pad:
+        return
+    if spec.streaming:
+        raise DispatchError(f"{plan.where()}: a streaming endpoint (a generator) cannot take shard(pad=True) / pad(): "
+                            f"its yields are stored as they come, so pad()'s filler rows could not be taken out of "
+                            f"its result. Drop pad from its dispatch (shard(allow_empty=True) takes any row count), "
+                            f"or return one Batch instead of yielding")
+    if plan.stream:
+        raise DispatchError(f"{plan.where()}: stream() runs the call once per arriving part of its input, each part "
+                            f"whole, so pad() could not make the ranks' shards equal. Drop stream() "
+                            f"(options(stream=True)), or read the parts with an endpoint without pad")
 
 
 def _check_columns(plan: Plan, spec: EndpointSpec) -> None:

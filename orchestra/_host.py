@@ -30,8 +30,8 @@ from . import _backend, _channel, _frame, _sessions
 from ._batch import Batch, balanced_sizes
 from ._errors import DECLARED_DEAD, UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Output, PartInfo, RefAt, Source, Span, overlapping, padded_again, rank_value, reader_cuts,
-                    row_range)
+                    Output, PartInfo, RefAt, Source, Span, overlapping, padded_again, padded_apart, rank_value,
+                    reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 log = logging.getLogger("orchestra")
@@ -777,9 +777,11 @@ class Host:
             return (args, kwargs), 0, None
         pads: list[int] = []
         spans: list[Span | None] = []
+        padded: list[bool] = []  # a pad read among the arguments: the call pads (every data argument alike)
 
         def one(a: Any) -> Any:
             if isinstance(a, DataArg):
+                padded.append(a.layout.kind == "balanced" and a.layout.pad)
                 batch, p, where = self._materialize(a, resolved, counters, trace, spec.zero_copy_inputs)
                 pads.append(p)
                 spans.append(where)
@@ -806,6 +808,9 @@ class Host:
 
         new_args = tuple([one(a) for a in args])
         new_kwargs = {k: one(v) for k, v in kwargs.items()}
+        refusal = padded_apart([w.total for w in spans if w is not None]) if any(padded) else None
+        if refusal is not None:  # the controller's rule for the rows it knew: every rank alike, before the endpoint
+            raise ValueError(refusal)
         if len(set(pads)) > 1:
             raise ValueError(f"data arguments were padded differently ({pads}); pass them as one union a | b")
         span = spans[0] if spans and all(w == spans[0] for w in spans) else None
@@ -838,7 +843,9 @@ class Host:
                              f"row-aligned inputs")
         n = totals[0]
         start, stop, pad = row_range(n, arg.layout)
-        if arg.layout.kind == "balanced" and stop <= start and not arg.layout.allow_empty:
+        # no rows at all in a pad call: every rank gets none, as from a Batch of none (there is no row to repeat)
+        empty_ok = arg.layout.allow_empty or (arg.layout.pad and n == 0)
+        if arg.layout.kind == "balanced" and stop <= start and not empty_ok:
             raise ValueError(f"this rank's shard of {n} rows is empty; pass at least {arg.layout.count} rows, or use "
                              f"shard(pad=True) / shard(allow_empty=True)")
         for parts in part_lists:  # the rule the controller applies when it has the headers: every rank alike

@@ -808,20 +808,29 @@ class Invocation:
         Batches, plain values as they came."""
         fetched = iter(got)
         by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
+        # each part named by the rank that made it, for an error about results that do not join
+        many = {o.rank for outs in per_slot for o in outs if len(o.parts or ()) > 1 or len(outs) > 1}
+        names = {id(p): f"rank {o.rank}'s part {k}" if o.rank in many else f"rank {o.rank}'s result"
+                 for outs in per_slot for o in outs for k, p in enumerate(o.parts or ())}
 
-        def joined(batches: list[Batch]) -> Batch:
-            if not batches:
+        def joined(parts: list[PartInfo]) -> Batch:
+            if not parts:
                 return Batch.from_dict({})
-            return batches[0].clone() if len(batches) == 1 else Batch.concat(batches)
+            if len(parts) == 1:
+                return by_info[id(parts[0])].clone()
+            try:
+                return Batch._concat([by_info[id(p)] for p in parts], [names[id(p)] for p in parts])
+            except ValueError as e:
+                raise ValueError(f"{self.where()}: the ranks' results do not join into one Batch: {e}") from None
 
         values: list[Any] = []
         if self.concat_all and per_slot and all(o.is_batch for outs in per_slot for o in outs):
             # rows of a sharded call that only shard()'s collect joins: one concatenation over every part (not per
             # rank, then again over ranks); a collect of a user's before it gets one value per slot (below)
-            values.append(joined([by_info[id(p)] for outs in per_slot for o in outs for p in o.parts]))
+            values.append(joined([p for outs in per_slot for o in outs for p in o.parts]))
             per_slot = []
         for outs in per_slot:
-            values.append(rank_value(outs, lambda parts: joined([by_info[id(p)] for p in parts])))
+            values.append(rank_value(outs, joined))
         return values
 
     # -- cancellation ---------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from typing import Any
 
 from ._batch import Batch, balanced_sizes
 
-__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "padded_again", "overlapping",
-           "reader_cuts", "private_part", "RefAt",
+__all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "padded_again", "padded_apart",
+           "overlapping", "reader_cuts", "private_part", "RefAt",
            "REFS_KWARG", "SHARED_KWARG", "FRAME_KWARG", "FRAME_REFS_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
@@ -156,6 +156,18 @@ def padded_again(rows: int, layout: Layout, own: int) -> str | None:
     return (f"shard(pad=True) / pad() would pad forwarded rows that hold {own} padding row(s) of their own "
             f"(pad_to_multiple), {rows} rows over {layout.count} pieces, and no piece could say which rows are whose: "
             f"unpad() them in the upstream endpoint first, or read them with a call without pad()")
+
+
+def padded_apart(rows: list[int]) -> str | None:
+    """Why a pad call cannot take data arguments of these row counts, or None when it can: pad() pads each to equal
+    shards on its own, so arguments of different rows would be padded differently, and a rank's rows of one would
+    not be its rows of the other. Asked by the controller of the counts it knows, and by every rank of all of them."""
+    if len(set(rows)) < 2:
+        return None
+    counts = " and ".join(str(n) for n in sorted(set(rows)))
+    return (f"shard(pad=True) / pad() would pad data arguments of {counts} rows differently, and a rank's rows of one "
+            f"would not be the same rows of another: pass row-aligned inputs as one union a | b, or give each "
+            f"argument the same rows")
 
 
 def row_range(n: int, layout: Layout) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._batch import Batch
+from ._wire import padded_apart
 
 __all__ = [
     "Dispatch", "Plan", "ShardSpec", "broadcast", "scatter", "shard", "pad", "rank_zero", "metrics", "stream",
@@ -301,7 +302,12 @@ def _mesh_spec(mesh: Sequence[Any], name: str, pad: bool, allow_empty: bool) -> 
 
 
 def check_rows(plan: Plan, spec: ShardSpec) -> None:
-    """Reject a shard of fewer known rows than DP ranks (unless padding or empty shards are allowed)."""
+    """Reject a shard of fewer known rows than DP ranks (unless padding or empty shards are allowed), and a padded
+    one of data arguments whose known rows differ (``padded_apart``)."""
+    if spec.pad:
+        refusal = padded_apart([n for a in plan.data_args() if (n := _rows_known(a)) is not None])
+        if refusal is not None:
+            raise _error(plan, refusal)
     if spec.pad or spec.allow_empty:
         return
     for a in plan.data_args():

@@ -257,15 +257,16 @@ class Echo(FailOnCue, Worker):
         return batch
 
     @endpoint
-    def hold_like_a_collective(self, seq: Sequencer) -> int:
+    def hold_like_a_collective(self, seq: Sequencer) -> Batch:
         """Every rank passes position ``rank``; then rank 0 blocks without looking at ``cancelled()`` (as a rank
-        in a collective whose peer died) until the test passes position ``world_size + 1``; the others return."""
+        in a collective whose peer died) until the test passes position ``world_size + 1``; the others return
+        (a row: its parts can be iterated)."""
         with seq(self.rank):
             pass
         if self.rank == 0:
             with seq(self.world_size + 2):
                 pass
-        return self.rank
+        return Batch.from_dict({"rank": torch.tensor([self.rank])})
 
     @endpoint
     def take_outcomes(self) -> list[str]:

@@ -1,0 +1,188 @@
+"""Calls whose refusal is knowable from their shape are refused before any rank runs, and errors about the ranks'
+results name the group, endpoint and rank (in-process backend). Each case was found by an adversarial review: the
+call ran on some ranks and failed on others, a result mixed kinds, a stream of values iterated as nothing, or an
+error named a part index instead of the rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra import dispatch as D
+from orchestra._tensordict import TensorDict
+
+pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
+
+
+def pool(n: int) -> ResourcePool:
+    return ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01, backend="local")
+
+
+def xs(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n)})
+
+
+class _Shapes(Worker):
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    @endpoint(D.broadcast())
+    def runs(self) -> list[str]:
+        return self.ran
+
+    @endpoint(D.shard(pad=True))
+    def padded_gen(self, batch: Batch):
+        self.ran.append("padded_gen")
+        yield batch
+
+    @endpoint(D.shard(pad=True))
+    def pair(self, a: Batch, b: Batch) -> Batch:
+        self.ran.append("pair")
+        return a
+
+    @endpoint(D.shard(pad=True))
+    def padded(self, batch: Batch) -> Batch:
+        self.ran.append("padded")
+        return Batch.from_dict({"x": batch["x"], "n": torch.full((len(batch),), len(batch))})
+
+    @endpoint(D.shard(allow_empty=True))
+    def maybe_empty(self, batch: Batch) -> Batch:
+        return batch
+
+    @endpoint(D.shard())
+    def echo(self, batch: Batch) -> Batch:
+        return batch
+
+    @endpoint(D.shard())
+    def gen(self, batch: Batch, pieces: int = 2):
+        yield from batch.chunk(pieces)
+
+    @endpoint(D.shard())
+    def two_parts(self, batch: Batch):  # rank 1's parts are float, the others' integer
+        for p in batch.chunk(2):
+            yield Batch.from_dict({"x": p["x"].float() if self.rank == 1 else p["x"]})
+
+    @endpoint(D.shard())
+    def totals(self, batch: Batch):  # a stream of plain values
+        for p in batch.chunk(2):
+            yield int(p["x"].sum())
+
+    @endpoint(D.shard())
+    def ids(self, batch: Batch) -> Batch:  # rank 0: integer ids, rank 1: string ids
+        ids = np.arange(len(batch)) if self.rank == 0 else [f"id{i}" for i in range(len(batch))]
+        return Batch.from_dict({"x": batch["x"], "id": ids})
+
+
+@pytest.fixture(scope="module")
+async def groups():
+    gs = {n: WorkerGroup(pool(n), _Shapes, group_name=f"shapes{n}") for n in (2, 3)}
+    for g in gs.values():
+        await g.ready()
+    yield gs
+    for g in gs.values():
+        await g.aclose()
+
+
+async def runs(g: WorkerGroup) -> list[list[str]]:
+    return await g.runs()
+
+
+async def test_a_generator_endpoint_with_pad_is_refused_before_any_rank_runs(groups):
+    """Rank 1 of 2 got a filler row and refused; rank 0 ran the body. With rows that divide, it streamed: whether
+    the call ran depended on the row count. Refused at the call now, whatever the rows."""
+    g = groups[2]
+    before = await runs(g)
+    for n in (5, 4):
+        with pytest.raises(orc.DispatchError, match=r"streaming endpoint.*pad") as info:
+            g.padded_gen(xs(n))
+        assert "'shapes2'" in str(info.value) and "padded_gen" in str(info.value)
+    assert await runs(g) == before
+
+
+async def test_stream_over_a_pad_endpoint_is_refused_at_the_call(groups):
+    """stream() ran the call once per arriving part with the whole part as one shard: pad=True was dropped, and the
+    shards were of unequal sizes ([2, 2, 1, 1, ...])."""
+    g2, g3 = groups[2], groups[3]
+    with pytest.raises(orc.DispatchError, match=r"stream\(\).*pad"):
+        g2.padded.options(stream=True)(g3.gen(xs(7), pieces=2))
+
+
+@pytest.mark.parametrize("how", ["batches", "awaited futures", "running futures"])
+async def test_a_pad_call_of_data_arguments_with_different_rows_runs_on_no_rank(groups, how):
+    """7 and 8 rows over 3 ranks: ranks 0 and 1 ran, rank 2 failed ("padded differently")."""
+    g = groups[3]
+    before = await runs(g)
+    a, b = xs(7), xs(8)
+    if how != "batches":
+        a, b = g.echo(a), g.echo(b)
+        if how == "awaited futures":
+            await a, await b
+    with pytest.raises((orc.DispatchError, orc.WorkerError), match=r"7 and 8 rows.*union") as info:
+        await g.pair(a, b)
+    if how != "running futures":
+        assert isinstance(info.value, orc.DispatchError)
+    assert await runs(g) == before
+
+
+async def test_a_pad_endpoint_takes_zero_rows_from_a_future_as_from_a_batch(groups):
+    g2, g3 = groups[2], groups[3]
+    assert len(await g2.padded(xs(0))) == 0
+    out = await g2.padded(g3.maybe_empty(xs(0)))  # was: WorkerError "... or use shard(pad=True)" (it has pad)
+    assert len(out) == 0 and out.keys() == ["x", "n"]
+
+
+async def test_iterating_a_future_of_plain_values_says_to_await_it(groups):
+    """``async for`` over a stream of ints ended at once with nothing, while await gave [[1, 5], [9, 13]]."""
+    f = groups[2].totals(xs(8))
+    with pytest.raises(TypeError, match=r"rank \d returned int.*await"):
+        async for _ in f:
+            pass
+    assert await f == [[1, 5], [9, 13]]
+
+
+async def test_results_that_do_not_join_name_the_rank_group_and_endpoint(groups):
+    """The error said "column 'x' of batch 2 is torch.float32" (a part index) with no group or endpoint."""
+    with pytest.raises(ValueError, match=r"'shapes3'.*'two_parts'.*rank 1") as info:
+        await groups[3].two_parts(xs(12))
+    assert "batch 2" not in str(info.value)
+
+
+async def test_results_with_a_column_of_numbers_on_one_rank_and_strings_on_another_do_not_join(groups):
+    """await gave [0, 1, 'id0', 'id1']: an integer column and a string column concatenated into one object
+    column, though concat refuses two kinds."""
+    with pytest.raises(ValueError, match=r"'id'.*rank 1"):
+        await groups[2].ids(xs(4))
+
+
+def test_concat_refuses_an_object_column_of_another_kind_than_a_typed_one():
+    nums = Batch.from_dict({"id": np.arange(2)})
+    strs = Batch.from_dict({"id": ["a", "b"]})
+    objs = Batch.from_dict({"id": np.array([{"k": 1}, None], dtype=object)})
+    nones = Batch.from_dict({"id": np.array([None, None], dtype=object)})
+    typed_strs = Batch.from_dict({"id": np.array(["a", "b"])})
+    for a, b in ((nums, strs), (strs, nums), (nums, objs), (typed_strs, nones), (nones, typed_strs)):
+        with pytest.raises(ValueError, match="column 'id'"):
+            Batch.concat([a, b])
+    ints_as_objects = Batch.from_dict({"id": np.array([3, 4], dtype=object)})
+    assert Batch.concat([nums, ints_as_objects])["id"].tolist() == [0, 1, 3, 4]  # the same kind, boxed
+    assert Batch.concat([typed_strs, strs])["id"].tolist() == ["a", "b"] * 2
+    assert Batch.concat([strs, objs])["id"].tolist() == ["a", "b", {"k": 1}, None]  # object columns: any values
+
+
+async def test_a_union_of_futures_with_different_rows_names_them(groups):
+    with pytest.raises(ValueError, match=r"shapes2\.echo.*4 rows.*shapes3\.echo.*5 rows"):
+        await (groups[2].echo(xs(4)) | groups[3].echo(xs(5)))
+
+
+def test_a_nested_column_the_wire_cannot_carry_is_refused_when_the_batch_is_made():
+    """A nested column with no leaves vanished through any call, and a nested batch size of [4, 3] came back as
+    [4]; the Batch compared equal to what was sent."""
+    with pytest.raises(ValueError, match=r"'empty'.*no tensor"):
+        Batch(TensorDict({"x": torch.arange(4), "empty": TensorDict({}, [4])}, [4]))
+    b = Batch(TensorDict({"x": torch.arange(4), "n": TensorDict({"y": torch.zeros(4, 3)}, [4, 3])}, [4]))
+    assert b.tensors["n"].batch_size == torch.Size([4])  # the row dimension, as the top level keeps
+    again = Batch.concat([b, b])
+    assert again.tensors["n"].batch_size == torch.Size([8]) and again.tensors["n"]["y"].shape == (8, 3)
