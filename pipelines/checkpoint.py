@@ -16,6 +16,11 @@ committing a checkpoint without weights. Before anything is loaded the manifest 
 checkpoint that fails (missing or changed file, truncated JSON) is reported with a warning naming the file and
 the previous good one is used. Only directories named like ours are ever pruned or removed.
 
+A resume from a checkpoint older than other committed ones (the newer ones failed their check, or ``latest`` lagged
+behind a commit that crashed before updating it) abandons those newer ones: they are renamed to
+``abandoned-step_XXXXXX-<hex>`` (never deleted; a warning names each), so that neither ``keep_checkpoints`` nor a
+later fallback counts or uses a checkpoint the resumed run did not write (:func:`latest_good`, :func:`commit`).
+
 A run holds its output_dir (:func:`lock_output_dir`: a ``flock`` on ``<output_dir>/.orchestra.lock``) from before
 it checks anything there to the end of its cleanup, so a second run into the same directory fails at once.
 """
@@ -51,6 +56,9 @@ MANIFEST_FORMAT = "orchestra.checkpoint-manifest/1"
 _STEP = re.compile(r"^step_(\d{6,})$")
 _STAGED = re.compile(r"^(step_\d{6,})\.(tmp|old)-[0-9a-f]{8}$")
 _LATEST_TMP = re.compile(r"^latest\.tmp-[0-9a-f]{8}$")
+# a committed checkpoint past the one a run resumed from, set aside (_set_aside): not a step_* name, so never counted
+# by prune nor resumed from by latest_good; removed only by --overwrite
+_ABANDONED = re.compile(r"^abandoned-step_\d{6,}-[0-9a-f]{8}$")
 ENGINE_INDEX = "index.json"  # what an engine role's save writes last (engines.checkpoint): it lists the shard files
 ENGINE_STATE = "engine_state.json"
 LOCK = ".orchestra.lock"  # in runner.output_dir: flock'ed by the run that writes there (lock_output_dir)
@@ -219,7 +227,9 @@ def commit(staged: Path, *, keep: int, roles: Sequence[str] = ()) -> Path:
     """Finish a staged checkpoint: manifest, rename into place, point ``latest`` at it, prune to the newest
     ``keep`` (0 keeps all) and remove unfinished ones left by crashes. Returns the committed directory.
     ``roles``: the engine checkpoint directories that must be complete (see :func:`write_manifest`); if one is not,
-    :class:`CheckpointError` and nothing is committed."""
+    :class:`CheckpointError` and nothing is committed. Committed checkpoints of later steps are set aside first
+    (:func:`_set_aside`: this run resumed before them and does not continue them); a failure to is a
+    :class:`CheckpointError` too, before anything is committed."""
     staged = Path(staged)
     m = _STAGED.match(staged.name)
     if m is None or m.group(2) != "tmp":
@@ -227,6 +237,13 @@ def commit(staged: Path, *, keep: int, roles: Sequence[str] = ()) -> Path:
     root = staged.parent
     final = root / m.group(1)
     write_manifest(staged, roles)
+    step = _step(final)
+    # a run that commits `step` is not on the path of a committed checkpoint past it (its resume abandoned that one;
+    # latest_good sets such ones aside already, this catches a resume from a checkpoint chosen otherwise)
+    later = [p for s, p in committed(root) if s > step]
+    if later:
+        _set_aside(root, later, f"committing {final.name} abandons the later {_plural(later)} "
+                                f"{', '.join(p.name for p in later)} (this run resumed from an earlier checkpoint)")
     aside = None
     if final.exists():  # left by an earlier run past the step we resumed from: replaced, never mixed
         aside = root / f"{final.name}.old-{secrets.token_hex(4)}"
@@ -254,6 +271,46 @@ def committed(root: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
     return sorted(found)
+
+
+def _step(directory: Path) -> int:
+    """The step of a committed checkpoint directory (named ``step_<digits>``)."""
+    m = _STEP.match(directory.name)
+    if m is None:
+        raise ValueError(f"{directory} is not a committed checkpoint directory")
+    return int(m.group(1))
+
+
+def _plural(dirs: Sequence[Path]) -> str:
+    """``checkpoint`` or ``checkpoints``, for a message naming ``dirs``."""
+    return "checkpoint" if len(dirs) == 1 else "checkpoints"
+
+
+def _set_aside(root: Path, dirs: Sequence[Path], why: str) -> list[Path]:
+    """Rename committed checkpoints the run has abandoned to ``abandoned-<name>-<random>`` under ``root``: not named
+    ``step_*``, so :func:`prune` never spends a ``keep`` slot on them and :func:`latest_good` never falls back (or
+    forward) to them; nothing is deleted, and a warning names each (``why``: what abandoned them). A rename that fails
+    is a :class:`CheckpointError` naming the directory (those renamed before it stay renamed, and are named)."""
+    moved: list[tuple[Path, Path]] = []
+    try:
+        for p in dirs:
+            aside = root / f"abandoned-{p.name}-{secrets.token_hex(4)}"
+            try:
+                os.replace(p, aside)
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint {p.name} cannot be set aside: renaming it to {aside.name} failed ({e}); {why}, so it "
+                    f"is not on this run's path and must not count as one of its checkpoints: move {p} out of {root} "
+                    f"yourself (or make {root} writable) and retry") from e
+            moved.append((p, aside))
+    finally:
+        if moved:
+            _fsync_dir(root)
+            it = "it" if len(moved) == 1 else "them"
+            log.warning("%s: set aside %s, not deleted: runner.keep_checkpoints and --resume no longer count or "
+                        "use %s (inspect or delete %s yourself; --overwrite removes %s)", why,
+                        ", ".join(f"{p.name} as {a.name}" for p, a in moved), it, it, it)
+    return [a for _, a in moved]
 
 
 def prune(root: Path, keep: int, *, protect: Path | None = None) -> list[Path]:
@@ -289,7 +346,13 @@ def _latest_pointer(root: Path) -> Path | None:
 def latest_good(root: Path) -> Path:
     """The checkpoint to resume from: the one ``latest`` names if its manifest checks out, else the newest
     committed one that does (with a warning naming what was wrong). Raises :class:`CheckpointError` when there
-    is none, or none is good."""
+    is none, or none is good.
+
+    The run resumed from it does not continue the committed checkpoints past it (ones that failed their check, or
+    one whose commit crashed before ``latest`` named it): they are set aside (:func:`_set_aside`, logged) and
+    ``latest`` names the chosen one, so that ``keep_checkpoints`` keeps the resumed run's own checkpoints and a later
+    fallback never jumps forward to a step this run did not train. So call it holding the output_dir
+    (:func:`lock_output_dir`), as the runner does."""
     root = Path(root)
     first = _latest_pointer(root)
     candidates = [first] if first is not None else []
@@ -298,18 +361,34 @@ def latest_good(root: Path) -> Path:
         raise CheckpointError(f"--resume: no checkpoint under {root}; run without --resume to start, and set "
                               f"runner.checkpoint_every to write checkpoints")
     problems = []
+    failed: set[Path] = set()
     for d in candidates:
         try:
             verify(d)
         except CheckpointError as e:
             log.warning("checkpoint %s cannot be used: %s", d.name, e)
             problems.append(f"{d.name}: {e}")
+            failed.add(d)
             continue
         if problems:
             log.warning("resuming from %s, the newest checkpoint that checks out", d)
+        _abandon_past(root, d, failed)
         return d
     raise CheckpointError(f"--resume: no usable checkpoint under {root}:\n  " + "\n  ".join(problems)
                           + "\nrestore the files from a copy, or start over with --overwrite")
+
+
+def _abandon_past(root: Path, chosen: Path, failed: set[Path]) -> None:
+    """Set aside the committed checkpoints past ``chosen``, the one a run resumes from (``failed``: those that did
+    not check out), and point ``latest`` at ``chosen`` when anything was set aside."""
+    step = _step(chosen)
+    newer = [p for s, p in committed(root) if s > step]
+    if not newer:
+        return
+    reasons = [f"{p.name} ({'failed its check' if p in failed else 'its commit stopped before latest named it'})"
+               for p in newer]
+    _set_aside(root, newer, f"resuming from {chosen.name} abandons the later {_plural(newer)} {', '.join(reasons)}")
+    _write_latest(root, chosen.name)
 
 
 def newest_committed(root: Path) -> Path | None:
@@ -379,8 +458,9 @@ def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | No
     - a fresh run into a directory that holds checkpoints or other outputs of an earlier run (a non-empty
       ``metrics.jsonl``, TensorBoard events, ``reward.png``, trace files): :class:`CheckpointError` unless
       ``overwrite``, which removes exactly what the runner writes (our checkpoints: ``step_*``, ``latest``,
-      unfinished ones; ``metrics.jsonl``, ``config.json``, ``reward.png``, ``trace.json``,
-      ``trace.before-restart-N.json``, the event files in ``tensorboard/``), nothing else, and never the lock file.
+      unfinished ones, ``abandoned-step_*`` ones a resume set aside; ``metrics.jsonl``, ``config.json``,
+      ``reward.png``, ``trace.json``, ``trace.before-restart-N.json``, the event files in ``tensorboard/``), nothing
+      else, and never the lock file.
     """
     out = Path(out)
     _check_output_dir(out)
@@ -403,7 +483,7 @@ def prepare_output_dir(out: Path, *, resume: bool, overwrite: bool) -> Path | No
     removed: list[str] = []
     if root.is_dir():
         for p in sorted(root.iterdir()):
-            if p.is_dir() and (_STEP.match(p.name) or _STAGED.match(p.name)):
+            if p.is_dir() and (_STEP.match(p.name) or _STAGED.match(p.name) or _ABANDONED.match(p.name)):
                 _remove(p)
             elif p.is_file() and (p.name == LATEST or _LATEST_TMP.match(p.name)):
                 p.unlink()

@@ -167,7 +167,7 @@ class DataConfig(_Model):
     _section = "data"
     train_path: str | None = Field(None, description=".jsonl / .parquet of prompts (with answers); null: the task "
                                    "generates them")
-    prompt_key: str = Field("prompt", description="Column of train_path that holds the prompt")
+    prompt_key: str = Field("prompt", description="Column of train_path that holds the prompt (only with train_path)")
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step (each sampled rollout.n times)")
     shuffle: bool = Field(True, description="Shuffle the prompt order every epoch (each drops another remainder past "
                           "the last full batch); false: file order, wrapping around so every record is trained on")
@@ -409,6 +409,12 @@ class Config(_Model):
                 "so no overlong penalty is applied: set algorithm.overlong_buffer (the last this-many tokens of "
                 "rollout.max_new_tokens are penalized) or remove algorithm.overlong_penalty",
                 "algorithm.overlong_penalty")
+        default_key = DataConfig.model_fields["prompt_key"].default
+        if self.data.train_path is None and self.data.prompt_key != default_key:  # (a saved config holds the default)
+            raise ConfigError(
+                f"data.prompt_key: set to {self.data.prompt_key!r}, but data.train_path is null, so the task generates "
+                f"its prompts and no column is read: set data.train_path to the .jsonl/.parquet file whose "
+                f"{self.data.prompt_key!r} column holds the prompts, or remove data.prompt_key", "data.prompt_key")
         if alg.overlong_buffer is not None:
             if not critic_free or estimator == "reinforce_pp":
                 raise ConfigError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +53,15 @@ def _check_record(
 
 
 def load_prompts(
-    path: str | Path, *, prompt_key: str = PROMPT_KEY, required_keys: Sequence[str] = ()
+    path: str | Path, *, prompt_key: str = PROMPT_KEY, required_keys: Sequence[str] = (),
+    check: Callable[[dict[str, Any], str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Read a ``.jsonl`` or ``.parquet`` file into a list of records.
 
     The prompt is read from column ``prompt_key`` and stored under ``"prompt"``; ``required_keys``
     (e.g. ``("answer",)``) must be present too.  A bad row raises ``ValueError`` naming the file
-    and the line (jsonl, 1-based; blank lines are skipped) or row (parquet, 0-based).
+    and the line (jsonl, 1-based; blank lines are skipped) or row (parquet, 0-based).  ``check``:
+    the caller's own check of each record, given it and that file-and-row name (it raises).
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -75,6 +77,8 @@ def load_prompts(
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
                 records.append(_check_record(row, where, prompt_key, required_keys))
+                if check is not None:
+                    check(records[-1], where)
     elif suffix in _PARQUET_SUFFIXES:
         try:
             import pyarrow.parquet as pq
@@ -82,6 +86,8 @@ def load_prompts(
             raise ImportError(f"reading {path} needs pyarrow: pip install 'orchestra-rl[data]'") from e
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             records.append(_check_record(row, f"{path}:row {i}", prompt_key, required_keys))
+            if check is not None:
+                check(records[-1], f"{path}:row {i}")
     else:
         allowed = ", ".join(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)
         raise ValueError(f"{path}: unsupported file type {suffix!r}; expected one of {allowed}")
@@ -176,10 +182,25 @@ class PromptSampler:
     def take(self, count: int) -> list[dict[str, Any]]:
         """The next ``count`` records of the batches' stream, in order (running on into the next epoch if need
         be); the next batch starts after them. For a draw of another size than a batch (DAPO's extra sampling
-        rounds): taking a whole batch and dropping the rest would skip records the run never trains on."""
+        rounds): taking a whole batch and dropping the rest would skip records the run never trains on. A draw holds
+        each record at most once, so ``count`` is at most :attr:`records_per_epoch` (more is refused)."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        limit = self._epoch_length()
+        if count > limit:
+            dropped = len(self._records) - limit
+            raise ValueError(
+                f"take({count}): one draw holds each record at most once, and an epoch holds {limit} records"
+                + (f" ({len(self._records)}, less the {dropped} left over by batches of {self.batch_size})"
+                   if dropped else "")
+                + f"; take at most {limit}, or sample from more records")
         return self._draw(count)
+
+    @property
+    def records_per_epoch(self) -> int:
+        """The most records one draw can hold (:meth:`take`): an epoch's stream, without the remainder shuffled
+        batches drop."""
+        return self._epoch_length()
 
     def _epoch_length(self) -> int:
         """Records an epoch's stream holds: all of them, less the dropped remainder when shuffled with drop_last."""

@@ -2,11 +2,13 @@
 
 ``task.name`` looks the task up in the registry of ``pipelines.tasks`` (``digits``, the default, and ``addition``
 generate their prompts in code, so no download); any task can instead read prompts from ``data.train_path``
-(jsonl/parquet with ``prompt`` and ``answer``).
+(jsonl/parquet with ``prompt`` and ``answer``: a string or an integer the task's tokenizer can write, else the row is
+refused, since no response could ever match it).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -117,15 +119,61 @@ def get_task(cfg: Config) -> TaskSpec:
     if spec.warm_start_steps > 0 and cfg.algorithm.kl_coef > 0:  # checked on the built task: any task's builder
         raise ConfigError(warm_start_with_kl(spec.warm_start_steps, cfg.algorithm.kl_coef),
                           "task.params.warm_start_steps")
+    check = _answer_check(spec)
     if cfg.data.train_path:
         _refuse_prompt_params(cfg, entry, spec)
-        records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",))
+        records = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, required_keys=("answer",),
+                               check=lambda r, where: check(r, where, "data.train_path"))
         spec = replace(spec, records=records)
+    else:  # the task's own records: a generator that writes such an answer is refused as well
+        for i, r in enumerate(spec.records):
+            if "answer" in r:  # (a task whose reward reads no answer may generate none: prompt_batch gives "")
+                check(r, f"task {name!r} record {i}", "task.name")
     if spec.answer_is_response:
         _check_answer_room(cfg, spec)
     if cfg.model.path is None:
         _check_positions(cfg, spec)
     return spec
+
+
+_ANSWER_TYPES = {bool: "a boolean", float: "a float", list: "a list", dict: "an object"}
+
+
+def _answer_check(spec: TaskSpec) -> Callable[[dict, str, str], None]:
+    """A check of one record's ``answer``, ``check(record, where, key)``: a ConfigError naming ``key`` (the setting
+    to change), ``where`` (file and row) and the value unless the answer is a string or an integer (not a bool) the
+    task's tokenizer can write. Anything else can never be matched: ``prompt_batch`` hands the reward
+    ``str(answer)`` ("None" for null, "8.0" for 8.0), and no response can hold a character the tokenizer lacks, so
+    the record would be rewarded 0 forever and the run would still end well (the warm start on the right answers
+    could not even encode it)."""
+    tok = spec.tokenizer()
+    chars = getattr(tok, "chars", None)
+    accepted = ("accepted: a string or an integer (not a boolean, a float or null)"
+                + (f" of the characters the tokenizer writes ({chars!r})" if chars is not None else
+                   " that the task's tokenizer can write"))
+
+    def check(record: dict, where: str, key: str) -> None:
+        answer = record["answer"]
+        try:
+            shown = json.dumps(answer, ensure_ascii=False)
+        except (TypeError, ValueError):  # a parquet value JSON cannot hold (bytes, a date)
+            shown = repr(answer)
+        shown = shown if len(shown) <= 80 else f"{shown[:80]}... ({len(shown)} characters)"
+        fix = "fix or remove the row" if key == "data.train_path" else f"fix task {spec.name!r}'s prompt generator"
+        if isinstance(answer, bool) or not isinstance(answer, str | int):
+            kind = "" if answer is None else f" ({_ANSWER_TYPES.get(type(answer), f'a {type(answer).__name__}')})"
+            raise ConfigError(
+                f"{key}: {where}: answer {shown} is not a string or an integer{kind}: no response of task "
+                f"{spec.name!r} can match it (its reward would compare each response with {str(answer)!r:.80}); "
+                f"{accepted}: {fix}", key)
+        try:
+            tok.encode(str(answer))
+        except ValueError as e:
+            raise ConfigError(
+                f"{key}: {where}: answer {shown} cannot be written by the task's tokenizer ({e}): no response of "
+                f"task {spec.name!r} can match it; {accepted}: {fix}", key) from None
+
+    return check
 
 
 def _check_answer_room(cfg: Config, spec: TaskSpec) -> None:
@@ -134,10 +182,7 @@ def _check_answer_room(cfg: Config, spec: TaskSpec) -> None:
     tok = spec.tokenizer()
     longest, answer = 0, ""
     for r in spec.records:
-        try:
-            n = len(tok.encode(str(r["answer"])))
-        except ValueError:  # an answer the tokenizer cannot write is refused where prompts are checked
-            continue
+        n = len(tok.encode(str(r["answer"])))  # every answer encodes: get_task checked them (_answer_check)
         if n > longest:
             longest, answer = n, str(r["answer"])
     if longest + 1 > cfg.rollout.max_new_tokens:

@@ -12,7 +12,6 @@ from pipelines.config import ConfigError, load_config
 
 @pytest.mark.parametrize("override, key, expected", [
     ("runner.output_dir=runs/exp #3", ("runner", "output_dir"), "runs/exp #3"),
-    ("data.prompt_key=q #1", ("data", "prompt_key"), "q #1"),
     ("task.name=digits # the main one", ("task", "name"), None),  # a name with ' #': refused as unknown, not cut
     ("runner.output_dir=runs: 1", ("runner", "output_dir"), "runs: 1"),
     ("runner.output_dir=007", ("runner", "output_dir"), "007"),

@@ -53,8 +53,10 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.task.params == {"max_operand": 20, "ops": "+-"}
 
 
-def test_string_fields_keep_override_text():
-    cfg = load_config(None, ["data.prompt_key=123", "runner.output_dir=runs/2024", "model.path=null"])
+def test_string_fields_keep_override_text(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"123": "1+1=", "answer": "2"}\n')  # data.prompt_key needs a train_path
+    cfg = load_config(None, ["data.prompt_key=123", f"data.train_path={tmp_path / 'p.jsonl'}",
+                             "runner.output_dir=runs/2024", "model.path=null"])
     assert cfg.data.prompt_key == "123" and cfg.runner.output_dir == "runs/2024" and cfg.model.path is None
 
 
