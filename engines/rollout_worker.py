@@ -62,13 +62,15 @@ class RolloutWorker(Worker):
 
     @endpoint(D.shard(mesh="rollout"), requires=["prompts"])
     def generate(self, batch: Batch, micro_batches: int = 1, **sampling_overrides: Any) -> Iterator[Batch]:
-        """Sample ``n`` responses per prompt in ``micro_batches`` parts (same layout as the colocated actor's)."""
+        """Sample ``n`` responses per prompt in ``micro_batches`` parts (same layout and ``seed`` / ``call``
+        overrides as the colocated actor's)."""
         if len(batch) < 1:
             raise ValueError("generate: this rank got an empty shard; pass at least as many prompts as ranks")
         base = sampling_overrides.pop("seed", None)
+        key = sampling_overrides.pop("call", None)  # the caller's key of this call (ActorRolloutRefWorker.generate)
         sampling_overrides.pop("pad_to_max_new_tokens", None)
         params = replace(self.sampling, **sampling_overrides, pad_to_max_new_tokens=True, seed=None)
-        call = self._gen_calls
+        call = self._gen_calls if key is None else key
         self._gen_calls += 1
         gen = torch.Generator(device=self.engine.device)
         gen.manual_seed(generation_seed(self.seed if base is None else base, self.rank, call))

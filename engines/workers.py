@@ -62,12 +62,22 @@ def load_tokenizer(tokenizer: Any) -> Any:
                          f"tokenizer object") from e
 
 
-def generation_seed(base: int, dp_rank: int, call: int) -> int:
-    """The sampling seed of call number ``call`` on DP rank ``dp_rank`` (a hash of the three, < 2**63). Every bit
-    of ``base`` counts (a seed of 2**32 is not 0's)."""
+def generation_seed(base: int, dp_rank: int, call: int | Sequence[int]) -> int:
+    """The sampling seed of a generate call on DP rank ``dp_rank`` (a hash, < 2**63). ``call``: the call's number
+    on this rank (an int), or its key in the caller's numbering (a sequence of ints >= 0, e.g. the runner's step and
+    round: the seed then does not depend on which calls came before it). Every bit of ``base`` counts (a seed of
+    2**32 is not 0's)."""
     if int(base) < 0:
         raise ValueError(f"generation_seed: the base seed must be >= 0, got {base}")
-    words = np.random.SeedSequence([int(base), int(dp_rank), int(call)]).generate_state(2)
+    if isinstance(call, Sequence):
+        key = [int(k) for k in call]
+        if not key or min(key) < 0:
+            raise ValueError(f"generation_seed: a call key must be a non-empty sequence of ints >= 0, got {call!r}")
+        # tagged by its length (SeedSequence ignores trailing zero words): no key's entropy is a counter's
+        entropy = [int(base), int(dp_rank), *key, len(key)]
+    else:
+        entropy = [int(base), int(dp_rank), int(call)]
+    words = np.random.SeedSequence(entropy).generate_state(2)
     return int((int(words[0]) << 31) ^ int(words[1])) & ((1 << 63) - 1)
 
 
@@ -297,13 +307,17 @@ class ActorRolloutRefWorker(Worker):
     @endpoint(D.shard(mesh="actor"), requires=["prompts"])
     def generate(self, batch: Batch, micro_batches: int = 1, **sampling_overrides: Any) -> Iterator[Batch]:
         """Sample ``n`` responses per prompt, yielding ``micro_batches`` parts (prompt-major rows, every part padded
-        to ``max_new_tokens``); non-tensor columns are repeated ``n`` times; meta gets ``weights_version``."""
+        to ``max_new_tokens``); non-tensor columns are repeated ``n`` times; meta gets ``weights_version``.
+        ``seed`` (override): the base seed (default: the worker's); ``call`` (override): the call's key, a sequence
+        of ints >= 0 (the runner's step and round), that seeds it instead of this rank's running count of generate
+        calls, so a call made again (a resume, a stale rollout regenerated) samples what it sampled before."""
         if micro_batches < 1:
             raise ValueError(f"generate: micro_batches must be >= 1, got {micro_batches}")
         if sampling_overrides.get("pad_to_max_new_tokens") is False:
             raise ValueError("generate pads every part to max_new_tokens so that parts and ranks concatenate; drop "
                              "pad_to_max_new_tokens=False")
         base = sampling_overrides.pop("seed", None)
+        key = sampling_overrides.pop("call", None)
         sampling_overrides.pop("pad_to_max_new_tokens", None)
         try:
             params = replace(self.sampling, **sampling_overrides, pad_to_max_new_tokens=True, seed=None)
@@ -314,7 +328,7 @@ class ActorRolloutRefWorker(Worker):
         with self.actor.collective("generate"):  # an empty shard on one rank alone must not leave the others in
             _rows_of(batch, "generate")         # the weight sync's collectives (which guard their own work)
         self._sync_rollout()
-        call = self._gen_calls
+        call = self._gen_calls if key is None else key
         self._gen_calls += 1
         gen = torch.Generator(device=self.rollout.device)
         gen.manual_seed(generation_seed(self.seed if base is None else base, self.actor.dp_rank, call))

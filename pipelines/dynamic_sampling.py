@@ -49,7 +49,9 @@ class SampledGroups:
 def next_round_prompts(missing: int, kept: int, seen: int, *, cap: int, multiple: int = 1) -> int:
     """Prompts the next round samples to replace ``missing`` groups: ``missing`` divided by the keep rate so far
     (``kept / seen`` groups; ``cap`` when nothing was kept yet), rounded up to a multiple of ``multiple`` (the
-    rollout workers, so that each gets a row) and kept within ``[multiple, cap]`` (``cap`` rounded up too)."""
+    rollout workers, so that each gets a row) and kept within ``[multiple, cap]`` (``cap`` rounded up too). The runner
+    draws at most an epoch of records (``Runner._sample_more``): rounded up, a round can ask for more than short
+    data holds, and one draw never holds a record twice."""
     if missing < 1 or cap < 1 or multiple < 1 or kept < 0 or seen < kept:
         raise ValueError(f"next_round_prompts: need missing, cap, multiple >= 1 and 0 <= kept <= seen; got "
                          f"missing={missing}, kept={kept}, seen={seen}, cap={cap}, multiple={multiple}")

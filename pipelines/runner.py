@@ -55,6 +55,13 @@ log = logging.getLogger("orchestra")
 StepFn = Callable[[StepContext, DataFuture], Awaitable[dict[str, float]]]
 STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step, "dapo": dapo_step}
 
+# Each generate call the runner makes is seeded by its key ``(step, stream, round)`` (``generate(call=...)``), not by
+# how many calls its rank made before it: a call made again (a resume, a stale rollout regenerated, a restart) samples
+# what it sampled the first time, whatever ran before it. Streams: the sampled rollout and DAPO's extra rounds (round
+# 0 is the step's first), ReMax's greedy rollout. Written into runner.json as ``generate_seeds``.
+_SAMPLED, _GREEDY = 0, 1
+_SEEDS_BY_KEY = "step-round"
+
 
 @dataclass(frozen=True)
 class _Rebuilt:
@@ -136,6 +143,7 @@ class Runner:
         # to draw them again from, once, so the resumed step trains on the prompts the interrupted run had drawn
         self._redraw_from: dict[str, Any] | None = None
         self._state_time: dict[int, float] = {}  # step -> when the state after it was current (lost_s)
+        self._extra_rounds: dict[int, int] = {}  # step -> DAPO extra rounds launched for it so far (their seeds' key)
 
     @property
     def current_step(self) -> int:
@@ -434,6 +442,7 @@ class Runner:
                 cur.cancel()
                 cur = self._launch(step)
             pending = None
+            self._extra_rounds = {step: 0}  # this step's DAPO rounds (a step run again numbers them again)
             if cfg.runner.max_staleness >= 1 and step + 1 < total:
                 pending = self._launch(step + 1)  # generated with the current weights while this step updates
             ctx = StepContext(self.cluster, cfg, step, self.tracer, kl_ctl=self.kl_ctl, prompts=cur.prompts,
@@ -469,20 +478,31 @@ class Runner:
             recs = next(self.sampler)
         prompts = prompt_batch(recs, self.tok, uid_offset=step * len(recs))
         rollouts = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
-                                                 seed=self.cfg.rollout.seed)
+                                                 seed=self.cfg.rollout.seed, call=(step, _SAMPLED, 0))
         greedy = None
         if self.cfg.algorithm.adv_estimator == "remax":  # its baseline: one greedy response per prompt
             greedy = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
-                                                   seed=self.cfg.rollout.seed, n=1, temperature=0.0)
+                                                   seed=self.cfg.rollout.seed, call=(step, _GREEDY, 0), n=1,
+                                                   temperature=0.0)
         return _Launched(step, prompts, rollouts, self.rollout_version, time.time(), greedy, before)
 
     def _sample_more(self, step: int, count: int) -> DataFuture:
         """DAPO's extra sampling round for ``step``: the sampler's next ``count`` prompts (the next batch starts
-        after them), generated with the current weights (returns at once)."""
+        after them), generated with the current weights (returns at once), seeded by the step and the round's number.
+        At most an epoch of records: a round rounded up to the rollout workers can ask for more than the data holds,
+        and a draw longer than an epoch would hold a prompt twice."""
+        limit = self.sampler.records_per_epoch
+        if count > limit:
+            log.info("step %d: DAPO's extra sampling round draws %d prompts, not %d: an epoch of the prompt data "
+                     "holds only %d, and a round never holds a prompt twice", step, limit, count, limit)
+            count = limit
+        rnd = self._extra_rounds.get(step, 0) + 1
+        self._extra_rounds = {step: rnd}
         recs = self.sampler.take(count)
         prompts = prompt_batch(recs, self.tok, uid_offset=step * self.cfg.data.prompts_per_step)
         return self.cluster.rollout.generate(prompts, micro_batches=min(self.cfg.runner.micro_batches_per_step,
-                                                                        len(recs)), seed=self.cfg.rollout.seed)
+                                                                        len(recs)), seed=self.cfg.rollout.seed,
+                                             call=(step, _SAMPLED, rnd))
 
     async def _sync_rollout(self) -> None:
         """Split placement: weights go from the actor to the rollout pool worker to worker. Colocated: the
@@ -533,8 +553,10 @@ class Runner:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     async def save(self, step: int, pending: _Launched | None = None) -> Path:
-        """Checkpoint after ``step``: actor (and critic) weights + optimizer + scheduler, rollout RNG counters,
-        sampler state, controller RNG, versions, the count of consecutive non-finite steps (``runner.max_bad_steps``).
+        """Checkpoint after ``step``: actor (and critic) weights + optimizer + scheduler, sampler state, controller
+        RNG, versions, the count of consecutive non-finite steps (``runner.max_bad_steps``). The rollouts' seeds need
+        no state: each generate call is seeded by its key (step, stream, round), so the rollout launched ahead,
+        generated again on resume, and every call after it sample as in an uninterrupted run.
         Written into a staging directory and renamed into place with a manifest (``pipelines.checkpoint``), so
         ``latest`` always names a complete checkpoint. ``pending``: the next step's rollout, already launched
         (``max_staleness=1``); its prompts were drawn before this checkpoint, so the sampler state they were drawn
@@ -542,19 +564,17 @@ class Runner:
         d = ckpt.stage(self.out / "checkpoints", step)  # absolute: self.out is
         c = self.cluster
         roles = ["actor/actor"]  # the engine checkpoints commit refuses to go without (each worker's save writes one)
-        # the rollout launched ahead is generated again on resume: its generate calls (ReMax: two) are not counted,
-        # so that it samples with the seeds an uninterrupted run used (they ran before this save on every rank)
-        ahead = 0 if pending is None or pending.step != step + 1 else 1 + (pending.greedy is not None)
         try:
-            await c.actor.save(str(d / "actor"), pending_generate_calls=0 if c.split else ahead)
+            await c.actor.save(str(d / "actor"))
             if c.critic is not None:
                 await c.critic.save(str(d / "critic"))
                 roles.append("critic/critic")
             if c.split:
-                await c.rollout.save(str(d / "rollout"), pending_generate_calls=ahead)
+                await c.rollout.save(str(d / "rollout"))
             state = {"step": step, "sampler": self.sampler.state_dict(), "actor_version": self.actor_version,
                      "rng": _rng_state(), "config": json.loads(json.dumps(config_to_dict(self.cfg))),
-                     "guard": self.guard.state_dict()}  # consecutive bad steps so far: runner.max_bad_steps
+                     "guard": self.guard.state_dict(),  # consecutive bad steps so far: runner.max_bad_steps
+                     "generate_seeds": _SEEDS_BY_KEY}
             if pending is not None and pending.step == step + 1 and pending.sampler_before is not None:
                 state["sampler_next_step"] = pending.sampler_before
             if self.kl_ctl is not None:
@@ -597,6 +617,11 @@ class Runner:
             raise CheckpointError(f"--resume from {d}: {e.role} rank {e.rank} cannot load it: {e.message}") from e
         self.sampler.load_state_dict(state["sampler"])
         self._redraw_from = state.get("sampler_next_step")
+        if state.get("generate_seeds") != _SEEDS_BY_KEY:
+            log.warning("--resume from %s: the checkpoint was written when rollouts were seeded by each rank's running "
+                        "counter of generate calls; they are now seeded by step and round, so the resumed steps do "
+                        "not sample what the interrupted run would have (training goes on as usual; checkpoints "
+                        "written from now on resume exactly)", d)
         _set_rng_state(state["rng"])
         self.actor_version = state["actor_version"]
         self.start_step = state["step"] + 1
@@ -701,15 +726,22 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"python": repr(random.getstate()), "numpy": np.random.get_state()[1].tolist(),
-            "numpy_pos": int(np.random.get_state()[2]), "torch": torch.get_rng_state().tolist()}
+    """The controller's python, numpy (the legacy global generator, with its cached Gaussian: numpy draws normals
+    in pairs and keeps the second) and torch RNG states, as JSON."""
+    _, key, pos, has_gauss, cached = np.random.get_state()
+    return {"python": repr(random.getstate()), "numpy": key.tolist(), "numpy_pos": int(pos),
+            "numpy_gauss": [int(has_gauss), float(cached)], "torch": torch.get_rng_state().tolist()}
 
 
 def _set_rng_state(s: dict[str, Any]) -> None:
+    """Restore what :func:`_rng_state` saved. A state from before the cached Gaussian was kept (no
+    ``numpy_gauss``) resumes with none cached, as such checkpoints always did."""
     import ast
 
     random.setstate(ast.literal_eval(s["python"]))
-    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
+    has_gauss, cached = s.get("numpy_gauss", (0, 0.0))
+    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), int(s["numpy_pos"]), int(has_gauss),
+                         float(cached)))
     torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
 
 
