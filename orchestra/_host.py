@@ -625,9 +625,11 @@ class Host:
     def _snapshot(self, value: Any) -> tuple[bool, Any]:
         """A fast-path result kept until the controller takes it, as it is now: put into the object store at once
         (pickled, as Ray pickles a general-path reply when its call returns), since the next call may write into
-        the objects it holds (a state dict, an array) before the controller takes it. A Batch result's Output is
-        kept as it is: its rows are already stored parts, and the Output is frozen. (put?, value or its ref)."""
-        if isinstance(value, Output):
+        the objects it holds (a state dict, an array) before the controller takes it. A Batch result's Output whose
+        parts are all stored objects is kept as it is (the Output is frozen); one with rows riding inline (``nbytes``
+        under INLINE_BYTES, an object column counting 8 bytes a row, yet too large for a frame) holds the endpoint's
+        own Batch, and is pickled now like any other value. (put?, value or its ref)."""
+        if isinstance(value, Output) and all(_backend.is_ref(p.ref) for p in value.parts or ()):
             return False, value
         # a frame (or, holding refs, a RefFrame), as the general path's reply would be: each read gets its own copy
         return True, self.runtime.put(_frame.dumps_reply(value))

@@ -178,6 +178,19 @@ async def test_a_kept_reply_is_the_value_as_the_call_returned_it(g, big):
     assert g._shared.channel is not None
 
 
+async def test_a_kept_batch_reply_with_inline_rows_is_the_batch_as_its_call_returned_it(g):
+    """A Batch reply whose rows ride inline (``nbytes`` under INLINE_BYTES) but whose pickle is too large for a frame
+    was kept as the live Output, on the assumption that a Batch's parts are stored objects: the next call's write
+    into the Batch showed in the result the controller took (the general path gives the rows as they were)."""
+    await _open(g)
+    await g.live_state(True)
+    for _ in range(4):
+        rows, bumped = g.live_rows(), g.bump_state()
+        got, after = await rows, await bumped
+        assert [b["step"].tolist() for b in got] == [[a - 1] * 4 for a in after]  # one Batch a rank
+    assert g._shared.channel is not None
+
+
 async def test_a_rank_error_names_group_rank_and_endpoint(g):
     await _open(g)
     with pytest.raises(orc.WorkerError) as e:
