@@ -1158,6 +1158,9 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
         def convert(a: Any) -> Any:
             per_dp = described.get(id(a))
             if per_dp is None:
+                # the caller's own ref (ray.put): resolved on every rank to the one stored object, shared memory
+                # that each rank must copy before its endpoint may write into it (not a shard only it reads)
+                shared[0] = shared[0] or _backend.is_ref(a)
                 return a
             d = spec.dp_of_rank[r] if spec is not None else 0
             sources, layout, guards = per_dp[d]

@@ -124,6 +124,13 @@ class Scorer(Worker):
         return self.scale
 
     @endpoint(D.broadcast())
+    def first_x(self, batch: Batch, write_on: int = -1) -> float:
+        """Column x's first value; rank ``write_on`` first writes -1 there (careless: into its input)."""
+        if self.rank == write_on:
+            batch["x"][0] = -1.0
+        return float(batch["x"][0])
+
+    @endpoint(D.broadcast())
     def tag_of(self, tag: Counted) -> int:
         return tag.value
 

@@ -131,6 +131,19 @@ async def test_controller_writes_into_an_awaited_result_stay_private(scorers):
     assert torch.equal(fresh[0][0]["x"], torch.arange(50_000))  # (each rank gets await's list: rank 0's first)
 
 
+async def test_a_batch_given_as_the_callers_own_object_ref_is_each_ranks_own_copy(scorers):
+    """A Batch the caller stored itself (``ray.put``) and passed as its ref: Ray resolves it on each rank as a view
+    of the object store's shared memory. The rank took it for a controller-made shard only it reads and handed it to
+    the endpoint uncopied, so rank 0's write reached the stored object, and every later reader of the ref."""
+    import ray
+
+    g2 = scorers[2]
+    ref = ray.put(Batch.from_dict({"x": torch.zeros(100_000)}))  # 800 KB: stored in shared memory
+    assert await g2.first_x(ref, write_on=0) == [-1.0, 0.0]
+    assert await g2.first_x(ref) == [0.0, 0.0]
+    assert float(ray.get(ref)["x"][0]) == 0.0
+
+
 async def test_writes_into_a_small_results_headers_reach_no_reader(scorers):
     """A small result rides in its reply, so the controller holds its rows: ``outputs()`` and ``parts()`` hand out
     copies of them, so a write into those changes neither an await of the future nor a call it is forwarded into."""
