@@ -395,6 +395,10 @@ def _token_problem(data: Mapping[str, torch.Tensor], vocab: int | None, what: st
     return None
 
 
+# what train_step reports of its own (a loss_fn's metrics of these names would mix with them)
+_OWN_RESULTS = frozenset({"loss", "grad_norm", "lr", "tokens", "rows", "micro_batches", "step", "skipped"})
+
+
 def _metric_value(name: str, v: Any) -> float:
     """A loss_fn metric as a float: a number or a one-element tensor."""
     try:
@@ -996,6 +1000,10 @@ class FSDPEngine:
                                          "outputs (requires_grad is False); build it from the outputs it is given, and "
                                          "do not call train_step under torch.no_grad")
                     w = units[i] / total_units if total_units > 0 else 0.0
+                    clash = sorted(_OWN_RESULTS.intersection(metrics or {}))
+                    if clash:  # "loss" was added into the step's loss, the others overwritten by its own results
+                        raise ValueError(f"train_step: loss_fn returned metric(s) {clash}, named like train_step's "
+                                         f"own results {sorted(_OWN_RESULTS)}; rename them (e.g. 'pg_loss')")
                     values = {k: _metric_value(k, v) for k, v in (metrics or {}).items()}
                 except Exception as e:  # noqa: BLE001 - raised below, on this rank and (named) on the others
                     failure = e

@@ -270,7 +270,7 @@ class ActorRolloutRefWorker(Worker):
             pad = getattr(self.tokenizer, "pad_token_id", None)
         self.rollout = RolloutEngine(rollout_model, eos_token_id=eos, pad_token_id=pad,
                                      micro_batch_size=rollout_micro_batch_size)
-        self._version = 0  # bumped by every update_actor call
+        self._version = 0  # bumped by every update_actor call that moved the weights (a failed one too, if it stepped)
         self._synced: int | None = None  # actor version the rollout model holds (None: unknown, sync next time)
         self._gen_calls = 0  # generate calls so far on this rank: part of the sampling seed and of checkpoints
         self.register_mesh("actor", dp_rank=self.actor.dp_rank, dp_size=self.actor.dp_size,
@@ -373,8 +373,14 @@ class ActorRolloutRefWorker(Worker):
         bumps the weights version. ``lr``: this call's own rate instead of the schedule's (a warm start's).
         Returns ``actor/*`` metrics averaged over the steps."""
         t = self._temperature(temperature)
-        metrics = _train(self.actor, batch, loss_fn, ppo_epochs, mini_batches, "actor", "update_actor",
-                         temperature=t, lr=lr)
+        before = self.actor.global_step
+        try:
+            metrics = _train(self.actor, batch, loss_fn, ppo_epochs, mini_batches, "actor", "update_actor",
+                             temperature=t, lr=lr)
+        except BaseException:
+            if self.actor.global_step != before:  # earlier mini-batches stepped: the weights moved all the same
+                self._version += 1  # (so the next generate syncs the rollout model, and stamps the new version)
+            raise
         self._version += 1
         metrics["actor/weights_version"] = float(self._version)
         return metrics
@@ -475,7 +481,13 @@ class CriticWorker(Worker):
                       mini_batches: int = 1) -> dict[str, float]:
         """``ppo_epochs`` x ``mini_batches`` optimizer steps of ``loss_fn`` (outputs: ``values``); ``critic/*``
         metrics."""
-        metrics = _train(self.critic, batch, loss_fn, ppo_epochs, mini_batches, "critic", "update_critic")
+        before = self.critic.global_step
+        try:
+            metrics = _train(self.critic, batch, loss_fn, ppo_epochs, mini_batches, "critic", "update_critic")
+        except BaseException:
+            if self.critic.global_step != before:  # earlier mini-batches stepped: an update all the same
+                self._version += 1
+            raise
         self._version += 1
         return metrics
 
