@@ -55,10 +55,11 @@ log = logging.getLogger("orchestra")
 StepFn = Callable[[StepContext, DataFuture], Awaitable[dict[str, float]]]
 STEPS: dict[str, StepFn] = {"grpo": grpo_step, "ppo": ppo_step, "dapo": dapo_step}
 
-# Each generate call the runner makes is seeded by its key ``(step, stream, round)`` (``generate(call=...)``), not by
-# how many calls its rank made before it: a call made again (a resume, a stale rollout regenerated, a restart) samples
-# what it sampled the first time, whatever ran before it. Streams: the sampled rollout and DAPO's extra rounds (round
-# 0 is the step's first), ReMax's greedy rollout. Written into runner.json as ``generate_seeds``.
+# Each generate call the runner makes is seeded by its key (``generate(call=...)``), not by how many calls its rank
+# made before it: a call made again (a resume, a stale rollout regenerated, a restart) samples what it sampled the
+# first time, whatever ran before it. A step's sampled rollout: its step number (the seed it always had with one
+# generate call a step, as GRPO, PPO and RLOO make: their runs sample as before keys); DAPO's extra rounds
+# ``(step, 0, round)``, ReMax's greedy rollout ``(step, 1, 0)``. Written into runner.json as ``generate_seeds``.
 _SAMPLED, _GREEDY = 0, 1
 _SEEDS_BY_KEY = "step-round"
 
@@ -478,7 +479,7 @@ class Runner:
             recs = next(self.sampler)
         prompts = prompt_batch(recs, self.tok, uid_offset=step * len(recs))
         rollouts = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
-                                                 seed=self.cfg.rollout.seed, call=(step, _SAMPLED, 0))
+                                                 seed=self.cfg.rollout.seed, call=step)
         greedy = None
         if self.cfg.algorithm.adv_estimator == "remax":  # its baseline: one greedy response per prompt
             greedy = self.cluster.rollout.generate(prompts, micro_batches=self.cfg.runner.micro_batches_per_step,
