@@ -215,7 +215,7 @@ class PromptSampler:
         length = self._epoch_length()
         if length <= 0:
             raise RuntimeError("the sampler has no records left to draw (its record list was emptied)")
-        if self.shuffle and self.drop_last and self._start and length - self._start < count:
+        if self.shuffle and self._start and length - self._start < count:  # (a batch without drop_last never is)
             self._epoch, self._start = self._epoch + 1, 0
         while len(idx) < count:
             order = np.arange(len(self._records)) if self.wraps else self._epoch_order()

@@ -61,3 +61,17 @@ def test_a_dapo_round_holds_no_prompt_twice_when_the_data_is_short(tmp_path, shu
     r._sample_more(0, count)
     (drawn,) = r.cluster.rollout.prompts
     assert len(drawn) == 3 and len({str(p) for p in drawn}) == 3
+
+
+def test_a_take_from_a_shuffled_sampler_keeping_partial_batches_holds_no_record_twice():
+    """Shuffled with drop_last=False, a take longer than the rest of the epoch ran on into the next epoch's
+    permutation, and could hold a record twice ("1", "1", "4", "3", "0" for seed 0): it starts the next epoch
+    instead, as with drop_last."""
+    from pipelines.data import PromptSampler
+
+    recs = [{"prompt": str(i), "answer": str(i)} for i in range(5)]
+    for seed in range(50):
+        s = PromptSampler(recs, batch_size=2, seed=seed, shuffle=True, drop_last=False)
+        next(s), next(s)
+        got = [r["prompt"] for r in s.take(s.records_per_epoch)]
+        assert len(set(got)) == len(got) == 5, (seed, got)
