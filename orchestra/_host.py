@@ -683,11 +683,11 @@ class Host:
         try:
             args, kwargs = _unframe(args, kwargs)
             spec, fn, ctx, counters = self._begin(role, name)
-            private = not kwargs.pop(SHARED_KWARG, False)
+            shared = kwargs.pop(SHARED_KWARG, ())
             readers, given = kwargs.pop(STORE_KWARG, ((), None))
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, counters, spec, fetched, private, given)
+            (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, counters, spec, fetched, shared, given)
             if self.is_cancelled():  # while it waited for a forwarded input: it never reaches the endpoint
                 raise CallCancelled("cancelled while it waited for its inputs; the endpoint did not run")
             rows_in = _rows_in(args, kwargs) if pad else None
@@ -721,11 +721,11 @@ class Host:
         try:
             args, kwargs = _unframe(args, kwargs)
             spec, fn, ctx, counters = self._begin(role, name)
-            private = not kwargs.pop(SHARED_KWARG, False)
+            shared = kwargs.pop(SHARED_KWARG, ())
             kwargs.pop(STORE_KWARG, None)  # a stream's parts are cut as they come: no row positions to align to
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad, _ = self._resolve(args, kwargs, resolved, counters, spec, fetched, private)
+            (args, kwargs), pad, _ = self._resolve(args, kwargs, resolved, counters, spec, fetched, shared)
             if pad:
                 raise ValueError("a streaming endpoint cannot take padded input; drop pad from its dispatch")
             gen = fn(*args, **kwargs)
@@ -769,29 +769,31 @@ class Host:
         return spec, getattr(self.roles[role], name), self.contexts[role], counters
 
     def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict, spec: EndpointSpec,
-                 trace: list | None = None, private: bool = False,
+                 trace: list | None = None, shared: tuple[int | str, ...] = (),
                  given: Span | None = None) -> tuple[tuple[tuple, dict], int, Span | None]:
-        """The endpoint's arguments with data descriptors replaced by Batches it owns (``private``: the
-        controller-made shards of this call are read by this rank alone, so need no copy), the padding rows, and
+        """The endpoint's arguments with data descriptors replaced by Batches it owns, the padding rows, and
         where this rank's input rows sit in the call's (None when not known, or the arguments disagree);
-        ``given``: that place for a controller-made shard (the controller split the batch)."""
+        ``shared``: the arguments (positions, keyword names) other readers share — a controller-made shard the
+        ranks of a mesh replica all read, a caller's own ref that Ray resolves to the stored object — copied
+        before the endpoint may write into them (the others are this rank's alone: no copy); ``given``: where a
+        controller-made shard's rows sit (the controller split the batch)."""
         if not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
             return (args, kwargs), 0, None
         pads: list[int] = []
         spans: list[Span | None] = []
         padded: list[bool] = []  # a pad read among the arguments: the call pads (every data argument alike)
 
-        def one(a: Any) -> Any:
+        def one(key: int | str, a: Any) -> Any:
             if isinstance(a, DataArg):
                 padded.append(a.layout.kind == "balanced" and a.layout.pad)
                 batch, p, where = self._materialize(a, resolved, counters, trace, spec.zero_copy_inputs)
                 pads.append(p)
                 spans.append(where)
             elif isinstance(a, Batch):  # a controller-made shard, passed as is (or resolved by Ray from its ref)
-                # one that came through the object store (>= INLINE_BYTES) is shared memory: other ranks of a mesh
-                # read the same object, so the endpoint gets a private copy unless it promised not to write
+                # one other readers share may be shared memory whatever its nbytes says (object columns count 8
+                # bytes a row there): a private copy, unless the endpoint promised not to write
                 nbytes = a.nbytes
-                batch = a if nbytes < INLINE_BYTES or private or spec.zero_copy_inputs else a.clone()
+                batch = a if key not in shared or spec.zero_copy_inputs else a.clone()
                 counters["parts_in"] += 1
                 counters["rows_in"] += len(a)
                 counters["rows_used"] += len(a)
@@ -808,8 +810,8 @@ class Host:
                                    f"it has {sorted(batch.keys())}")
             return batch
 
-        new_args = tuple([one(a) for a in args])
-        new_kwargs = {k: one(v) for k, v in kwargs.items()}
+        new_args = tuple([one(i, a) for i, a in enumerate(args)])
+        new_kwargs = {k: one(k, v) for k, v in kwargs.items()}
         refusal = padded_apart([w.total for w in spans if w is not None]) if any(padded) else None
         if refusal is not None:  # the controller's rule for the rows it knew: every rank alike, before the endpoint
             raise ValueError(refusal)

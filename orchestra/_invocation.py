@@ -1152,15 +1152,16 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
     for r in plan.ranks:
         args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
         b = _ArgBuilder()
-        shared = [False]
+        shared: list[int | str] = []  # the arguments other readers share (Host._resolve copies them)
         given: list[Span | None] = []
 
-        def convert(a: Any) -> Any:
+        def convert(key: int | str, a: Any) -> Any:
             per_dp = described.get(id(a))
             if per_dp is None:
                 # the caller's own ref (ray.put): resolved on every rank to the one stored object, shared memory
                 # that each rank must copy before its endpoint may write into it (not a shard only it reads)
-                shared[0] = shared[0] or _backend.is_ref(a)
+                if _backend.is_ref(a):
+                    shared.append(key)
                 return a
             d = spec.dp_of_rank[r] if spec is not None else 0
             sources, layout, guards = per_dp[d]
@@ -1170,16 +1171,17 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
                     and layout.kind == "whole" and not layout.pad_rows):
                 # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
                 # rank reads (the TP ranks of a mesh replica) must be copied by each reader before use
-                shared[0] = shared[0] or per_dp_readers.get(d, 2) > 1
+                if per_dp_readers.get(d, 2) > 1:
+                    shared.append(key)
                 given.append(layout.span)
                 return sources[0][0].ref
             return DataArg(tuple(Source(tuple(b.add(o) for o in src)) for src in sources), layout,
                            values_ok=spec is None)
 
-        new_args = tuple([convert(a) for a in args])
-        new_kwargs = {k: convert(v) for k, v in kwargs.items()}
-        if shared[0]:
-            new_kwargs[SHARED_KWARG] = True
+        new_args = tuple([convert(i, a) for i, a in enumerate(args)])
+        new_kwargs = {k: convert(k, v) for k, v in kwargs.items()}
+        if shared:
+            new_kwargs[SHARED_KWARG] = tuple(shared)
         if spec is not None and readers:
             span = given[0] if given and all(g == given[0] for g in given) else None
             # one object per distinct value: ranks given the same arguments (a mesh replica) still share one pickle

@@ -18,7 +18,7 @@ __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_ran
            "REFS_KWARG", "SHARED_KWARG", "FRAME_KWARG", "FRAME_REFS_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
-SHARED_KWARG = "_orc_shared"  # set when a controller-made shard of the call is read by other ranks too (a mesh)
+SHARED_KWARG = "_orc_shared"  # the arguments (positions, keyword names) other readers share: each rank copies them
 STORE_KWARG = "_orc_store"  # a shard call's (reader DP sizes, Span of a controller-made shard or None): see reader_cuts
 FRAME_KWARG = "_orc_frame"  # a Ray call's arguments for one rank, pickled into one frame (see _frame)
 FRAME_REFS_KWARG = "_orc_frame_refs"  # refs and actor handles lifted out of that frame, in order (Ray tracks them)

@@ -17,6 +17,7 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch
+from orchestra import _wire as orc_wire
 
 from orc_test_workers import Counted, Pinger, Secret, redact, unredact
 
@@ -131,14 +132,22 @@ async def test_controller_writes_into_an_awaited_result_stay_private(scorers):
     assert torch.equal(fresh[0][0]["x"], torch.arange(50_000))  # (each rank gets await's list: rank 0's first)
 
 
-async def test_a_batch_given_as_the_callers_own_object_ref_is_each_ranks_own_copy(scorers):
+@pytest.mark.parametrize("how", ["large", "small by nbytes"])
+async def test_a_batch_given_as_the_callers_own_object_ref_is_each_ranks_own_copy(scorers, how):
     """A Batch the caller stored itself (``ray.put``) and passed as its ref: Ray resolves it on each rank as a view
     of the object store's shared memory. The rank took it for a controller-made shard only it reads and handed it to
-    the endpoint uncopied, so rank 0's write reached the stored object, and every later reader of the ref."""
+    the endpoint uncopied, so rank 0's write reached the stored object, and every later reader of the ref; then one
+    whose ``nbytes`` was small (an object column counts 8 bytes a row) but whose pickle is not was still not
+    copied."""
     import ray
 
     g2 = scorers[2]
-    ref = ray.put(Batch.from_dict({"x": torch.zeros(100_000)}))  # 800 KB: stored in shared memory
+    if how == "large":  # 800 KB: stored in shared memory
+        batch = Batch.from_dict({"x": torch.zeros(100_000)})
+    else:  # nbytes 12 000, 400 KB pickled: shared memory too
+        batch = Batch.from_dict({"x": torch.zeros(1000), "text": ["t" * 400] * 1000})
+    assert batch.nbytes < orc_wire.INLINE_BYTES or how == "large"
+    ref = ray.put(batch)
     assert await g2.first_x(ref, write_on=0) == [-1.0, 0.0]
     assert await g2.first_x(ref) == [0.0, 0.0]
     assert float(ray.get(ref)["x"][0]) == 0.0
