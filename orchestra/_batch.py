@@ -132,21 +132,44 @@ def _kind(dtype: torch.dtype) -> str:
     return "int" if dtype.is_signed else "uint"
 
 
-def _rows_only(td: TensorDict, path: tuple[str, ...] = ()) -> TensorDict:
-    """``td`` with every nested TensorDict column's batch size cut to the row dimension, as the top level's is:
-    what a call delivers (the wire carries leaves and rows), so a Batch is the same before and after a call. A nested
-    column without a tensor in it is refused: nothing of it would arrive."""
+def _checked(td: TensorDict) -> TensorDict:
+    """A caller's TensorDict as a call delivers it, or a ValueError naming what would not arrive: the wire carries
+    tensors (nested ones too) and the row dimension, so a Batch is the same before and after a call. Nested
+    columns' batch sizes are cut to the row dimension, as the top level's is (rebuilt only if one is longer); a
+    nested column without a tensor in it, or a value that is not a tensor (NonTensorData, a tensorclass), is
+    refused: nothing of it would reach a rank."""
     n = td.batch_size[:1]
-    out = {}
-    for k, v in td.items():
-        if isinstance(v, TensorDict):
-            if not any(True for _ in v.values(include_nested=True, leaves_only=True)):
-                raise ValueError(f"nested column {'.'.join((*path, k))!r} holds no tensor: a Batch carries its nested "
-                                 f"columns' tensors (leaves) and nothing else would reach a rank; give it a tensor, "
-                                 f"or leave it out")
-            v = _rows_only(TensorDict(dict(v.items()), batch_size=n), (*path, k))
-        out[k] = v
-    return TensorDict(out, batch_size=n, device=td.device)
+    longer = False
+
+    def walk(t: TensorDict, path: tuple[str, ...]) -> int:
+        nonlocal longer
+        leaves = 0
+        for k, v in t.items():
+            name = ".".join((*path, k))
+            if isinstance(v, torch.Tensor):
+                leaves += 1
+            elif isinstance(v, TensorDict):
+                longer = longer or v.batch_size != n
+                if not walk(v, (*path, k)):
+                    raise ValueError(f"nested column {name!r} holds no tensor: a Batch carries its nested columns' "
+                                     f"tensors and nothing else would reach a rank; give it a tensor, or leave it out")
+                leaves += 1
+            else:
+                raise ValueError(f"column {name!r} of the TensorDict holds a {type(v).__name__}, not a tensor: a Batch "
+                                 f"carries tensors and nothing else would reach a rank; put per-row values in a "
+                                 f"non-tensor column (Batch.from_dict({{{name.split('.')[-1]!r}: [...]}})) and "
+                                 f"per-batch ones in meta")
+        return leaves
+
+    walk(td, ())
+    return _rows_only(td) if longer else td
+
+
+def _rows_only(td: TensorDict) -> TensorDict:
+    """``td`` with every nested TensorDict's batch size cut to the row dimension."""
+    n = td.batch_size[:1]
+    return TensorDict({k: _rows_only(TensorDict(dict(v.items()), batch_size=n)) if isinstance(v, TensorDict) else v
+                       for k, v in td.items()}, batch_size=n, device=td.device)
 
 
 def _element_kind(v: Any) -> str:
@@ -236,7 +259,8 @@ class Batch:
         _validate: bool = True,
     ) -> None:
         nt = dict(non_tensors or {})
-        if isinstance(tensors, TensorDict):
+        given = isinstance(tensors, TensorDict)  # the caller's own TensorDict: checked for what the wire carries
+        if given:
             td = tensors
         else:
             tensors = dict(tensors or {})
@@ -252,8 +276,8 @@ class Batch:
             raise ValueError("a Batch needs a TensorDict with a row (batch) dimension, got batch_size=[]")
         if len(td.batch_size) != 1:
             td = TensorDict(dict(td.items()), batch_size=td.batch_size[:1])
-        if _validate and any(isinstance(v, TensorDict) for v in td.values()):
-            td = _rows_only(td)
+        if _validate and given:
+            td = _checked(td)
         self._td = td
         self._nt = {k: _as_object_array(v, k) for k, v in nt.items()} if _validate else nt
         self.meta = dict(meta or {})

@@ -781,11 +781,12 @@ class Host:
             return (args, kwargs), 0, None
         pads: list[int] = []
         spans: list[Span | None] = []
-        padded: list[bool] = []  # a pad read among the arguments: the call pads (every data argument alike)
+        padded: list[int] = []  # the DP pieces of each pad read among the arguments (the call's, every one alike)
 
         def one(key: int | str, a: Any) -> Any:
             if isinstance(a, DataArg):
-                padded.append(a.layout.kind == "balanced" and a.layout.pad)
+                if a.layout.kind == "balanced" and a.layout.pad:
+                    padded.append(a.layout.count)
                 batch, p, where = self._materialize(a, resolved, counters, trace, spec.zero_copy_inputs)
                 pads.append(p)
                 spans.append(where)
@@ -812,7 +813,7 @@ class Host:
 
         new_args = tuple([one(i, a) for i, a in enumerate(args)])
         new_kwargs = {k: one(k, v) for k, v in kwargs.items()}
-        refusal = padded_apart([w.total for w in spans if w is not None]) if any(padded) else None
+        refusal = padded_apart([w.total for w in spans if w is not None], padded[0]) if padded else None
         if refusal is not None:  # the controller's rule for the rows it knew: every rank alike, before the endpoint
             raise ValueError(refusal)
         if len(set(pads)) > 1:

@@ -158,11 +158,12 @@ def padded_again(rows: int, layout: Layout, own: int) -> str | None:
             f"unpad() them in the upstream endpoint first, or read them with a call without pad()")
 
 
-def padded_apart(rows: list[int]) -> str | None:
-    """Why a pad call cannot take data arguments of these row counts, or None when it can: pad() pads each to equal
-    shards on its own, so arguments of different rows would be padded differently, and a rank's rows of one would
-    not be its rows of the other. Asked by the controller of the counts it knows, and by every rank of all of them."""
-    if len(set(rows)) < 2:
+def padded_apart(rows: list[int], pieces: int) -> str | None:
+    """Why a pad call over ``pieces`` DP pieces cannot take data arguments of these row counts, or None when it can:
+    pad() pads each to equal shards on its own, so arguments of different rows, one of them padded, would be padded
+    differently, and a rank's rows of one would not be its rows of the other (with no padding they split as a
+    call without pad splits them). Asked by the controller of the counts it knows, and by every rank of all."""
+    if len(set(rows)) < 2 or not any(n % pieces for n in rows):
         return None
     counts = " and ".join(str(n) for n in sorted(set(rows)))
     return (f"shard(pad=True) / pad() would pad data arguments of {counts} rows differently, and a rank's rows of one "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .dispatch import Dispatch, broadcast
+from .dispatch import Dispatch, broadcast, pads
 
 __all__ = ["Worker", "endpoint", "EndpointSpec", "MeshInfo"]
 
@@ -62,6 +62,11 @@ def endpoint(dispatch: Dispatch | Callable[..., Any] | None = None, *, requires:
             zero_copy_inputs=zero_copy_inputs,
             signature=inspect.signature(fn),
         )
+        if spec.streaming and pads(spec.dispatch):
+            raise TypeError(f"@endpoint({spec.dispatch!r}) on generator {fn.__qualname__}: a streaming endpoint "
+                            f"cannot pad its rows, since its yields are stored as they come and pad()'s filler rows "
+                            f"could not be taken out of them. Drop pad (shard(allow_empty=True) takes any row "
+                            f"count), or return one Batch instead of yielding")
         setattr(fn, _SPEC_ATTR, spec)
         return fn
 

@@ -305,7 +305,7 @@ def check_rows(plan: Plan, spec: ShardSpec) -> None:
     """Reject a shard of fewer known rows than DP ranks (unless padding or empty shards are allowed), and a padded
     one of data arguments whose known rows differ (``padded_apart``)."""
     if spec.pad:
-        refusal = padded_apart([n for a in plan.data_args() if (n := _rows_known(a)) is not None])
+        refusal = padded_apart([n for a in plan.data_args() if (n := _rows_known(a)) is not None], spec.dp_size)
         if refusal is not None:
             raise _error(plan, refusal)
     if spec.pad or spec.allow_empty:
@@ -334,6 +334,12 @@ def shard(mesh: str | None = None, *, pad: bool = False, allow_empty: bool = Fal
 def dp_with_func(mesh: str | None = None) -> Dispatch:
     """verl's DP_COMPUTE_PROTO_WITH_FUNC: a function argument broadcast next to sharded data; same as ``shard()``."""
     return _Shard(mesh, False, False)
+
+
+def pads(dispatch: Dispatch) -> bool:
+    """Whether ``dispatch`` pads the rows it shards (``shard(pad=True)``, ``pad()``), as far as its own transforms
+    say (a user's transform that sets it in ``check`` is seen at the call)."""
+    return any((isinstance(s, _Shard) and s.pad) or isinstance(s, _Pad) for s in _flatten(dispatch))
 
 
 class _Pad(Dispatch):

@@ -34,11 +34,6 @@ class _Shapes(Worker):
         return self.ran
 
     @endpoint(D.shard(pad=True))
-    def padded_gen(self, batch: Batch):
-        self.ran.append("padded_gen")
-        yield batch
-
-    @endpoint(D.shard(pad=True))
     def pair(self, a: Batch, b: Batch) -> Batch:
         self.ran.append("pair")
         return a
@@ -90,16 +85,16 @@ async def runs(g: WorkerGroup) -> list[list[str]]:
     return await g.runs()
 
 
-async def test_a_generator_endpoint_with_pad_is_refused_before_any_rank_runs(groups):
-    """Rank 1 of 2 got a filler row and refused; rank 0 ran the body. With rows that divide, it streamed: whether
-    the call ran depended on the row count. Refused at the call now, whatever the rows."""
-    g = groups[2]
-    before = await runs(g)
-    for n in (5, 4):
-        with pytest.raises(orc.DispatchError, match=r"streaming endpoint.*pad") as info:
-            g.padded_gen(xs(n))
-        assert "'shapes2'" in str(info.value) and "padded_gen" in str(info.value)
-    assert await runs(g) == before
+@pytest.mark.parametrize("dispatch", [D.shard(pad=True), D.shard() | D.pad(), D.shard(mesh="m", pad=True)],
+                         ids=repr)
+def test_a_generator_endpoint_with_pad_is_refused_where_it_is_defined(dispatch):
+    """Rank 1 of 2 got a filler row and refused while rank 0 ran the body; with rows that divide it streamed:
+    whether a call ran depended on its row count. A generator cannot pad at all, so it is refused when defined."""
+    with pytest.raises(TypeError, match=r"generator .*padded_gen.*streaming endpoint cannot pad"):
+        class _PadGen(Worker):
+            @endpoint(dispatch)
+            def padded_gen(self, batch: Batch):
+                yield batch
 
 
 async def test_stream_over_a_pad_endpoint_is_refused_at_the_call(groups):
@@ -125,6 +120,13 @@ async def test_a_pad_call_of_data_arguments_with_different_rows_runs_on_no_rank(
     if how != "running futures":
         assert isinstance(info.value, orc.DispatchError)
     assert await runs(g) == before
+
+
+async def test_a_pad_call_of_data_arguments_with_different_rows_none_padded_runs(groups):
+    """4 and 6 rows over 2 ranks need no padding: they split as a call without pad splits them (2 + 3 rows a rank)."""
+    g = groups[2]
+    for a, b in ((xs(4), xs(6)), (g.echo(xs(4)), g.echo(xs(6)))):
+        assert (await g.pair(a, b))["x"].tolist() == [0, 1, 2, 3]
 
 
 async def test_a_pad_endpoint_takes_zero_rows_from_a_future_as_from_a_batch(groups):
@@ -186,3 +188,22 @@ def test_a_nested_column_the_wire_cannot_carry_is_refused_when_the_batch_is_made
     assert b.tensors["n"].batch_size == torch.Size([4])  # the row dimension, as the top level keeps
     again = Batch.concat([b, b])
     assert again.tensors["n"].batch_size == torch.Size([8]) and again.tensors["n"]["y"].shape == (8, 3)
+
+
+def test_a_value_in_the_tensordict_that_is_not_a_tensor_is_refused_when_the_batch_is_made():
+    """A NonTensorData next to a tensor, at the top level or nested, never reached a rank (the wire carries
+    tensors), and the Batch compared equal to what was sent."""
+    top = TensorDict({"x": torch.zeros(3)}, batch_size=[3])
+    top.set_non_tensor("top", "t")
+    with pytest.raises(ValueError, match=r"column 'top' of the TensorDict holds a NonTensorData"):
+        Batch(top)
+    inner = TensorDict({"l": torch.zeros(3)}, batch_size=[3])
+    inner.set_non_tensor("tag", "hello")
+    with pytest.raises(ValueError, match=r"column 'a.tag' of the TensorDict holds a NonTensorData"):
+        Batch(TensorDict({"x": torch.zeros(3), "a": inner}, batch_size=[3]))
+
+
+def test_a_nested_column_of_row_size_is_kept_as_given():
+    """Normalizing costs nothing when there is nothing to cut: the caller's TensorDict is the Batch's."""
+    td = TensorDict({"x": torch.arange(4), "n": TensorDict({"y": torch.zeros(4, 3)}, [4])}, [4])
+    assert Batch(td).tensors is td
