@@ -150,6 +150,8 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     out: dict[str, float] = {}
     for k in dict.fromkeys(k for s in steps for k in s):  # a skipped step may lack the loss_fn metrics
         vals = [s[k] for s in steps if k in s]
+        if k in ("loss", "grad_norm"):  # a step without a response token trained nothing: its 0s are no measure
+            vals = [s[k] for s in steps if k in s and s.get("tokens", 1.0) > 0] or [0.0]
         out[f"{prefix}/{k}"] = vals[-1] if k in ("step", "lr") else float(statistics.fmean(vals))
     # the update's rows and response tokens, each counted once (one epoch's mini-batches), not once per pass
     one_pass = steps[:len(pieces)]

@@ -73,3 +73,21 @@ def test_a_loss_fn_metric_named_like_train_steps_own_results_is_refused(name):
     assert all(torch.equal(before[k], after[k]) for k in before) and engine.global_step == 0  # nothing trained
     ok = engine.train_step(make_batch(B=4, seed=1), _with_metric("pg_loss"))
     assert ok["pg_loss"] == pytest.approx(ok["loss"])
+
+
+def test_a_token_less_optimizer_step_does_not_dilute_the_updates_loss_and_grad_norm():
+    """A mini-batch without a response token trains nothing (skipped=1) and reports loss 0 and grad_norm 0: those
+    were averaged into the update's ``actor/loss`` and ``actor/grad_norm`` as if measured (half the loss here),
+    while the loss_fn's own metrics left the step out."""
+    from engines.workers import _train
+
+    data = make_batch(B=4, seed=2)
+    data["response_mask"][1::2] = 0  # mini-batch 1 of 2 (rows 1, 3) has no response token
+    batch = Batch.from_dict(data)
+    update = _train(FSDPEngine(model_factory(0), EngineConfig(lr=1e-3, micro_batch_size=2)), batch,
+                    _with_metric("pg_loss"), 1, 2, "actor", "update_actor")
+    alone = FSDPEngine(model_factory(0), EngineConfig(lr=1e-3, micro_batch_size=2)).train_step(
+        batch.slice(0, 4)[torch.tensor([0, 2])].tensors, _with_metric("pg_loss"))
+    assert update["actor/skipped"] == 1.0 and update["actor/optimizer_steps"] == 2.0
+    assert update["actor/loss"] == pytest.approx(alone["loss"]) == pytest.approx(update["actor/pg_loss"])
+    assert update["actor/grad_norm"] == pytest.approx(alone["grad_norm"])
