@@ -148,8 +148,8 @@ def _checked(td: TensorDict) -> TensorDict:
             name = ".".join((*path, k))
             if isinstance(v, torch.Tensor):
                 leaves += 1
-            elif isinstance(v, TensorDict):
-                longer = longer or v.batch_size != n
+            elif _nested(v):  # a TensorDict, or a collection of tensors the wire carries as one (tensorclass, lazy stack)
+                longer = longer or v.batch_size != n or not isinstance(v, TensorDict)
                 if not walk(v, (*path, k)):
                     raise ValueError(f"nested column {name!r} holds no tensor: a Batch carries its nested columns' "
                                      f"tensors and nothing else would reach a rank; give it a tensor, or leave it out")
@@ -165,10 +165,16 @@ def _checked(td: TensorDict) -> TensorDict:
     return _rows_only(td) if longer else td
 
 
+def _nested(v: Any) -> bool:
+    from tensordict import is_non_tensor, is_tensor_collection
+
+    return isinstance(v, TensorDict) or (is_tensor_collection(v) and not is_non_tensor(v))
+
+
 def _rows_only(td: TensorDict) -> TensorDict:
     """``td`` with every nested TensorDict's batch size cut to the row dimension."""
     n = td.batch_size[:1]
-    return TensorDict({k: _rows_only(TensorDict(dict(v.items()), batch_size=n)) if isinstance(v, TensorDict) else v
+    return TensorDict({k: _rows_only(TensorDict(dict(v.items()), batch_size=n)) if _nested(v) else v
                        for k, v in td.items()}, batch_size=n, device=td.device)
 
 

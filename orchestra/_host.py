@@ -133,6 +133,17 @@ def _unframe(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return _frame.loads_call(blob, kwargs.pop(FRAME_REFS_KWARG, ()), args)  # args: the resolved top-level refs
 
 
+def _own_batches(v: Any) -> Any:
+    """``v`` with every Batch in its lists, tuples and dicts cloned (the rest as is)."""
+    if isinstance(v, Batch):
+        return v.clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_own_batches(x) for x in v) if type(v) in (list, tuple) else v
+    if type(v) is dict:
+        return {k: _own_batches(x) for k, x in v.items()}
+    return v
+
+
 def _rows_in(args: tuple, kwargs: dict) -> int:
     """Rows of the (padded) data input of a call: its Batch arguments, which a union made row-aligned."""
     return next((len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)), 0)
@@ -777,7 +788,7 @@ class Host:
         ranks of a mesh replica all read, a caller's own ref that Ray resolves to the stored object — copied
         before the endpoint may write into them (the others are this rank's alone: no copy); ``given``: where a
         controller-made shard's rows sit (the controller split the batch)."""
-        if not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
+        if not shared and not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
             return (args, kwargs), 0, None
         pads: list[int] = []
         spans: list[Span | None] = []
@@ -800,8 +811,8 @@ class Host:
                 counters["rows_used"] += len(a)
                 counters["bytes_in"] += nbytes
                 spans.append(given)
-            else:
-                return a
+            else:  # a caller's ref to a list/dict holding Batches: their columns are the stored object's too
+                return _own_batches(a) if key in shared and not spec.zero_copy_inputs else a
             if not isinstance(batch, Batch):  # a forwarded plain value (e.g. a state dict from rank 0)
                 return batch
             if spec.requires:

@@ -546,6 +546,9 @@ class Invocation:
                             args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
                             args = tuple(darg if x is src else x for x in args)
                             kwargs = {kk: (darg if v is src else v) for kk, v in kwargs.items()}
+                            own = tuple(k for k, v in (*enumerate(args), *kwargs.items()) if _backend.is_ref(v))
+                            if own:  # the caller's refs: every per-part call reads the one stored object
+                                kwargs[SHARED_KWARG] = own
                             calls[r] = (args, kwargs, refs)
                         if self._written is not None:
                             self._written.check(self.where())
@@ -1149,6 +1152,7 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
                       if spec else {})
     out = {}
     store: dict[Span | None, tuple] = {}
+    interned: dict[tuple, tuple] = {}  # one SHARED_KWARG object per distinct value: _encode dedupes frames by id
     for r in plan.ranks:
         args, kwargs = plan.per_rank.get(r, (plan.args, plan.kwargs))
         b = _ArgBuilder()
@@ -1171,7 +1175,7 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
                     and layout.kind == "whole" and not layout.pad_rows):
                 # a controller-made shard: the Batch itself, or its ref for Ray to resolve; an object more than one
                 # rank reads (the TP ranks of a mesh replica) must be copied by each reader before use
-                if per_dp_readers.get(d, 2) > 1:
+                if per_dp_readers.get(d, 2) > 1 and _backend.is_ref(sources[0][0].ref):  # inline: each rank's own
                     shared.append(key)
                 given.append(layout.span)
                 return sources[0][0].ref
@@ -1181,7 +1185,7 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
         new_args = tuple([convert(i, a) for i, a in enumerate(args)])
         new_kwargs = {k: convert(k, v) for k, v in kwargs.items()}
         if shared:
-            new_kwargs[SHARED_KWARG] = tuple(shared)
+            new_kwargs[SHARED_KWARG] = interned.setdefault(tuple(shared), tuple(shared))
         if spec is not None and readers:
             span = given[0] if given and all(g == given[0] for g in given) else None
             # one object per distinct value: ranks given the same arguments (a mesh replica) still share one pickle

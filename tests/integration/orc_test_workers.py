@@ -131,6 +131,18 @@ class Scorer(Worker):
         return float(batch["x"][0])
 
     @endpoint(D.broadcast())
+    def first_x_inside(self, held: Any, write_on: int = -1) -> float:
+        """``first_x`` of the Batch inside a list (its first entry) or a dict (its "b")."""
+        return self.first_x(held[0] if isinstance(held, list) else held["b"], write_on)
+
+    @endpoint(D.shard() | D.stream())
+    def first_x_per_part(self, batch: Batch, other: Batch) -> Batch:
+        """Per streamed part: ``other``'s first x as this call found it, then -1 written there (careless)."""
+        seen = float(other["x"][0])
+        other["x"][0] = -1.0
+        return Batch.from_dict({"seen": torch.full((len(batch),), seen)})
+
+    @endpoint(D.broadcast())
     def tag_of(self, tag: Counted) -> int:
         return tag.value
 
@@ -390,6 +402,10 @@ class MeshWorker(Worker):
     def compute(self, batch: Batch) -> Batch:
         return Batch.from_dict({"x": batch["x"], "dp": torch.full((len(batch),), self.rank // 2),
                                 "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(D.shard(mesh="actor"))
+    def tagged_rows(self, batch: Batch, tag: Counted) -> int:
+        return len(batch) + 0 * tag.value
 
     @endpoint(D.shard(mesh="actor") | D.pad())
     def compute_padded(self, batch: Batch) -> Batch:

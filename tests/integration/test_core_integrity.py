@@ -153,6 +153,50 @@ async def test_a_batch_given_as_the_callers_own_object_ref_is_each_ranks_own_cop
     assert float(ray.get(ref)["x"][0]) == 0.0
 
 
+@pytest.mark.parametrize("held", ["list", "dict"])
+async def test_a_batch_inside_the_callers_own_object_ref_is_each_ranks_own_copy(scorers, held):
+    """``ray.put([batch])`` or ``ray.put({"b": batch})``: Ray resolves the list or dict with the Batch's columns in
+    the object store's shared memory; only a Batch given as the ref itself was copied."""
+    import ray
+
+    g2 = scorers[2]
+    batch = Batch.from_dict({"x": torch.zeros(100_000)})
+    ref = ray.put([batch] if held == "list" else {"b": batch})
+    assert await g2.first_x_inside(ref, write_on=0) == [-1.0, 0.0]
+    assert await g2.first_x_inside(ref) == [0.0, 0.0]
+    stored = ray.get(ref)
+    assert float((stored[0] if held == "list" else stored["b"])["x"][0]) == 0.0
+
+
+async def test_a_streamed_calls_own_object_ref_is_each_parts_own_copy(scorers):
+    """stream() builds each part's call apart from the other calls: the caller's ref went without the mark that
+    makes a rank copy it, so a part's write reached the stored object and the next part's call."""
+    import ray
+
+    g2 = scorers[2]
+    ref = ray.put(Batch.from_dict({"x": torch.zeros(100_000)}))
+    out = await g2.first_x_per_part(g2.gen(xs(8), pieces=2), ref)
+    assert out["seen"].tolist() == [0.0] * 8
+    assert float(ray.get(ref)["x"][0]) == 0.0
+
+
+async def test_the_tp_ranks_of_a_mesh_replica_share_one_pickled_call(ray_cluster):
+    """The two TP ranks of a DP replica are given the same arguments, a stored shard both read among them: one
+    frame a replica (the mark naming the shared argument was a new object for each rank, so each rank's call was
+    pickled apart)."""
+    from orc_test_workers import MeshWorker
+
+    async with orc.WorkerGroup(orc.ResourcePool(process_on_nodes=[4], cpus_per_worker=0.01), MeshWorker,
+                               group_name="mesh_frames") as g:
+        big = Batch.from_dict({"x": torch.arange(40_000)})  # 160 KB a replica: stored, read by both TP ranks
+        assert await g.tagged_rows(big, Counted(1)) == [20_000, 20_000]
+        Counted.pickled = 0
+        assert await g.tagged_rows(big, Counted(2)) == [20_000, 20_000]
+        # one pickle a replica, and one when the call was made (a large Batch: sent later, its other arguments
+        # taken as they were then); was 5: one a rank
+        assert Counted.pickled == 3
+
+
 async def test_writes_into_a_small_results_headers_reach_no_reader(scorers):
     """A small result rides in its reply, so the controller holds its rows: ``outputs()`` and ``parts()`` hand out
     copies of them, so a write into those changes neither an await of the future nor a call it is forwarded into."""

@@ -207,3 +207,21 @@ def test_a_nested_column_of_row_size_is_kept_as_given():
     """Normalizing costs nothing when there is nothing to cut: the caller's TensorDict is the Batch's."""
     td = TensorDict({"x": torch.arange(4), "n": TensorDict({"y": torch.zeros(4, 3)}, [4])}, [4])
     assert Batch(td).tensors is td
+
+
+def test_a_nested_collection_of_tensors_the_wire_carries_is_taken_as_a_nested_column():
+    """A tensorclass value or a lazily stacked TensorDict holds tensors the wire carries (as a TensorDict): they
+    worked before the check of what a TensorDict holds, which refused them as values that would not arrive."""
+    from tensordict import LazyStackedTensorDict, tensorclass
+
+    @tensorclass
+    class _Pair:
+        a: torch.Tensor
+
+    n = 4
+    for value in (_Pair(a=torch.ones(n, 2), batch_size=[n]),
+                  LazyStackedTensorDict(*[TensorDict({"y": torch.ones(2)}, []) for _ in range(n)], stack_dim=0)):
+        b = Batch(TensorDict({"x": torch.zeros(n), "c": value}, batch_size=[n]))
+        leaves = dict(b.tensors.items(include_nested=True, leaves_only=True))
+        assert set(leaves) - {"x"} in ({("c", "a")}, {("c", "y")}) and len(Batch.concat([b, b])) == 2 * n
+        assert isinstance(b.tensors["c"], TensorDict) and b.tensors["c"].batch_size == torch.Size([n])
