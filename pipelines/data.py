@@ -183,7 +183,9 @@ class PromptSampler:
         """The next ``count`` records of the batches' stream, in order (running on into the next epoch if need
         be); the next batch starts after them. For a draw of another size than a batch (DAPO's extra sampling
         rounds): taking a whole batch and dropping the rest would skip records the run never trains on. A draw holds
-        each record at most once, so ``count`` is at most :attr:`records_per_epoch` (more is refused)."""
+        each record at most once, so ``count`` is at most :attr:`records_per_epoch` (more is refused); shuffled, a
+        draw longer than the rest of the epoch starts the next one, and the rest is not drawn this epoch (as
+        drop_last's remainder; without drop_last too, where running on would mix two permutations)."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         limit = self._epoch_length()
