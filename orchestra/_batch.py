@@ -171,6 +171,15 @@ def _nested(v: Any) -> bool:
     return isinstance(v, TensorDict) or (is_tensor_collection(v) and not is_non_tensor(v))
 
 
+def _wire_problem(td: TensorDict) -> str | None:
+    """What of ``td`` the wire (tensor leaves and rows) would drop, as an error message; None when nothing."""
+    try:
+        _checked(td)
+    except ValueError as e:
+        return f"this Batch cannot travel as it is: {e}"
+    return None
+
+
 def _rows_only(td: TensorDict) -> TensorDict:
     """``td`` with every nested TensorDict's batch size cut to the row dimension."""
     n = td.batch_size[:1]
@@ -640,8 +649,19 @@ class Batch:
 
     # -- wire format ----------------------------------------------------------------------------------------------
     def __reduce__(self):  # numpy views pickle out of band: Ray stores them without a copy and readers map them
+        self._check_wire()
         tensors = {k: _tensor_to_wire(v) for k, v in self._td.items(include_nested=True, leaves_only=True)}
         return _rebuild, (len(self), tensors, self._nt, self.meta, self._pad)
+
+    def _check_wire(self) -> None:
+        """Raise TypeError naming a column the wire would drop: a value of the TensorDict that is not a tensor, or a
+        nested column without one, put there past the construction check (``b.tensors[k] = ...``)."""
+        for k, v in self._td.items():
+            if not isinstance(v, torch.Tensor):
+                problem = _wire_problem(self._td)
+                if problem is not None:
+                    raise TypeError(problem)
+                return
 
 
 def balanced_sizes(n: int, parts: int) -> list[int]:

@@ -1290,6 +1290,7 @@ class _DryRun(cloudpickle.CloudPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Batch):  # tensor columns travel as raw buffers: only the other columns can fail
+            obj._check_wire()  # (and a TensorDict value that is not a tensor, which the wire would drop)
             return tuple, ((obj.non_tensors, obj.meta),)
         return super().reducer_override(obj)
 
@@ -1313,9 +1314,16 @@ _SIMPLE = (int, float, str, bytes, bool, type(None), ray.ObjectRef, torch.Tensor
 
 
 def _only_tensors(v: Any) -> bool:
-    """A Batch of tensor columns alone with plain meta: nothing in it can fail to serialize (cheap check)."""
-    return isinstance(v, Batch) and not v.non_tensors and all(
-        type(k) is str and isinstance(m, (int, float, str, bool, type(None))) for k, m in v.meta.items())
+    """A Batch of tensor columns alone with plain meta: nothing in it can fail to serialize (cheap check; a value
+    put into its TensorDict that is not a tensor is left to the dry run, which names it)."""
+    if not (isinstance(v, Batch) and not v.non_tensors and all(
+            type(k) is str and isinstance(m, (int, float, str, bool, type(None))) for k, m in v.meta.items())):
+        return False
+    try:
+        v._check_wire()
+    except TypeError:
+        return False
+    return True
 
 
 def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:

@@ -341,6 +341,18 @@ async def test_a_pad_read_over_rows_padded_on_their_own_runs_on_no_rank(bed, awa
     assert (await e3.padded(e2.echo(xs(4).pad_to_multiple(5).unpad())))["n"].tolist() == [2] * 4
 
 
+async def test_a_value_the_wire_would_drop_fails_the_call_before_sending(bed):
+    """A non-tensor value put into a Batch's TensorDict after it was made (``b.tensors[k] = ...``) was dropped on the
+    wire without a word; now the call is refused naming it, on either backend, and runs on no rank."""
+    e2 = bed["e2"]
+    before = await e2.seen_calls()
+    b = xs(4)
+    b.tensors["s"] = "hello"
+    with pytest.raises(orc.DispatchError, match=r"cannot travel.*'s'"):
+        await e2.echo(b)
+    assert await e2.seen_calls() == before
+
+
 async def test_a_padded_endpoint_must_return_a_row_per_input_row(bed):
     with pytest.raises(orc.WorkerError, match="one row per input row") as info:
         await bed["e3"].padded_short(xs(7))

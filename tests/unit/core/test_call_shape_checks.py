@@ -225,3 +225,21 @@ def test_a_nested_collection_of_tensors_the_wire_carries_is_taken_as_a_nested_co
         leaves = dict(b.tensors.items(include_nested=True, leaves_only=True))
         assert set(leaves) - {"x"} in ({("c", "a")}, {("c", "y")}) and len(Batch.concat([b, b])) == 2 * n
         assert isinstance(b.tensors["c"], TensorDict) and b.tensors["c"].batch_size == torch.Size([n])
+
+
+@pytest.mark.parametrize("how", ["non-tensor value", "empty nested column"])
+async def test_a_value_put_into_the_tensordict_after_the_batch_was_made_fails_the_call_naming_it(groups, how):
+    """``b.tensors[k] = ...`` goes past the construction check: the wire dropped such a value without a word (the
+    rank got the Batch without it). Now the Batch refuses to travel, and the call runs on no rank."""
+    g = groups[2]
+    b = xs(4)
+    if how == "non-tensor value":
+        b.tensors["s"] = "hello"
+    else:
+        b.tensors["e"] = TensorDict({}, batch_size=[4])
+    with pytest.raises(orc.DispatchError, match=r"argument 0.*cannot travel.*'[se]'"):
+        await g.echo(b)
+    with pytest.raises(TypeError, match="cannot travel"):
+        import pickle
+
+        pickle.dumps(b)
