@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ._tensordict import TensorDict
+from tensordict import is_non_tensor, is_tensor_collection  # after ._tensordict: it imports tensordict first
 
 __all__ = ["Batch"]
 
@@ -136,45 +137,41 @@ def _checked(td: TensorDict) -> TensorDict:
     """A caller's TensorDict as a call delivers it, or a ValueError naming what would not arrive: the wire carries
     tensors (nested ones too) and the row dimension, so a Batch is the same before and after a call. Nested
     columns' batch sizes are cut to the row dimension, as the top level's is (rebuilt only if one is longer); a
-    nested column without a tensor in it, or a value that is not a tensor (NonTensorData, a tensorclass), is
-    refused: nothing of it would reach a rank."""
-    n = td.batch_size[:1]
-    longer = False
+    nested column without a tensor in it, or a value that is not a tensor (NonTensorData), is refused: nothing of
+    it would reach a rank."""
+    return _rows_only(td) if _walk(td, td.batch_size[:1], ())[1] else td
 
-    def walk(t: TensorDict, path: tuple[str, ...]) -> int:
-        nonlocal longer
-        leaves = 0
-        for k, v in t.items():
-            name = ".".join((*path, k))
-            if isinstance(v, torch.Tensor):
-                leaves += 1
-            elif _nested(v):  # a TensorDict, or a collection of tensors the wire carries as one (tensorclass, lazy stack)
-                longer = longer or v.batch_size != n or not isinstance(v, TensorDict)
-                if not walk(v, (*path, k)):
-                    raise ValueError(f"nested column {name!r} holds no tensor: a Batch carries its nested columns' "
-                                     f"tensors and nothing else would reach a rank; give it a tensor, or leave it out")
-                leaves += 1
-            else:
-                raise ValueError(f"column {name!r} of the TensorDict holds a {type(v).__name__}, not a tensor: a Batch "
-                                 f"carries tensors and nothing else would reach a rank; put per-row values in a "
-                                 f"non-tensor column (Batch.from_dict({{{name.split('.')[-1]!r}: [...]}})) and "
-                                 f"per-batch ones in meta")
-        return leaves
 
-    walk(td, ())
-    return _rows_only(td) if longer else td
+def _walk(t: TensorDict, n: torch.Size, path: tuple[str, ...]) -> tuple[int, bool]:
+    """(tensors directly in ``t``, whether a nested column must be rebuilt to carry rows ``n`` alone); a ValueError
+    naming a value the wire would drop."""
+    leaves, longer = 0, False
+    for k, v in t.items():
+        name = ".".join((*path, k))
+        if isinstance(v, torch.Tensor):
+            leaves += 1
+        elif _nested(v):  # a TensorDict, or a collection of tensors the wire carries as one (tensorclass, lazy stack)
+            inner, deeper = _walk(v, n, (*path, k))
+            if not inner:
+                raise ValueError(f"nested column {name!r} holds no tensor: a Batch carries its nested columns' "
+                                 f"tensors and nothing else would reach a rank; give it a tensor, or leave it out")
+            longer = longer or deeper or v.batch_size != n or not isinstance(v, TensorDict)
+            leaves += 1
+        else:
+            raise ValueError(f"column {name!r} of the TensorDict holds a {type(v).__name__}, not a tensor: a Batch "
+                             f"carries tensors and nothing else would reach a rank; put per-row values in a "
+                             f"non-tensor column (Batch.from_dict({{{k!r}: [...]}})) and per-batch ones in meta")
+    return leaves, longer
 
 
 def _nested(v: Any) -> bool:
-    from tensordict import is_non_tensor, is_tensor_collection
-
     return isinstance(v, TensorDict) or (is_tensor_collection(v) and not is_non_tensor(v))
 
 
 def _wire_problem(td: TensorDict) -> str | None:
     """What of ``td`` the wire (tensor leaves and rows) would drop, as an error message; None when nothing."""
     try:
-        _checked(td)
+        _walk(td, td.batch_size[:1], ())
     except ValueError as e:
         return f"this Batch cannot travel as it is: {e}"
     return None

@@ -137,8 +137,8 @@ def _own_batches(v: Any) -> Any:
     """``v`` with every Batch in its lists, tuples and dicts cloned (the rest as is)."""
     if isinstance(v, Batch):
         return v.clone()
-    if isinstance(v, (list, tuple)):
-        return type(v)(_own_batches(x) for x in v) if type(v) in (list, tuple) else v
+    if type(v) in (list, tuple):  # (a subclass, a named tuple: as is)
+        return type(v)(_own_batches(x) for x in v)
     if type(v) is dict:
         return {k: _own_batches(x) for k, x in v.items()}
     return v

@@ -811,20 +811,21 @@ class Invocation:
         Batches, plain values as they came."""
         fetched = iter(got)
         by_info = {id(p): (next(fetched) if _backend.is_ref(p.ref) else p.ref) for p in infos}
-        # each part named by the rank that made it, for an error about results that do not join
-        many = {o.rank for outs in per_slot for o in outs if len(o.parts or ()) > 1 or len(outs) > 1}
-        names = {id(p): f"rank {o.rank}'s part {k}" if o.rank in many else f"rank {o.rank}'s result"
-                 for outs in per_slot for o in outs for k, p in enumerate(o.parts or ())}
 
         def joined(parts: list[PartInfo]) -> Batch:
             if not parts:
                 return Batch.from_dict({})
             if len(parts) == 1:
                 return by_info[id(parts[0])].clone()
+            batches = [by_info[id(p)] for p in parts]
             try:
-                return Batch._concat([by_info[id(p)] for p in parts], [names[id(p)] for p in parts])
-            except ValueError as e:
-                raise ValueError(f"{self.where()}: the ranks' results do not join into one Batch: {e}") from None
+                return Batch.concat(batches)
+            except ValueError:  # (the failure path only) again, each part named by the rank that made it
+                try:
+                    Batch._concat(batches, _part_names(per_slot, parts))
+                except ValueError as e:
+                    raise ValueError(f"{self.where()}: the ranks' results do not join into one Batch: {e}") from None
+                raise
 
         values: list[Any] = []
         if self.concat_all and per_slot and all(o.is_batch for outs in per_slot for o in outs):
@@ -944,6 +945,13 @@ class _WriteCheck:
                     f"it): pass a copy (batch.clone()), or write only after awaiting the call")
 
 
+def _part_names(per_slot: list[list[Output]], parts: list[PartInfo]) -> list[str]:
+    """Each of ``parts`` named by the rank whose output holds it (its place among that rank's parts when several)."""
+    where = {id(p): (o.rank, k, len(outs) > 1 or len(o.parts) > 1)
+             for outs in per_slot for o in outs for k, p in enumerate(o.parts or ())}
+    return [f"rank {r}'s part {k}" if many else f"rank {r}'s result" for r, k, many in (where[id(p)] for p in parts)]
+
+
 def _mark(b: Batch) -> tuple:
     tensors = {k: (t, t._version) for k, t in b.tensors.items(include_nested=True, leaves_only=True)}
     return (_names(b), tensors, {k: (a, _column_print(a)) for k, a in b.non_tensors.items()}, dict(b.meta),
@@ -961,7 +969,8 @@ _ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})  # value
 class _ObjectPrint:
     """An object column as it was, compared cheaply. A column of strings, numbers and None (values that cannot
     change in place): its shape and each element's identity (a shallow copy holds them), where a pickle of the
-    whole column cost the event loop ~0.15 ms per 1 000 rows at the call and again at the send. Any other column:
+    whole column cost the event loop about 5x as much at the call and again at the send (``bench.batch_checks``).
+    Any other column:
     its pickle, so that a dict written in place shows (or, when it cannot be pickled, its elements' identity)."""
 
     __slots__ = ("shape", "items", "pickled")
@@ -1185,7 +1194,8 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
         new_args = tuple([convert(i, a) for i, a in enumerate(args)])
         new_kwargs = {k: convert(k, v) for k, v in kwargs.items()}
         if shared:
-            new_kwargs[SHARED_KWARG] = interned.setdefault(tuple(shared), tuple(shared))
+            key = tuple(shared)
+            new_kwargs[SHARED_KWARG] = interned.setdefault(key, key)
         if spec is not None and readers:
             span = given[0] if given and all(g == given[0] for g in given) else None
             # one object per distinct value: ranks given the same arguments (a mesh replica) still share one pickle
