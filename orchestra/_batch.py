@@ -396,6 +396,14 @@ class Batch:
         return (sum(t.numel() * t.element_size() for t in self._td.values(include_nested=True, leaves_only=True))
                 + sum(a.nbytes for a in self._nt.values()))
 
+    def _schema(self) -> tuple[tuple[tuple[Any, ...], ...], tuple[tuple[str, str], ...]]:
+        """What another batch's columns must match for ``concat`` to join the two, as plain data a part header
+        carries (``Output.schema``): each tensor leaf's name, kind and row shape; each non-tensor column's name and
+        numpy kind ('O': an object column, whose values decide). Compared by ``_wire.columns_apart``."""
+        tensors = tuple(sorted((_name(k), _kind(t.dtype), ("nested", t.dim()) if t.is_nested else tuple(t.shape[1:]))
+                               for k, t in self._td.items(include_nested=True, leaves_only=True)))
+        return tensors, tuple(sorted((k, a.dtype.kind) for k, a in self._nt.items()))
+
     def _bytes_per_row(self) -> int | None:
         """``nbytes`` of one row: every column's bytes are proportional to its rows, so a piece of ``k`` rows holds
         ``k`` times this. None for a batch without rows, or with a jagged (``torch.nested``) tensor column, whose rows

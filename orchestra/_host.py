@@ -30,8 +30,8 @@ from . import _backend, _channel, _frame, _sessions
 from ._batch import Batch, balanced_sizes
 from ._errors import DECLARED_DEAD, UPSTREAM_FAILED, OrchestraError, WorkerDiedError, WorkerError
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Output, PartInfo, RefAt, Source, Span, overlapping, padded_again, padded_apart, rank_value,
-                    reader_cuts, row_range)
+                    Output, PartInfo, RefAt, Source, Span, columns_apart, overlapping, padded_again, padded_apart,
+                    rank_value, reader_cuts, row_range)
 from ._worker import EndpointSpec, Worker, _Context, endpoints_of
 
 log = logging.getLogger("orchestra")
@@ -852,6 +852,10 @@ class Host:
                     values.append(self._rank_value(outs[at:at + n], counters, trace))
                     at += n
                 return (values[0] if arg.layout.one else values), 0, None
+        for src in arg.sources:  # the rule the controller applies to the headers it has: every rank alike
+            refusal = columns_apart([resolved[o] if isinstance(o, RefAt) else o for o in src.outputs])
+            if refusal is not None:
+                raise ValueError(f"the upstream call's {refusal}")
         part_lists = [self._parts(src, resolved) for src in arg.sources]
         totals = [sum(p.rows for p in parts) for parts in part_lists]
         if len(set(totals)) > 1:
@@ -979,7 +983,7 @@ class Host:
             counters["parts_out"] += 1
             counters["rows_out"] += len(piece)
             counters["bytes_out"] += size
-        return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()))
+        return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()), schema=result._schema())
 
     def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
         produced = ([(p.key, p.nbytes, p.rows) for p in out.parts if p.key]

@@ -38,7 +38,7 @@ from ._errors import (
     WorkerError,
 )
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
-                    Layout, Output, PartInfo, RefAt, Source, Span, padded_again, rank_value)
+                    Layout, Output, PartInfo, RefAt, Source, Span, columns_apart, padded_again, rank_value)
 from .dispatch import Plan, check_final, forwarded_as, joins_rows
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
@@ -162,6 +162,8 @@ class Invocation:
         self.collect: Callable[[list[Any]], Any] | None = None
         self.concat_all = False
         self._awaited = False  # a first await took the replies as received; later ones fetch their own copies
+        self._read_apart: list[Invocation] = []  # inputs whose rank i was read by rank i alone, their headers not
+        # all here when sent: their columns are checked when this call ends (see ``_check_read_apart``)
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
         self._scan = 0  # slots before this index are finished (see _check_done)
@@ -427,9 +429,12 @@ class Invocation:
                 slot_lists.append([parts])
             else:
                 slot_lists.append(await c.forwardables(hurry))
+                _check_columns(plan, c)
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
+            if not comps[0].outputs_here():
+                self._read_apart.append(comps[0])
             return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
         layouts = {d: Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty) for d in range(D)}
@@ -625,6 +630,30 @@ class Invocation:
                 parts.extend(v.parts)
         return parts
 
+    async def _check_read_apart(self) -> None:
+        """Fail this finished call if an input that each of its ranks read one upstream rank of, sent before all
+        the input's headers were here, turns out not to be one Batch (``columns_apart``): its ranks read rows of
+        different columns. It ran (a reader of one rank's rows cannot tell); its result is refused, not used."""
+        inputs, self._read_apart = self._read_apart, []
+        for c in inputs:
+            outs = [o for s in c.slots if s.collected for o in s.outputs]
+            await asyncio.gather(*outs, return_exceptions=True)  # here: each was read by a rank of this call
+            refusal = columns_apart(c.known_outputs())
+            if refusal is not None:
+                raise self.fail(DispatchError(
+                    f"{self.where()}: each rank read one rank's rows of the future of {c.where()}, which is not one "
+                    f"Batch ({refusal}); the call ran before its headers were all here, so its ranks ran on rows of "
+                    f"different columns, and its result is refused"))
+
+    def outputs_here(self) -> bool:
+        """Whether every collected slot's outputs were received (failed or not)."""
+        return all(s.done.done() and all(o.done() for o in s.outputs) for s in self.slots if s.collected)
+
+    def known_outputs(self) -> list[Any]:
+        """The outputs of the collected slots received so far, well, in row order (nothing is waited for)."""
+        return [o.result() for s in _row_order(self.plan, self.slots) if s.collected for o in s.outputs
+                if o.done() and not o.cancelled() and o.exception() is None]
+
     def _running_ranks(self) -> list[int]:
         return sorted({s.rank for s in self.slots if not s.finished()})
 
@@ -713,6 +742,8 @@ class Invocation:
                             raise self.fail(await self.converted(f.exception(), s))
                     s.verified = settled
                 if not pending:
+                    if self._read_apart:
+                        await self._check_read_apart()
                     return
                 if not await self._wait_some(pending):
                     raise self.fail(self._timeout_error(self._running_ranks()))
@@ -1219,6 +1250,15 @@ class _ArgBuilder:
                 self.refs.append(o)
             return i
         return o
+
+
+def _check_columns(plan: Plan, c: Invocation) -> None:
+    """Refuse, before sending, a shard read of a future whose ranks' results do not join (``columns_apart``) by the
+    headers here; the readers of headers not here yet refuse it alike, each by all of them (a reader of one
+    upstream rank's rows alone cannot: see ``_check_read_apart``)."""
+    refusal = columns_apart(c.known_outputs())
+    if refusal is not None:
+        raise DispatchError(f"{plan.where()}: the future of {c.where()} is not one Batch: {refusal}")
 
 
 def _check_padded_again(plan: Plan, comps: list[Any], layout: Layout) -> None:

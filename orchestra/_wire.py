@@ -7,14 +7,14 @@ so that it is unit-testable without Ray.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._batch import Batch, balanced_sizes
 
 __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "padded_again", "padded_apart",
-           "overlapping", "reader_cuts", "private_part", "RefAt",
+           "columns_apart", "overlapping", "reader_cuts", "private_part", "RefAt",
            "REFS_KWARG", "SHARED_KWARG", "FRAME_KWARG", "FRAME_REFS_KWARG", "STORE_KWARG", "INLINE_BYTES"]
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
@@ -61,6 +61,7 @@ class Output:
     parts: tuple[PartInfo, ...] | None = None
     value: Any = None
     keys: tuple[str, ...] = ()
+    schema: tuple = ()  # Batch._schema() of the rows: what the rows of other outputs must match to join them
 
     @property
     def is_batch(self) -> bool:
@@ -169,6 +170,50 @@ def padded_apart(rows: list[int], pieces: int) -> str | None:
     return (f"shard(pad=True) / pad() would pad data arguments of {counts} rows differently, and a rank's rows of one "
             f"would not be the same rows of another: pass row-aligned inputs as one union a | b, or give each "
             f"argument the same rows")
+
+
+def columns_apart(outputs: Sequence[Any], names: Sequence[str] | None = None) -> str | None:
+    """Why the rows of these outputs (Outputs and PartInfos, in row order) cannot be read as one Batch, or None when
+    they can: ``Batch.concat`` refuses outputs with rows whose columns differ in name, kind or row shape (``await``
+    of their future does). Outputs without rows, or without a schema (rows the controller split from a caller's
+    Batch), are skipped. Asked by the controller of the headers it has and by every reading rank of all of them, so a
+    future whose ranks' results do not join is read by no rank. ``names``: each output's name in the error."""
+    first: tuple[int, Any] | None = None
+    for i, o in enumerate(outputs):
+        if not (isinstance(o, Output) and o.schema and o.parts and any(p.rows for p in o.parts)):
+            continue
+        if first is None:
+            first = (i, o)
+            continue
+        j, f = first
+        why = _schemas_apart(f.schema, o.schema)
+        if why is not None:
+            name = (lambda k, out: names[k] if names is not None else f"rank {out.rank}'s result")
+            return (f"{name(i, o)} and {name(j, f)} {why}, so they do not join into one Batch (await of the future "
+                    f"refuses them too) and no reader could read its rows as the others read theirs: make every rank "
+                    f"return the same columns, of one kind and row shape")
+    return None
+
+
+def _schemas_apart(a: tuple, b: tuple) -> str | None:
+    """How two ``Batch._schema()`` differ in a way ``concat`` refuses, or None (an object column matches any
+    non-tensor column by its header: its values decide, which the join checks)."""
+    (ta, na), (tb, nb) = a, b
+    if ta != tb:
+        da, db = {c[0]: c[1:] for c in ta}, {c[0]: c[1:] for c in tb}
+        if set(da) != set(db):
+            return f"have tensor columns {sorted(db)} and {sorted(da)}"
+        k = next(k for k in sorted(da) if da[k] != db[k])
+        return (f"hold tensor column {k!r} as {db[k][0]} with rows of shape {db[k][1]} and as {da[k][0]} with rows "
+                f"of shape {da[k][1]}")
+    if na != nb:
+        da, db = dict(na), dict(nb)
+        if set(da) != set(db):
+            return f"have non-tensor columns {sorted(db)} and {sorted(da)}"
+        for k in sorted(da):
+            if da[k] != db[k] and "O" not in (da[k], db[k]):
+                return f"hold non-tensor column {k!r} as numpy kind {db[k]!r} and {da[k]!r}"
+    return None
 
 
 def row_range(n: int, layout: Layout) -> tuple[int, int, int]:

@@ -49,6 +49,12 @@ class Echo(FailOnCue, Worker):
         return batch
 
     @endpoint(D.shard())
+    def rank_one_without_y(self, batch: Batch) -> Batch:
+        """Columns x and y, but rank 1's result has no y: the ranks' results do not join."""
+        cols = {"x": batch["x"]} if self.rank == 1 else {"x": batch["x"], "y": batch["x"] * 2}
+        return Batch.from_dict(cols)
+
+    @endpoint(D.shard())
     def plus_one(self, batch: Batch) -> Batch:
         self.seen += 1
         return Batch.from_dict({"z": batch["x"] + 1})

@@ -341,6 +341,23 @@ async def test_a_pad_read_over_rows_padded_on_their_own_runs_on_no_rank(bed, awa
     assert (await e3.padded(e2.echo(xs(4).pad_to_multiple(5).unpad())))["n"].tolist() == [2] * 4
 
 
+@pytest.mark.parametrize("reader", ["e2", "e3"], ids=["rank i reads rank i", "rows split anew"])
+async def test_a_future_whose_ranks_results_do_not_join_is_read_by_no_rank(bed, reader):
+    """``await`` refuses a future whose ranks returned different columns; a call given it read it rank by rank (its
+    rank 0 with column y, its rank 1 without). With the headers here, the controller refuses it before sending."""
+    e2, g = bed["e2"], bed[reader]
+    fut = e2.rank_one_without_y(xs(6))
+    await fut.wait()
+    before = await g.seen_calls()
+    with pytest.raises(orc.DispatchError, match=r"'rank_one_without_y' is not one Batch.*rank 1.*rank 0.*columns"):
+        await g.echo(fut)
+    assert await g.seen_calls() == before
+    if reader == "e3":  # sent at once: the controller refuses by the headers here, each reader alike by all
+        with pytest.raises((orc.DispatchError, orc.WorkerError), match=r"not one Batch|do not join into one Batch"):
+            await g.echo(e2.rank_one_without_y(xs(6)))
+        assert await g.seen_calls() == before
+
+
 async def test_a_value_the_wire_would_drop_fails_the_call_before_sending(bed):
     """A non-tensor value put into a Batch's TensorDict after it was made (``b.tensors[k] = ...``) was dropped on the
     wire without a word; now the call is refused naming it, on either backend, and runs on no rank."""

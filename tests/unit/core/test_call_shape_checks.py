@@ -5,6 +5,10 @@ error named a part index instead of the rank."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +27,9 @@ def pool(n: int) -> ResourcePool:
 
 def xs(n: int) -> Batch:
     return Batch.from_dict({"x": torch.arange(n)})
+
+
+_READ = threading.Event()  # set by a read's rank 0
 
 
 class _Shapes(Worker):
@@ -64,6 +71,32 @@ class _Shapes(Worker):
     def totals(self, batch: Batch):  # a stream of plain values
         for p in batch.chunk(2):
             yield int(p["x"].sum())
+
+    @endpoint(D.shard())
+    def cols(self, batch: Batch, how: str = "column", hold: bool = False) -> Batch:  # rank 1's unlike the others'
+        self.ran.append("cols")
+        if hold and self.rank == 1:  # until a reader's rank 0 ran (ranks run in this process: local backend)
+            assert _READ.wait(timeout=60)
+        cols = {"x": batch["x"], "y": batch["x"] * 2}
+        if self.rank == 1:
+            if how == "column":
+                del cols["y"]
+            elif how == "kind":
+                cols["y"] = cols["y"].float()
+            elif how == "row shape":
+                cols["y"] = cols["y"][:, None].expand(-1, 2)
+            elif how == "text":
+                cols["y"] = [str(v) for v in cols["y"].tolist()]
+            elif how == "empty":  # no rows, no columns: nothing to join, as concat skips it
+                cols = {}
+        return Batch.from_dict(cols)
+
+    @endpoint(D.shard())
+    def read(self, batch: Batch) -> Batch:
+        self.ran.append("read")
+        if self.rank == 0:
+            _READ.set()
+        return batch
 
     @endpoint(D.shard())
     def ids(self, batch: Batch) -> Batch:  # rank 0: integer ids, rank 1: string ids
@@ -243,3 +276,55 @@ async def test_a_value_put_into_the_tensordict_after_the_batch_was_made_fails_th
         import pickle
 
         pickle.dumps(b)
+
+
+def _reads(ran: list[list[str]]) -> list[int]:
+    return [r.count("read") for r in ran]
+
+
+@pytest.mark.parametrize("how", ["column", "kind", "row shape", "text"])
+@pytest.mark.parametrize(("down", "when"), [(2, "done"), (3, "done"), (3, "running")],
+                         ids=["rank i reads rank i, done", "rows split anew, done", "rows split anew, running"])
+async def test_a_future_whose_ranks_returned_unlike_columns_is_read_by_no_rank(groups, how, when, down):
+    """``await`` refuses a future whose ranks' results do not join; a call given that future read it rank by rank
+    instead: its rank 0 got columns x and y, its rank 1 only x (or y of another kind), and both ran. Or, where a
+    reader's rows spanned both upstream ranks, only that rank failed. Now no rank runs it: the controller refuses
+    it by the headers it has, and every reader by all of them."""
+    g_up, g_down = groups[2], groups[down]  # (rank i reads a running upstream's rank i: the next test)
+    before = await runs(g_down)
+    up = g_up.cols(xs(4), how=how)
+    if when == "done":
+        await up.wait()
+    with pytest.raises((orc.DispatchError, orc.WorkerError), match=r"rank 1.*rank 0|rank 0.*rank 1") as info:
+        await g_down.read(up)
+    assert "'y'" in str(info.value) or "columns" in str(info.value)
+    if when == "done":
+        assert isinstance(info.value, orc.DispatchError) and "'shapes2'" in str(info.value)
+    assert _reads(await runs(g_down)) == _reads(before)
+    with pytest.raises(ValueError, match="do not join"):
+        await up
+
+
+@pytest.mark.parametrize("how", ["column", "kind"])
+async def test_a_call_that_read_one_upstream_rank_a_rank_before_the_rest_was_here_fails_at_its_end(groups, how):
+    """The reader's rank i reads the upstream's rank i alone (same DP size), and was sent before rank 1's headers
+    were here (rank 1 waits until the reader's rank 0 ran): no rank could tell. Its result is refused when it ends,
+    naming the upstream, where before it was used."""
+    g = groups[2]
+    _READ.clear()
+    before = await runs(g)
+    up = g.cols(xs(4), how=how, hold=True)
+    out = g.read(up)
+    with pytest.raises(orc.DispatchError, match=r"'read'.*each rank read one rank's rows of the future of .*'cols'.*"
+                                                r"not one Batch.*rank 1.*rank 0.*result is refused"):
+        await out
+    assert _reads(await runs(g)) == [n + 1 for n in _reads(before)]  # it ran on both: the case this cannot prevent
+    with pytest.raises(orc.DispatchError, match="result is refused"):
+        await out.wait()
+
+
+async def test_a_rank_with_no_rows_and_no_columns_does_not_make_a_future_unreadable(groups):
+    """concat skips a result without rows, so await joins it; a reader does too."""
+    g = groups[2]
+    up = g.cols(xs(2), how="empty")  # rank 0: 1 row of x and y; rank 1: no rows (a 1-row shard has rows, so:)
+    assert (await g.read(g.maybe_empty(up)))["y"].tolist() == (await up)["y"].tolist()
