@@ -410,6 +410,7 @@ class Invocation:
         comps = components(a)
         hurry = self._hurry
         guards = [g for c in comps if not isinstance(c, Batch) for g in await c.guard_refs(hurry)]
+        self._inherit_read_apart(plan, comps)
         if spec is None:  # broadcast: every rank reads everything
             if len(comps) == 1 and not isinstance(comps[0], Batch):
                 slots = await comps[0].forwardables(hurry)
@@ -631,19 +632,36 @@ class Invocation:
         return parts
 
     async def _check_read_apart(self) -> None:
-        """Fail this finished call if an input that each of its ranks read one upstream rank of, sent before all
-        the input's headers were here, turns out not to be one Batch (``columns_apart``): its ranks read rows of
-        different columns. It ran (a reader of one rank's rows cannot tell); its result is refused, not used."""
-        inputs, self._read_apart = self._read_apart, []
-        for c in inputs:
-            outs = [o for s in c.slots if s.collected for o in s.outputs]
-            await asyncio.gather(*outs, return_exceptions=True)  # here: each was read by a rank of this call
-            refusal = columns_apart(c.known_outputs())
+        """Fail this finished call if a future that was read rank by rank on its way here (by this call, or by a
+        call whose result it read), sent before all that future's headers were here, turns out not to be one Batch
+        (``columns_apart``): ranks read rows of different columns. It ran (a reader of one rank's rows cannot
+        tell); its result is refused, not used. Checked once all is well; a refusal stays for later readers."""
+        for u in self._read_apart:
+            outs = [o for s in u.slots if s.collected for o in s.outputs]
+            await asyncio.gather(*outs, return_exceptions=True)  # here: each was read by a rank upstream of this
+            refusal = columns_apart(u.known_outputs())
             if refusal is not None:
                 raise self.fail(DispatchError(
-                    f"{self.where()}: each rank read one rank's rows of the future of {c.where()}, which is not one "
-                    f"Batch ({refusal}); the call ran before its headers were all here, so its ranks ran on rows of "
-                    f"different columns, and its result is refused"))
+                    f"{self.where()}: ranks read the future of {u.where()} rank by rank, each one rank's rows, but it "
+                    f"is not one Batch ({refusal}); the read was sent before its headers were all here, so ranks "
+                    f"ran on rows of different columns, and this call's result is refused"))
+        self._read_apart = []
+
+    def _inherit_read_apart(self, plan: Plan, comps: list[Any]) -> None:
+        """Take over the futures the inputs read rank by rank and have not checked yet (``_check_read_apart``), so
+        that a call computed from them is refused too; refuse now when one of them is here and not one Batch."""
+        for c in comps:
+            for u in [] if isinstance(c, Batch) else c._read_apart:
+                if u in self._read_apart:
+                    continue
+                if u.outputs_here():
+                    refusal = columns_apart(u.known_outputs())
+                    if refusal is not None:
+                        raise DispatchError(
+                            f"{plan.where()}: its input, the future of {c.where()}, was computed from the future of "
+                            f"{u.where()} read rank by rank, which is not one Batch ({refusal})")
+                    continue
+                self._read_apart.append(u)
 
     def outputs_here(self) -> bool:
         """Whether every collected slot's outputs were received (failed or not)."""
