@@ -396,13 +396,15 @@ class Batch:
         return (sum(t.numel() * t.element_size() for t in self._td.values(include_nested=True, leaves_only=True))
                 + sum(a.nbytes for a in self._nt.values()))
 
-    def _schema(self) -> tuple[tuple[tuple[Any, ...], ...], tuple[tuple[str, str], ...]]:
+    def _schema(self) -> tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]:
         """What another batch's columns must match for ``concat`` to join the two, as plain data a part header
-        carries (``Output.schema``): each tensor leaf's name, kind and row shape; each non-tensor column's name and
-        numpy kind ('O': an object column, whose values decide). Compared by ``_wire.columns_apart``."""
+        carries (``Output.schema``): each tensor leaf's name, kind and row shape; each non-tensor column's name,
+        numpy kind ('O': an object column, whose values decide; a structured dtype in full) and row shape.
+        Compared by ``_wire.columns_apart``."""
         tensors = tuple(sorted((_name(k), _kind(t.dtype), ("nested", t.dim()) if t.is_nested else tuple(t.shape[1:]))
                                for k, t in self._td.items(include_nested=True, leaves_only=True)))
-        return tensors, tuple(sorted((k, a.dtype.kind) for k, a in self._nt.items()))
+        return tensors, tuple(sorted((k, str(a.dtype) if a.dtype.kind == "V" else a.dtype.kind, a.shape[1:])
+                                     for k, a in self._nt.items()))
 
     def _bytes_per_row(self) -> int | None:
         """``nbytes`` of one row: every column's bytes are proportional to its rows, so a piece of ``k`` rows holds
@@ -541,6 +543,9 @@ class Batch:
                                      f"be converted")
             for k, a in b._nt.items():
                 mine_a = first._nt[k]
+                if a.shape[1:] != mine_a.shape[1:]:
+                    raise ValueError(f"Batch.concat: column {k!r} of {names[i]} has rows of shape {a.shape[1:]}, "
+                                     f"{names[i0]}'s of shape {mine_a.shape[1:]}; make them one row shape")
                 if a.dtype == mine_a.dtype:
                     continue
                 if object in (a.dtype, mine_a.dtype):

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import _backend, _stats
 from ._batch import Batch
+from ._errors import DispatchError
 from ._invocation import Invocation, components
 from ._wire import Output, PartInfo, private_part
 
@@ -137,6 +138,10 @@ class DataFuture:
                     waiting.discard(i)
                     if d.exception() is not None:
                         raise inv.fail(await inv.converted(d.exception(), slot))
+                    if inv._apart_pending():  # rows read rank by rank upstream: refused by the headers here
+                        refusal = inv.apart_refusal_known()  # (and by all of them at the end: inv.wait())
+                        if refusal is not None:
+                            raise inv.fail(DispatchError(refusal))
                     out = d.result()
                     out = out if isinstance(out, Output) else Output(slot.rank, value=out)
                     if out.parts is None:  # a plain value has no rows to hand out as parts: say so, not end empty

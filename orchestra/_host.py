@@ -852,10 +852,11 @@ class Host:
                     values.append(self._rank_value(outs[at:at + n], counters, trace))
                     at += n
                 return (values[0] if arg.layout.one else values), 0, None
-        for src in arg.sources:  # the rule the controller applies to the headers it has: every rank alike
-            refusal = columns_apart([resolved[o] if isinstance(o, RefAt) else o for o in src.outputs])
+        for i, src in enumerate(arg.sources):  # the rule the controller applies to the headers it has: every rank
+            refusal = columns_apart([resolved[o] if isinstance(o, RefAt) else o for o in src.outputs])  # alike
             if refusal is not None:
-                raise ValueError(f"the upstream call's {refusal}")
+                named = arg.layout.sources[i] if i < len(arg.layout.sources) else ""
+                raise ValueError(f"the future of {named or 'the upstream call'} is not one Batch: {refusal}")
         part_lists = [self._parts(src, resolved) for src in arg.sources]
         totals = [sum(p.rows for p in parts) for parts in part_lists]
         if len(set(totals)) > 1:

@@ -162,8 +162,10 @@ class Invocation:
         self.collect: Callable[[list[Any]], Any] | None = None
         self.concat_all = False
         self._awaited = False  # a first await took the replies as received; later ones fetch their own copies
-        self._read_apart: list[Invocation] = []  # inputs whose rank i was read by rank i alone, their headers not
-        # all here when sent: their columns are checked when this call ends (see ``_check_read_apart``)
+        self._read_apart: list[Invocation] = []  # inputs read rank by rank (rank i: upstream rank i alone, or a
+        # stream's parts) before their headers were all here: their columns are checked when this call ends
+        self._apart_inputs: list[Invocation] = []  # inputs computed from such reads, their checks pending
+        self._columns_ok = False  # every such read of this call and its inputs was checked, well
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
         self._scan = 0  # slots before this index are finished (see _check_done)
@@ -438,7 +440,9 @@ class Invocation:
                 self._read_apart.append(comps[0])
             return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
-        layouts = {d: Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty) for d in range(D)}
+        named = tuple("" if isinstance(c, Batch) else c.where() for c in comps)
+        layouts = {d: Layout("balanced", d, D, spec.pad, allow_empty=spec.allow_empty, sources=named)
+                   for d in range(D)}
         if spec.pad:
             _check_padded_again(plan, comps, layouts[0])
         return {d: (flat, layouts[d], guards) for d in range(D)}
@@ -518,6 +522,27 @@ class Invocation:
             self._send(plan, self._prepare(plan, await self._describe_all(plan)), tg)
             release()
             return
+        # each part is read apart from the others: a future whose ranks' results do not join is refused by the
+        # headers here, part by part as they come, and by all of them when the call ends (``_check_read_apart``)
+        self._inherit_read_apart(plan, comps)
+        for c in comps:
+            _check_columns(plan, c)
+            if not c.outputs_here():
+                self._read_apart.append(c)
+        firsts: list[Output | None] = [None] * len(comps)
+
+        def check_part(items: list[Any]) -> None:
+            for j, x in enumerate(items):
+                if not (isinstance(x, Output) and x.schema and x.parts and any(p.rows for p in x.parts)):
+                    continue
+                if firsts[j] is None:
+                    firsts[j] = x
+                    continue
+                refusal = columns_apart([firsts[j], x])
+                if refusal is not None:
+                    raise DispatchError(f"{plan.where()}: the future of {comps[j].where()} is not one Batch: "
+                                        f"{refusal}")
+
         members = {d: [r for r in plan.ranks if shard.dp_of_rank[r] == d] for d in range(D)}
         comp_slots = [[s for s in c.slots if s.collected] for c in comps]
         collector_of = {shard.dp_of_rank[r]: r for r in shard.collectors}
@@ -545,6 +570,7 @@ class Invocation:
                     if all(len(cs[i].refs) > k for cs in comp_slots):
                         b = _ArgBuilder()
                         items = [await _forwardable(cs[i].refs[k]) for cs in comp_slots]
+                        check_part(items)
                         darg = DataArg(tuple(Source((b.add(x),)) for x in items), Layout("whole"))
                         refs = b.refs
                         calls = {}
@@ -631,37 +657,75 @@ class Invocation:
                 parts.extend(v.parts)
         return parts
 
+    def _apart_pending(self) -> bool:
+        """Whether this call read, or was computed from, rows read rank by rank that are not checked yet."""
+        return not self._columns_ok and bool(self._read_apart or self._apart_inputs)
+
+    def _apart_graph(self) -> list[Invocation]:
+        """This call and every input it was computed from whose check is pending, each once (iterative: a long
+        chain of calls nobody awaited is deep)."""
+        seen, order, todo = {id(self)}, [], [self]
+        while todo:
+            inv = todo.pop()
+            order.append(inv)
+            for c in inv._apart_inputs:
+                if id(c) not in seen and c._apart_pending():
+                    seen.add(id(c))
+                    todo.append(c)
+        return order
+
+    def _apart_refusal(self, inv: Invocation, u: Invocation) -> str | None:
+        refusal = columns_apart(u.known_outputs())
+        if refusal is None:
+            return None
+        via = "" if inv is self else f" (by {inv.where()}, whose result this call read)"
+        return (f"{self.where()}: ranks read the future of {u.where()} rank by rank{via}, each one rank's rows, but "
+                f"it is not one Batch ({refusal}); the read was sent before its headers were all here, so ranks ran "
+                f"on rows of different columns, and this call's result is refused")
+
+    def apart_refusal_known(self) -> str | None:
+        """The refusal ``_check_read_apart`` will make, by the headers here now (nothing is waited for)."""
+        if not self._apart_pending():
+            return None
+        for inv in self._apart_graph():
+            for u in inv._read_apart:
+                refusal = self._apart_refusal(inv, u)
+                if refusal is not None:
+                    return refusal
+        return None
+
     async def _check_read_apart(self) -> None:
         """Fail this finished call if a future that was read rank by rank on its way here (by this call, or by a
         call whose result it read), sent before all that future's headers were here, turns out not to be one Batch
         (``columns_apart``): ranks read rows of different columns. It ran (a reader of one rank's rows cannot
-        tell); its result is refused, not used. Checked once all is well; a refusal stays for later readers."""
-        for u in self._read_apart:
-            outs = [o for s in u.slots if s.collected for o in s.outputs]
-            await asyncio.gather(*outs, return_exceptions=True)  # here: each was read by a rank upstream of this
-            refusal = columns_apart(u.known_outputs())
-            if refusal is not None:
-                raise self.fail(DispatchError(
-                    f"{self.where()}: ranks read the future of {u.where()} rank by rank, each one rank's rows, but it "
-                    f"is not one Batch ({refusal}); the read was sent before its headers were all here, so ranks "
-                    f"ran on rows of different columns, and this call's result is refused"))
-        self._read_apart = []
+        tell); its result is refused, not used. Once all is well the verdict is kept (each call checked once);
+        a refusal stays for later readers."""
+        graph = self._apart_graph()
+        for inv in graph:
+            for u in inv._read_apart:
+                outs = [o for s in u.slots if s.collected for o in s.outputs]
+                await asyncio.gather(*outs, return_exceptions=True)  # here: each was read by a rank upstream
+                refusal = self._apart_refusal(inv, u)
+                if refusal is not None:
+                    raise self.fail(DispatchError(refusal))
+        for inv in graph:
+            inv._columns_ok = True
+            inv._read_apart, inv._apart_inputs = [], []
 
     def _inherit_read_apart(self, plan: Plan, comps: list[Any]) -> None:
-        """Take over the futures the inputs read rank by rank and have not checked yet (``_check_read_apart``), so
-        that a call computed from them is refused too; refuse now when one of them is here and not one Batch."""
+        """Keep the inputs computed from rows read rank by rank and not checked yet (``_check_read_apart``), so that
+        a call computed from them is refused too; refuse now when such a read's headers here already disagree."""
         for c in comps:
-            for u in [] if isinstance(c, Batch) else c._read_apart:
-                if u in self._read_apart:
-                    continue
-                if u.outputs_here():
-                    refusal = columns_apart(u.known_outputs())
-                    if refusal is not None:
-                        raise DispatchError(
-                            f"{plan.where()}: its input, the future of {c.where()}, was computed from the future of "
-                            f"{u.where()} read rank by rank, which is not one Batch ({refusal})")
-                    continue
-                self._read_apart.append(u)
+            if isinstance(c, Batch) or not c._apart_pending():
+                continue
+            for u in c._read_apart:  # the input's own reads (its inputs' were looked at when it was sent)
+                refusal = columns_apart(u.known_outputs())
+                if refusal is not None:
+                    raise DispatchError(
+                        f"{plan.where()}: its input, the future of {c.where()}, was computed from the future of "
+                        f"{u.where()} read rank by rank, which is not one Batch ({refusal})")
+            if c not in self._apart_inputs:
+                self._apart_inputs.append(c)
 
     def outputs_here(self) -> bool:
         """Whether every collected slot's outputs were received (failed or not)."""
@@ -760,7 +824,7 @@ class Invocation:
                             raise self.fail(await self.converted(f.exception(), s))
                     s.verified = settled
                 if not pending:
-                    if self._read_apart:
+                    if self._apart_pending():
                         await self._check_read_apart()
                     return
                 if not await self._wait_some(pending):

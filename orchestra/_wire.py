@@ -89,6 +89,8 @@ class Layout:
     collected ranks gave, and whether it keeps one rank (``rank_zero()`` / ``from_rank()``). Plain values (not
     rows) are then read as ``await`` gives them: per rank its value (or the list of the values it yielded), as a
     list over the ranks, or the kept rank's alone.
+    ``sources``: for "balanced", the producer of each source (``"group 'g', endpoint 'e'"``), named by a rank that
+    refuses to read it.
     """
 
     kind: str = "whole"
@@ -100,6 +102,7 @@ class Layout:
     span: Span | None = None  # "whole" of a controller-made shard: where its rows sit in the caller's batch
     slots: tuple[int, ...] = ()
     one: bool = False
+    sources: tuple[str, ...] = ()  # "balanced": each source's producer, as errors name it ("" for a Batch)
 
 
 class RefAt(int):
@@ -179,6 +182,14 @@ def columns_apart(outputs: Sequence[Any], names: Sequence[str] | None = None) ->
     Batch), are skipped. Asked by the controller of the headers it has and by every reading rank of all of them, so a
     future whose ranks' results do not join is read by no rank. ``names``: each output's name in the error."""
     first: tuple[int, Any] | None = None
+
+    def name(k: int, out: Output) -> str:  # (the failure path only)
+        if names is not None:
+            return names[k]
+        same = [i for i, p in enumerate(outputs) if isinstance(p, Output) and p.rank == out.rank]
+        return (f"rank {out.rank}'s result" if len(same) < 2 else
+                f"rank {out.rank}'s output {same.index(k)} (of a generator)")
+
     for i, o in enumerate(outputs):
         if not (isinstance(o, Output) and o.schema and o.parts and any(p.rows for p in o.parts)):
             continue
@@ -188,7 +199,6 @@ def columns_apart(outputs: Sequence[Any], names: Sequence[str] | None = None) ->
         j, f = first
         why = _schemas_apart(f.schema, o.schema)
         if why is not None:
-            name = (lambda k, out: names[k] if names is not None else f"rank {out.rank}'s result")
             return (f"{name(i, o)} and {name(j, f)} {why}, so they do not join into one Batch (await of the future "
                     f"refuses them too) and no reader could read its rows as the others read theirs: make every rank "
                     f"return the same columns, of one kind and row shape")
@@ -207,12 +217,17 @@ def _schemas_apart(a: tuple, b: tuple) -> str | None:
         return (f"hold tensor column {k!r} as {db[k][0]} with rows of shape {db[k][1]} and as {da[k][0]} with rows "
                 f"of shape {da[k][1]}")
     if na != nb:
-        da, db = dict(na), dict(nb)
+        da, db = {c[0]: c[1:] for c in na}, {c[0]: c[1:] for c in nb}
         if set(da) != set(db):
             return f"have non-tensor columns {sorted(db)} and {sorted(da)}"
         for k in sorted(da):
-            if da[k] != db[k] and "O" not in (da[k], db[k]):
-                return f"hold non-tensor column {k!r} as numpy kind {db[k]!r} and {da[k]!r}"
+            (ka, sa), (kb, sb) = da[k], db[k]
+            if "O" in (ka, kb):
+                continue
+            if ka != kb:
+                return f"hold non-tensor column {k!r} as numpy kind {kb!r} and {ka!r}"
+            if sa != sb:
+                return f"hold non-tensor column {k!r} with rows of shape {sb} and {sa}"
     return None
 
 
