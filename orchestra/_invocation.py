@@ -610,7 +610,11 @@ class Invocation:
                         out_slots[i].finish()
                         return
                     waits = [cs[i].watch() for cs in comp_slots]
-                    if any(len(cs[i].refs) > k for cs in comp_slots) or any(cs[i].done.done() for cs in comp_slots):
+                    # the two conditions above, again: a source ahead of another, or done before it, waits for it
+                    # (``any`` here spun the loop without awaiting while one source was ahead)
+                    if all(len(cs[i].refs) > k for cs in comp_slots) or all(cs[i].done.done() for cs in comp_slots):
+                        for w in waits:
+                            w.cancel()
                         continue
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -61,6 +62,12 @@ class _Shapes(Worker):
     @endpoint(D.shard())
     def gen(self, batch: Batch, pieces: int = 2):
         yield from batch.chunk(pieces)
+
+    @endpoint(D.shard())
+    def late_gen(self, batch: Batch, pieces: int = 2):  # each part a little after gen's: a source behind another
+        for p in batch.chunk(pieces):
+            time.sleep(0.02)
+            yield Batch.from_dict({"late": p["x"] + 1})
 
     @endpoint(D.shard())
     def two_parts(self, batch: Batch):  # rank 1's parts are float, the others' integer
@@ -404,3 +411,12 @@ async def test_a_long_chain_of_reads_rank_by_rank_holds_each_input_once(groups):
     _READ.set()
     assert (await out)["y"].tolist() == [0, 2, 4, 6]
     assert all(c._columns_ok and not c._apart_inputs for c in chain)
+
+
+async def test_a_stream_over_a_union_of_streams_one_behind_the_other_waits_for_it(groups):
+    """While one source of the union had its next part and the other not yet, the loop pairing them spun without
+    awaiting: the event loop ran nothing else (the late part could never be delivered) and the call hung at 100 %
+    CPU, deaf to timeouts."""
+    g = groups[2]
+    out = await g.read.options(stream=True)(g.gen(xs(8)) | g.late_gen(xs(8)))
+    assert sorted(out.keys()) == ["late", "x"] and (out["late"] - out["x"]).tolist() == [1] * 8
