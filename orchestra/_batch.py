@@ -399,12 +399,13 @@ class Batch:
     def _schema(self) -> tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]:
         """What another batch's columns must match for ``concat`` to join the two, as plain data a part header
         carries (``Output.schema``): each tensor leaf's name, kind and row shape; each non-tensor column's name,
-        numpy kind ('O': an object column, whose values decide; a structured dtype in full) and row shape.
+        numpy kind ('O': an object column, whose values decide; a structured dtype itself, which joins another by
+        numpy's promotion) and row shape.
         Compared by ``_wire.columns_apart``."""
         tensors = tuple(sorted((_name(k), _kind(t.dtype), ("nested", t.dim()) if t.is_nested else tuple(t.shape[1:]))
                                for k, t in self._td.items(include_nested=True, leaves_only=True)))
-        return tensors, tuple(sorted((k, str(a.dtype) if a.dtype.kind == "V" else a.dtype.kind, a.shape[1:])
-                                     for k, a in self._nt.items()))
+        return tensors, tuple(sorted(((k, a.dtype if a.dtype.kind == "V" else a.dtype.kind, a.shape[1:])
+                                      for k, a in self._nt.items()), key=lambda c: c[0]))
 
     def _bytes_per_row(self) -> int | None:
         """``nbytes`` of one row: every column's bytes are proportional to its rows, so a piece of ``k`` rows holds

@@ -16,6 +16,7 @@ import asyncio
 import io
 import logging
 import pickle
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -166,6 +167,10 @@ class Invocation:
         # stream's parts) before their headers were all here: their columns are checked when this call ends
         self._apart_inputs: list[Invocation] = []  # inputs computed from such reads, their checks pending
         self._columns_ok = False  # every such read of this call and its inputs was checked, well
+        self._apart_bad: str | None = None  # why: a read rank by rank that this call was computed from is refused
+        self._apart_dependents: list[weakref.ref] = []  # calls that read this one rank by rank, or were computed
+        # from such a read through it: told when its headers, all here, disagree (``_judge_columns``)
+        self._apart_judged = False
         self._root: asyncio.Task | None = None
         self._ticket: int | None = None
         self._scan = 0  # slots before this index are finished (see _check_done)
@@ -285,6 +290,8 @@ class Invocation:
             i += 1
         self._scan = i
         if i == len(slots):
+            if self._apart_dependents and not self._apart_judged:
+                self._judge_columns()
             self.shared.live.discard(self)
             self._stop_deadline()
             if not self._looked and self.outcome() is not None:
@@ -438,6 +445,7 @@ class Invocation:
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
             if not comps[0].outputs_here():
                 self._read_apart.append(comps[0])
+                comps[0]._apart_watch(self)
             return {d: ([slot_lists[0][d]], Layout("whole"), guards) for d in range(D)}
         flat = [[o for s in slots for o in s] for slots in slot_lists]
         named = tuple("" if isinstance(c, Batch) else c.where() for c in comps)
@@ -529,6 +537,7 @@ class Invocation:
             _check_columns(plan, c)
             if not c.outputs_here():
                 self._read_apart.append(c)
+                c._apart_watch(self)
         firsts: list[Output | None] = [None] * len(comps)
 
         def check_part(items: list[Any]) -> None:
@@ -689,6 +698,8 @@ class Invocation:
 
     def apart_refusal_known(self) -> str | None:
         """The refusal ``_check_read_apart`` will make, by the headers here now (nothing is waited for)."""
+        if self._apart_bad is not None:
+            return f"{self.where()}: {self._apart_bad}; this call's result is refused"
         if not self._apart_pending():
             return None
         for inv in self._apart_graph():
@@ -707,8 +718,9 @@ class Invocation:
         graph = self._apart_graph()
         for inv in graph:
             for u in inv._read_apart:
-                outs = [o for s in u.slots if s.collected for o in s.outputs]
-                await asyncio.gather(*outs, return_exceptions=True)  # here: each was read by a rank upstream
+                outs = [o for s in u.slots if s.collected for o in s.outputs if not o.done()]
+                if outs:  # here soon: each was read by a rank upstream (wait: a cancel here leaves them be)
+                    await asyncio.wait(outs)
                 refusal = self._apart_refusal(inv, u)
                 if refusal is not None:
                     raise self.fail(DispatchError(refusal))
@@ -720,9 +732,13 @@ class Invocation:
         """Keep the inputs computed from rows read rank by rank and not checked yet (``_check_read_apart``), so that
         a call computed from them is refused too; refuse now when such a read's headers here already disagree."""
         for c in comps:
-            if isinstance(c, Batch) or not c._apart_pending():
+            if isinstance(c, Batch):
                 continue
-            for u in c._read_apart:  # the input's own reads (its inputs' were looked at when it was sent)
+            if c._apart_bad is not None:
+                raise DispatchError(f"{plan.where()}: its input, the future of {c.where()}, {c._apart_bad}")
+            if not c._apart_pending():
+                continue
+            for u in c._read_apart:  # the input's own reads (further up: told by _judge_columns, above)
                 refusal = columns_apart(u.known_outputs())
                 if refusal is not None:
                     raise DispatchError(
@@ -730,6 +746,29 @@ class Invocation:
                         f"{u.where()} read rank by rank, which is not one Batch ({refusal})")
             if c not in self._apart_inputs:
                 self._apart_inputs.append(c)
+                c._apart_dependents.append(weakref.ref(self))
+
+    def _apart_watch(self, reader: Invocation) -> None:
+        """``reader`` reads this call rank by rank before its headers are all here: judge them when they are."""
+        self._apart_dependents.append(weakref.ref(reader))
+
+    def _judge_columns(self) -> None:
+        """Every rank finished: if the headers of this call, read rank by rank by another, disagree, mark every call
+        computed from such a read of it (``_apart_bad``), so that each is refused before sending and at its end.
+        Each mark is made once; a good verdict lets the readers go."""
+        self._apart_judged = True
+        refusal = columns_apart(self.known_outputs())
+        todo, self._apart_dependents = self._apart_dependents, []
+        if refusal is None:
+            return
+        why = (f"was computed from the future of {self.where()} read rank by rank, which is not one Batch "
+               f"({refusal})")
+        while todo:
+            inv = todo.pop()()
+            if inv is None or inv._apart_bad is not None:
+                continue
+            inv._apart_bad = why
+            todo.extend(inv._apart_dependents)
 
     def outputs_here(self) -> bool:
         """Whether every collected slot's outputs were received (failed or not)."""

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from ._batch import Batch, balanced_sizes
 
 __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "padded_again", "padded_apart",
@@ -222,9 +224,16 @@ def _schemas_apart(a: tuple, b: tuple) -> str | None:
             return f"have non-tensor columns {sorted(db)} and {sorted(da)}"
         for k in sorted(da):
             (ka, sa), (kb, sb) = da[k], db[k]
-            if "O" in (ka, kb):
+            if ka == "O" or kb == "O":
                 continue
-            if ka != kb:
+            if isinstance(ka, np.dtype) and isinstance(kb, np.dtype):  # structured: joined as numpy promotes them
+                try:
+                    joined = np.result_type(ka, kb).kind == "V"
+                except TypeError:
+                    joined = False
+                if not joined:
+                    return f"hold non-tensor column {k!r} as structured dtypes {kb} and {ka}, which do not join"
+            elif ka != kb:
                 return f"hold non-tensor column {k!r} as numpy kind {kb!r} and {ka!r}"
             if sa != sb:
                 return f"hold non-tensor column {k!r} with rows of shape {sb} and {sa}"

@@ -371,7 +371,7 @@ async def test_iterating_the_parts_of_a_call_that_read_rows_rank_by_rank_ends_in
     g = groups[2]
     _READ.clear()
     out = g.read(g.cols(xs(4), how="column", hold=True))
-    with pytest.raises(orc.DispatchError, match=r"'cols' rank by rank.*result is refused"):
+    with pytest.raises(orc.DispatchError, match=r"'cols' (read )?rank by rank.*result is refused"):
         async for _ in out:
             pass
 
@@ -420,3 +420,38 @@ async def test_a_stream_over_a_union_of_streams_one_behind_the_other_waits_for_i
     g = groups[2]
     out = await g.read.options(stream=True)(g.gen(xs(8)) | g.late_gen(xs(8)))
     assert sorted(out.keys()) == ["late", "x"] and (out["late"] - out["x"]).tolist() == [1] * 8
+
+
+async def test_a_call_two_reads_down_from_a_read_rank_by_rank_is_refused_before_sending(groups):
+    """Only the input's own reads were looked at before sending: a call two steps down from a refused read ran on
+    every rank (an optimizer step's side effect stays) and was refused only at its end. The upstream's verdict now
+    reaches every call computed from it as soon as its headers are all here."""
+    g, g3 = groups[2], groups[3]
+    _READ.clear()
+    up = g.cols(xs(6), how="kind", hold=True)
+    second = g.echo(g.read(up))  # both aligned, sent before rank 1's header of up was here
+    await up.wait()
+    before = await runs(g3)
+    with pytest.raises(orc.DispatchError, match=r"'echo', was computed from the future of .*'cols' read rank by rank"):
+        await g3.read(second)
+    assert _reads(await runs(g3)) == _reads(before)
+    with pytest.raises(orc.DispatchError, match="refused"):
+        await second
+
+
+def test_structured_numpy_columns_are_compared_as_concat_joins_them():
+    """The first header check took a structured dtype's full text: columns that concat joins (fields of another
+    width, or another layout) were refused by every reader, though await joined them."""
+    from orchestra._wire import Output, PartInfo, columns_apart
+
+    def out(rank: int, a: np.ndarray) -> Output:
+        b = Batch.from_dict({"s": a})
+        return Output(rank, parts=(PartInfo(b, len(b), b.nbytes),), keys=tuple(b.keys()), schema=b._schema())
+
+    narrow = np.zeros(2, dtype=[("a", "<i4")])
+    wide = np.zeros(2, dtype=[("a", "<i8")])
+    other = np.zeros(2, dtype=[("b", "<i8")])
+    assert len(Batch.concat([Batch.from_dict({"s": narrow}), Batch.from_dict({"s": wide})])) == 4
+    assert columns_apart([out(0, narrow), out(1, wide)]) is None
+    why = columns_apart([out(0, narrow), out(1, other)])
+    assert why is not None and "structured dtypes" in why
