@@ -125,6 +125,21 @@ def _mini_batches(engine: FSDPEngine, batch: Batch, mini_batches: int, what: str
     return [batch[torch.arange(min((i - start) % mini_batches, n), n, mini_batches)] for i in range(mini_batches)]
 
 
+def _train_versioned(worker: Worker, engine: FSDPEngine, *args: Any, **kwargs: Any) -> dict[str, float]:
+    """``_train`` that bumps ``worker._version`` when it returns, and when it fails after an optimizer step: earlier
+    mini-batches moved the weights all the same (the next generate must sync the rollout model and stamp the new
+    version)."""
+    before = engine.global_step
+    try:
+        metrics = _train(engine, *args, **kwargs)
+    except BaseException:
+        if engine.global_step != before:
+            worker._version += 1
+        raise
+    worker._version += 1
+    return metrics
+
+
 def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, mini_batches: int, prefix: str,
            what: str, **train_kw: Any) -> dict[str, float]:
     """``ppo_epochs`` passes over ``mini_batches`` global mini-batches (``_mini_batches``: the same rows whatever
@@ -375,15 +390,8 @@ class ActorRolloutRefWorker(Worker):
         bumps the weights version. ``lr``: this call's own rate instead of the schedule's (a warm start's).
         Returns ``actor/*`` metrics averaged over the steps."""
         t = self._temperature(temperature)
-        before = self.actor.global_step
-        try:
-            metrics = _train(self.actor, batch, loss_fn, ppo_epochs, mini_batches, "actor", "update_actor",
-                             temperature=t, lr=lr)
-        except BaseException:
-            if self.actor.global_step != before:  # earlier mini-batches stepped: the weights moved all the same
-                self._version += 1  # (so the next generate syncs the rollout model, and stamps the new version)
-            raise
-        self._version += 1
+        metrics = _train_versioned(self, self.actor, batch, loss_fn, ppo_epochs, mini_batches, "actor",
+                                   "update_actor", temperature=t, lr=lr)
         metrics["actor/weights_version"] = float(self._version)
         return metrics
 
@@ -483,15 +491,8 @@ class CriticWorker(Worker):
                       mini_batches: int = 1) -> dict[str, float]:
         """``ppo_epochs`` x ``mini_batches`` optimizer steps of ``loss_fn`` (outputs: ``values``); ``critic/*``
         metrics."""
-        before = self.critic.global_step
-        try:
-            metrics = _train(self.critic, batch, loss_fn, ppo_epochs, mini_batches, "critic", "update_critic")
-        except BaseException:
-            if self.critic.global_step != before:  # earlier mini-batches stepped: an update all the same
-                self._version += 1
-            raise
-        self._version += 1
-        return metrics
+        return _train_versioned(self, self.critic, batch, loss_fn, ppo_epochs, mini_batches, "critic",
+                                "update_critic")
 
     @endpoint(D.broadcast())
     def save(self, directory: str) -> str:
