@@ -675,6 +675,40 @@ class Batch:
                 return
 
 
+def schemas_apart(a: tuple, b: tuple) -> str | None:
+    """How two ``Batch._schema()`` differ in a way ``concat`` refuses, or None: concat's rule (``Batch._concat``)
+    over what a header carries (an object column matches any non-tensor column by its header: its values decide,
+    which the join checks). Kept next to concat so the two rules change together."""
+    (ta, na), (tb, nb) = a, b
+    if ta != tb:
+        da, db = {c[0]: c[1:] for c in ta}, {c[0]: c[1:] for c in tb}
+        if set(da) != set(db):
+            return f"have tensor columns {sorted(db)} and {sorted(da)}"
+        k = next(k for k in sorted(da) if da[k] != db[k])
+        return (f"hold tensor column {k!r} as {db[k][0]} with rows of shape {db[k][1]} and as {da[k][0]} with rows "
+                f"of shape {da[k][1]}")
+    if na != nb:
+        da, db = {c[0]: c[1:] for c in na}, {c[0]: c[1:] for c in nb}
+        if set(da) != set(db):
+            return f"have non-tensor columns {sorted(db)} and {sorted(da)}"
+        for k in sorted(da):
+            (ka, sa), (kb, sb) = da[k], db[k]
+            if ka == "O" or kb == "O":
+                continue
+            if isinstance(ka, np.dtype) and isinstance(kb, np.dtype):  # structured: joined as numpy promotes them
+                try:
+                    joined = np.result_type(ka, kb).kind == "V"
+                except TypeError:
+                    joined = False
+                if not joined:
+                    return f"hold non-tensor column {k!r} as structured dtypes {kb} and {ka}, which do not join"
+            elif ka != kb:
+                return f"hold non-tensor column {k!r} as numpy kind {kb!r} and {ka!r}"
+            if sa != sb:
+                return f"hold non-tensor column {k!r} with rows of shape {sb} and {sa}"
+    return None
+
+
 def balanced_sizes(n: int, parts: int) -> list[int]:
     """Row counts for ``parts`` near-equal pieces of ``n`` rows, larger pieces first (10 over 4 -> 3, 3, 2, 2)."""
     if parts < 1:

@@ -439,7 +439,7 @@ class Invocation:
                 slot_lists.append([parts])
             else:
                 slot_lists.append(await c.forwardables(hurry))
-                _check_columns(plan, c)
+                _check_joinable(plan, c)
         # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
         # read by global row range), since its producers may have split their rows differently
         if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
@@ -534,7 +534,7 @@ class Invocation:
         # headers here, part by part as they come, and by all of them when the call ends (``_check_read_apart``)
         self._inherit_read_apart(plan, comps)
         for c in comps:
-            _check_columns(plan, c)
+            _check_joinable(plan, c)
             if not c.outputs_here():
                 self._read_apart.append(c)
                 c._apart_watch(self)
@@ -697,17 +697,9 @@ class Invocation:
                 f"on rows of different columns, and this call's result is refused")
 
     def apart_refusal_known(self) -> str | None:
-        """The refusal ``_check_read_apart`` will make, by the headers here now (nothing is waited for)."""
-        if self._apart_bad is not None:
-            return f"{self.where()}: {self._apart_bad}; this call's result is refused"
-        if not self._apart_pending():
-            return None
-        for inv in self._apart_graph():
-            for u in inv._read_apart:
-                refusal = self._apart_refusal(inv, u)
-                if refusal is not None:
-                    return refusal
-        return None
+        """The refusal of a read rank by rank this call was computed from, once that read's upstream finished and
+        judged its headers (``_judge_columns``); None until then (``_check_read_apart`` waits for them)."""
+        return None if self._apart_bad is None else f"{self.where()}: {self._apart_bad}; this call's result is refused"
 
     async def _check_read_apart(self) -> None:
         """Fail this finished call if a future that was read rank by rank on its way here (by this call, or by a
@@ -730,21 +722,14 @@ class Invocation:
 
     def _inherit_read_apart(self, plan: Plan, comps: list[Any]) -> None:
         """Keep the inputs computed from rows read rank by rank and not checked yet (``_check_read_apart``), so that
-        a call computed from them is refused too; refuse now when such a read's headers here already disagree."""
+        a call computed from them is refused too; refuse now when such a read's upstream already judged its headers
+        apart (``_apart_bad``, set by ``_judge_columns``)."""
         for c in comps:
             if isinstance(c, Batch):
                 continue
             if c._apart_bad is not None:
                 raise DispatchError(f"{plan.where()}: its input, the future of {c.where()}, {c._apart_bad}")
-            if not c._apart_pending():
-                continue
-            for u in c._read_apart:  # the input's own reads (further up: told by _judge_columns, above)
-                refusal = columns_apart(u.known_outputs())
-                if refusal is not None:
-                    raise DispatchError(
-                        f"{plan.where()}: its input, the future of {c.where()}, was computed from the future of "
-                        f"{u.where()} read rank by rank, which is not one Batch ({refusal})")
-            if c not in self._apart_inputs:
+            if c._apart_pending() and c not in self._apart_inputs:
                 self._apart_inputs.append(c)
                 c._apart_dependents.append(weakref.ref(self))
 
@@ -1377,7 +1362,7 @@ class _ArgBuilder:
         return o
 
 
-def _check_columns(plan: Plan, c: Invocation) -> None:
+def _check_joinable(plan: Plan, c: Invocation) -> None:
     """Refuse, before sending, a shard read of a future whose ranks' results do not join (``columns_apart``) by the
     headers here; the readers of headers not here yet refuse it alike, each by all of them (a reader of one
     upstream rank's rows alone cannot: see ``_check_read_apart``)."""

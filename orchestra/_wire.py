@@ -11,9 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from ._batch import Batch, balanced_sizes
+from ._batch import Batch, balanced_sizes, schemas_apart
 
 __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_range", "padded_again", "padded_apart",
            "columns_apart", "overlapping", "reader_cuts", "private_part", "RefAt",
@@ -199,44 +197,11 @@ def columns_apart(outputs: Sequence[Any], names: Sequence[str] | None = None) ->
             first = (i, o)
             continue
         j, f = first
-        why = _schemas_apart(f.schema, o.schema)
+        why = schemas_apart(f.schema, o.schema)
         if why is not None:
             return (f"{name(i, o)} and {name(j, f)} {why}, so they do not join into one Batch (await of the future "
                     f"refuses them too) and no reader could read its rows as the others read theirs: make every rank "
                     f"return the same columns, of one kind and row shape")
-    return None
-
-
-def _schemas_apart(a: tuple, b: tuple) -> str | None:
-    """How two ``Batch._schema()`` differ in a way ``concat`` refuses, or None (an object column matches any
-    non-tensor column by its header: its values decide, which the join checks)."""
-    (ta, na), (tb, nb) = a, b
-    if ta != tb:
-        da, db = {c[0]: c[1:] for c in ta}, {c[0]: c[1:] for c in tb}
-        if set(da) != set(db):
-            return f"have tensor columns {sorted(db)} and {sorted(da)}"
-        k = next(k for k in sorted(da) if da[k] != db[k])
-        return (f"hold tensor column {k!r} as {db[k][0]} with rows of shape {db[k][1]} and as {da[k][0]} with rows "
-                f"of shape {da[k][1]}")
-    if na != nb:
-        da, db = {c[0]: c[1:] for c in na}, {c[0]: c[1:] for c in nb}
-        if set(da) != set(db):
-            return f"have non-tensor columns {sorted(db)} and {sorted(da)}"
-        for k in sorted(da):
-            (ka, sa), (kb, sb) = da[k], db[k]
-            if ka == "O" or kb == "O":
-                continue
-            if isinstance(ka, np.dtype) and isinstance(kb, np.dtype):  # structured: joined as numpy promotes them
-                try:
-                    joined = np.result_type(ka, kb).kind == "V"
-                except TypeError:
-                    joined = False
-                if not joined:
-                    return f"hold non-tensor column {k!r} as structured dtypes {kb} and {ka}, which do not join"
-            elif ka != kb:
-                return f"hold non-tensor column {k!r} as numpy kind {kb!r} and {ka!r}"
-            if sa != sb:
-                return f"hold non-tensor column {k!r} with rows of shape {sb} and {sa}"
     return None
 
 
