@@ -61,6 +61,7 @@ class Slot:
         self._waiters: list[asyncio.Future] = []
         self._open = 0  # outputs whose done callback has not run yet (a quick answer for ``finished``)
         self.verified = False  # finished, and no future of it failed (``Invocation.wait`` skips it from then on)
+        self.failed = False  # its end or one of its outputs failed (cancelled ones do not count, as in ``outcome``)
 
     def add(self, ref: ray.ObjectRef, out: asyncio.Future | None = None) -> None:
         """Record an output ref; ``out`` resolves to its value (Ray's per-ref completion when not given)."""
@@ -75,7 +76,9 @@ class Slot:
 
     def _output_done(self, f: asyncio.Future) -> None:
         self._open -= 1
-        _retrieve(f)  # a forwarded, never-awaited failure must not log "never retrieved"
+        # retrieved here: a forwarded, never-awaited failure must not log "never retrieved"
+        if not f.cancelled() and f.exception() is not None:
+            self.failed = True
         if self._on_change is not None:
             self._on_change()
 
@@ -86,6 +89,7 @@ class Slot:
             else:
                 self.done.set_exception(error)
                 self.done.exception()  # retrieved here; errors surface through wait()
+                self.failed = True
         self._notify()
         if self._on_change is not None:
             self._on_change()
@@ -179,6 +183,7 @@ class Invocation:
         self._looked = False  # something awaited this call or read it as an input (see failed_calls_not_awaited)
         self._waiting_for: Any = "its turn to be sent"  # what a call not sent yet waits for: a text, or a data
         # argument whose inputs it is describing (named when its timeout error is made: ``_waiting_text``)
+        self._inputs_gone = False  # it finished well and let its inputs go (``_let_inputs_go``)
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -294,8 +299,35 @@ class Invocation:
                 self._judge_columns()
             self.shared.live.discard(self)
             self._stop_deadline()
-            if not self._looked and self.outcome() is not None:
+            if self._inputs_gone:
+                return
+            well = self.error is None
+            for s in slots:  # an output whose callback has not run yet may be a failure: this runs again from it
+                if s.failed or s._open:
+                    well = False
+                    break
+            if well:
+                self._let_inputs_go()
+            elif not self._looked and self.outcome() is not None:
                 self.shared.note_unseen(self)
+
+    def _let_inputs_go(self) -> None:
+        """Every rank finished well: drop what the call held only to be sent — its upstream calls, the Batches and
+        futures it read, the marks of the caller's Batches — so that a loop feeding each result into the next call
+        (``x = g.f(x)``) keeps the last call alive, not every call before it and their rows. Its check of rows read
+        rank by rank is settled now when it can be (``_settle_columns``); else it keeps what that check reads.
+        A failed call keeps its inputs: a rank that read a failed upstream reports the upstream's error
+        (``converted``)."""
+        self._inputs_gone = True
+        if self._apart_pending():
+            self._settle_columns()
+        self.upstreams = []
+        self._written = None
+        self._waiting_for = "nothing: it finished"
+        if self.plan.data_args():
+            plan = self.plan = self.plan.without_data(_LET_GO)
+            if self.collect is not None:
+                self.collect = lambda values: self.spec.dispatch.collect(plan, values)
 
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:
@@ -716,9 +748,19 @@ class Invocation:
                 refusal = self._apart_refusal(inv, u)
                 if refusal is not None:
                     raise self.fail(DispatchError(refusal))
+        _columns_checked(graph)
+
+    def _settle_columns(self) -> None:
+        """``_check_read_apart`` without waiting, for a call that finished well: when every header it reads is
+        here and they agree, the verdict is kept now and the inputs it held for the check are let go. A header
+        still on its way, or a disagreement, is left to ``_check_read_apart`` (at the next await), which fails the
+        call."""
+        graph = self._apart_graph()
         for inv in graph:
-            inv._columns_ok = True
-            inv._read_apart, inv._apart_inputs = [], []
+            for u in inv._read_apart:
+                if not u.outputs_here() or self._apart_refusal(inv, u) is not None:
+                    return
+        _columns_checked(graph)
 
     def _inherit_read_apart(self, plan: Plan, comps: list[Any]) -> None:
         """Keep the inputs computed from rows read rank by rank and not checked yet (``_check_read_apart``), so that
@@ -744,7 +786,11 @@ class Invocation:
         self._apart_judged = True
         refusal = columns_apart(self.known_outputs())
         todo, self._apart_dependents = self._apart_dependents, []
-        if refusal is None:
+        if refusal is None:  # a reader that finished before these headers were here settles its check now
+            for ref in todo:
+                inv = ref()
+                if inv is not None and inv._inputs_gone and inv._apart_pending():
+                    inv._settle_columns()
             return
         why = (f"was computed from the future of {self.where()} read rank by rank, which is not one Batch "
                f"({refusal})")
@@ -1184,6 +1230,26 @@ def _changed(b: Batch, mark: tuple) -> str | None:
     if meta_print is not None and _fingerprint(b.meta) != meta_print:
         return "its meta changed in place"
     return None
+
+
+def _columns_checked(graph: list[Invocation]) -> None:
+    """Keep the good verdict of every call of ``graph`` (``Invocation._apart_graph``): each checked once, and the
+    inputs it held for the check let go."""
+    for inv in graph:
+        inv._columns_ok = True
+        inv._read_apart, inv._apart_inputs = [], []
+
+
+class _LetGo:
+    """What a finished call's plan holds where its Batch and DataFuture arguments were (``_let_inputs_go``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<an input of a finished call, let go>"
+
+
+_LET_GO = _LetGo()
 
 
 def _row_order(plan: Plan, slots: list[Slot]) -> list[Slot]:

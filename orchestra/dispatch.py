@@ -61,6 +61,15 @@ class Plan:
         """A copy with some fields changed."""
         return replace(self, **changes)
 
+    def without_data(self, placeholder: Any) -> Plan:
+        """A copy whose Batch and DataFuture arguments are ``placeholder``: what a finished call keeps of its plan
+        (its transforms' ``collect`` still reads the rest), so that it holds none of its inputs."""
+        def drop(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return (tuple(placeholder if _is_data(a) else a for a in args),
+                    {k: placeholder if _is_data(v) else v for k, v in kwargs.items()})
+        args, kwargs = drop(self.args, self.kwargs)
+        return replace(self, args=args, kwargs=kwargs, per_rank={r: drop(*ak) for r, ak in self.per_rank.items()})
+
     def data_args(self) -> list[Any]:
         """The Batch and DataFuture arguments of the call (in positional, then keyword order)."""
         return [a for a in (*self.args, *self.kwargs.values()) if _is_data(a)]

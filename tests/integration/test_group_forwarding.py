@@ -137,3 +137,28 @@ async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups
     assert torch.equal((await mapped)["x"], torch.arange(8) + 100)
     await cons.set_scale(1.0)
 
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast path", "Ray calls"])
+async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last_call(groups, fast_path):
+    """``x = g.echo(x)``: each finished call let its inputs go, so the loop keeps the last call alive, not every
+    call before it with its rows (each call held its upstream until the chain's future was dropped: a long loop grew
+    until it ran out of memory). The loop awaits another call each step, never the chain. Checked in process by
+    tests/unit/core/test_call_memory.py."""
+    import gc
+    import weakref
+
+    g = groups[2]
+    was, g.fast_path = g.fast_path, fast_path
+    try:
+        x = g.echo(Batch.from_dict({"x": torch.arange(8), "w": torch.ones(8, 40_000)}))  # 160 kB a rank
+        early = []
+        for _ in range(12):
+            x = g.echo(x)
+            early.append(weakref.ref(x._inv))
+            assert len(await g.get_scale()) == 2  # each rank runs it after the chain's call
+        gc.collect()
+        assert [r() is None for r in early[:-2]] == [True] * (len(early) - 2)
+        assert (await x)["x"].tolist() == list(range(8))
+    finally:
+        g.fast_path = was

@@ -425,14 +425,17 @@ async def test_a_stream_over_a_union_of_streams_one_behind_the_other_waits_for_i
 async def test_a_call_two_reads_down_from_a_read_rank_by_rank_is_refused_before_sending(groups):
     """Only the input's own reads were looked at before sending: a call two steps down from a refused read ran on
     every rank (an optimizer step's side effect stays) and was refused only at its end. The upstream's verdict now
-    reaches every call computed from it as soon as its headers are all here."""
+    reaches every call computed from it as soon as its headers are all here. (read returns the rows it read, so
+    its own headers disagree too: echo is refused for whichever of cols and read finished first at the controller;
+    the local backend's reply order is not fixed, and a match on cols alone failed 3 runs in 40.)"""
     g, g3 = groups[2], groups[3]
     _READ.clear()
     up = g.cols(xs(6), how="kind", hold=True)
     second = g.echo(g.read(up))  # both aligned, sent before rank 1's header of up was here
     await up.wait()
     before = await runs(g3)
-    with pytest.raises(orc.DispatchError, match=r"'echo', was computed from the future of .*'cols' read rank by rank"):
+    with pytest.raises(orc.DispatchError,
+                       match=r"'echo', was computed from the future of .*'(cols|read)' read rank by rank"):
         await g3.read(second)
     assert _reads(await runs(g3)) == _reads(before)
     with pytest.raises(orc.DispatchError, match="refused"):

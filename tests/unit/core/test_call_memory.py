@@ -1,0 +1,142 @@
+"""What a finished call keeps alive (in-process backend). A call holds its inputs — the futures it read, the
+caller's arguments — only until every rank finished well: a loop that feeds each result to the next call (``x =
+g.f(x)``) kept every earlier call and its rows alive for as long as the last future was held (a reviewer's loop of
+60 steps held 514 MB), so a long training loop grew until it ran out of memory, silently."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra import dispatch as D
+
+pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
+
+
+def pool(n: int) -> ResourcePool:
+    return ResourcePool(process_on_nodes=[n], cpus_per_worker=0.01, backend="local")
+
+
+def rows(n: int) -> Batch:
+    return Batch.from_dict({"x": torch.arange(n), "h": torch.zeros(n, 256)})
+
+
+_GO = threading.Event()  # lets a held call's rank 1 finish
+
+
+class _Steps(Worker):
+    @endpoint(D.shard())
+    def held(self, batch: Batch) -> Batch:
+        if self.rank == 1:
+            assert _GO.wait(timeout=60)
+        return batch
+
+    @endpoint(D.shard())
+    def add(self, batch: Batch, other: Batch | None = None) -> Batch:
+        return Batch.from_dict({"x": batch["x"] + 1, "h": batch["h"]})
+
+    @endpoint(D.shard())
+    def fail(self, batch: Batch) -> Batch:
+        raise RuntimeError(f"step failed on rank {self.rank}")
+
+    @endpoint(D.broadcast())
+    def count(self, batch: Batch) -> int:
+        return len(batch)
+
+
+@pytest.fixture
+async def groups():
+    gs = {n: WorkerGroup(pool(n), _Steps, group_name=f"steps{n}") for n in (2, 3)}
+    for g in gs.values():
+        await g.ready()
+    yield gs
+    for g in gs.values():
+        await g.aclose()
+
+
+def _watch(fut: orc.DataFuture) -> weakref.ref:
+    """A weak reference to the call behind ``fut`` (its slots hold the rows its ranks returned)."""
+    return weakref.ref(fut._inv)
+
+
+def _gone(refs: list[weakref.ref]) -> list[bool]:
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+@pytest.mark.parametrize("await_every", [1, 10, 0], ids=["each awaited", "every 10th awaited", "none awaited"])
+async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last(groups, await_every):
+    g = groups[2]
+    x = g.add(rows(64))
+    early = [_watch(x)]
+    for i in range(30):
+        x = g.add(x)
+        if i < 5:
+            early.append(_watch(x))
+        if await_every and i % await_every == 0:
+            await x
+    assert (await x)["x"].tolist()[:3] == [31, 32, 33]
+    assert _gone(early) == [True] * len(early)
+
+
+async def test_a_chain_whose_futures_are_never_awaited_keeps_only_the_last(groups):
+    """Each call reads its input rank by rank (rank i the upstream's rank i), sent before that input finished; the
+    loop awaits another call each step (which the ranks run after it), never the chain. Each call's check of the
+    columns it read waited for an await of the chain, and held every input until then."""
+    g = groups[2]
+    x = g.add(rows(64))
+    early = [_watch(x)]
+    for i in range(30):
+        x = g.add(x)
+        if i < 5:
+            early.append(_watch(x))
+        assert await g.count(rows(4)) == [4, 4]
+    assert _gone(early) == [True] * len(early)
+    assert (await x)["x"].tolist()[:3] == [31, 32, 33]
+
+
+async def test_a_chain_sent_before_its_first_call_finished_keeps_only_the_last(groups):
+    """The chain's calls are sent while its first call still runs on rank 1, so each reads its input rank by rank
+    before that input's headers were all here: each call's check of those reads held its inputs (and the inputs
+    computed from them) until an await of the chain, which never came while the loop ran."""
+    g = groups[2]
+    _GO.clear()
+    x = g.held(rows(8))
+    early = [_watch(x)]
+    for _ in range(10):
+        x = g.add(x)
+        early.append(_watch(x))
+    _GO.set()
+    assert await g.count(rows(4)) == [4, 4]  # each rank runs it after the chain
+    assert _gone(early[:-1]) == [True] * (len(early) - 1)
+    assert (await x)["x"].tolist() == list(range(10, 18))
+
+
+async def test_a_chain_across_groups_and_keyword_arguments_keeps_only_the_last(groups):
+    g2, g3 = groups[2], groups[3]
+    x = g2.add(rows(12))
+    early = [_watch(x)]
+    for i in range(6):
+        x = g3.add(x) if i % 2 else g2.add(rows(12), other=x)
+        early.append(_watch(x))
+    last = g2.count(g3.add(x))
+    assert await last == [12, 12]
+    del x
+    assert _gone(early) == [True] * len(early)
+
+
+async def test_a_failed_call_still_names_its_failed_upstream(groups):
+    """A call whose rank read a failed upstream reports the upstream's own error: it keeps its inputs, since
+    the error is found through them."""
+    g = groups[2]
+    bad = g.fail(rows(4))
+    after = g.add(bad)
+    del bad
+    with pytest.raises(orc.WorkerError, match="step failed on rank"):
+        await after
