@@ -40,7 +40,7 @@ from ._errors import (
 )
 from ._wire import (FRAME_KWARG, FRAME_REFS_KWARG, INLINE_BYTES, REFS_KWARG, SHARED_KWARG, STORE_KWARG, DataArg,
                     Layout, Output, PartInfo, RefAt, Source, Span, columns_apart, padded_again, rank_value)
-from .dispatch import Plan, check_final, forwarded_as, joins_rows
+from .dispatch import Plan, check_final, collects_by_shape, forwarded_as, joins_rows
 
 __all__ = ["Invocation", "Slot", "convert_error", "components", "check_forwarded"]
 
@@ -317,14 +317,15 @@ class Invocation:
         (``x = g.f(x)``) keeps the last call alive, not every call before it and their rows. Its check of rows read
         rank by rank is settled now when it can be (``_settle_columns``); else it keeps what that check reads.
         A failed call keeps its inputs: a rank that read a failed upstream reports the upstream's error
-        (``converted``)."""
+        (``converted``); so does the plan of a call with a user's ``collect`` (``collects_by_shape``), which may
+        read them — no other call can read such a call's future, so it holds its own inputs, not a chain."""
         self._inputs_gone = True
         if self._apart_pending():
             self._settle_columns()
         self.upstreams = []
         self._written = None
         self._waiting_for = "nothing: it finished"
-        if self.plan.data_args():
+        if self.plan.data_args() and collects_by_shape(self.spec.dispatch):  # a user's collect reads them
             plan = self.plan = self.plan.without_data(_LET_GO)
             if self.collect is not None:
                 self.collect = lambda values: self.spec.dispatch.collect(plan, values)

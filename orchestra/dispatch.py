@@ -559,6 +559,14 @@ def forwarded_as(dispatch: Dispatch, plan: Plan) -> str:
     return "per_rank"
 
 
+def collects_by_shape(dispatch: Dispatch) -> bool:
+    """Whether every ``collect`` of ``dispatch`` is orchestra's own, which reads the plan's ranks, shard and
+    collectors, never its arguments: a finished call may then drop its data arguments (``Plan.without_data``). A
+    user's collect may read them (``plan.data_args()``), so its call keeps them."""
+    own = (Dispatch.collect, _Shard.collect, _RankZero.collect, _FromRank.collect, _Metrics.collect)
+    return all(type(s).collect in own for s in _flatten(dispatch))
+
+
 def stream() -> Dispatch:
     """After ``shard``: run the call once per part of a streamed DataFuture argument as each part arrives, so this
     stage starts before the producer finishes; the result streams part by part, in input order."""
