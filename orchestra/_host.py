@@ -340,6 +340,16 @@ def _dump_stacks_on_crash() -> None:
                     os.getpid(), e)
 
 
+def _unwrap_helpers(host: Host) -> None:
+    """Bind ``host``'s private helpers (``Host._call`` and the like, never called through Ray) as Host defines them.
+    Ray wraps every method of an actor class for its tracing, so each helper call of a call's path ran through one
+    more Python frame and a check, tracing on or not; the methods Ray calls keep Ray's wrapper."""
+    for name, fn in vars(Host).items():
+        if name.startswith("_") and not name.startswith("__") and inspect.isfunction(fn):
+            setattr(host, name, fn.__get__(host))
+    host.is_cancelled = Host.is_cancelled.__get__(host)
+
+
 class Host:
     """Ray actor hosting the roles of one rank (several roles when colocated)."""
 
@@ -366,6 +376,7 @@ class Host:
         self._held_ports: list[socket.socket] = []  # MASTER_PORT, kept bound for this rank's process group (address)
         self.tracing = False
         self.events = _Events()
+        _unwrap_helpers(self)
 
     def _aloop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

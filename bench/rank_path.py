@@ -1,0 +1,163 @@
+"""A rank's share of a fast-path call: the CPU its serve thread spends per call in a Ray rank, against the same
+call path run hot in this process.
+
+    python -m bench.rank_path [--ranks 4] [--calls 2000] [--rounds 3]
+
+On a group of ``--ranks`` ranks (``bench.fast_path``'s Stepper), ``await g.step(batch)`` (16 rows sharded) and
+``await g.noop()`` over the fast path's channel, ``--calls`` each per round. For each rank process, the CPU every
+thread spent (``/proc/<pid>/task/*/stat``), per call: the busiest thread is the one serving the channel. Then the
+frames the controller wrote to rank 0 for those two calls, captured, are run by a ``Host`` in this process
+(``Host._run_frame`` and the reply's pickling, what the serve thread does per call less its socket reads and writes),
+``--calls`` times in a row: hot, each call's code and data still in the caches of the core that runs it.
+
+Prints JSON: per call, ``hot_us`` (in this process), ``serve_thread_us`` and ``rank_process_us`` (in the Ray ranks,
+averaged over the ranks; medians over the rounds) and ``serve_over_hot``. On 2 cores shared by the controller and
+4 ranks every call wakes 5 processes, so each rank runs its part of a call cold; the ratio says what that costs.
+The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import orchestra as orc
+from orchestra import Batch, ResourcePool, WorkerGroup, _channel
+from orchestra._host import Host
+
+from ._common import emit
+from .fast_path import Stepper
+
+
+def _threads_cpu(pid: int) -> dict[str, int]:
+    """CPU ticks (user + system) of every thread of process ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                s = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = s[s.rindex(")") + 2:].split()
+        out[tid] = int(fields[11]) + int(fields[12])
+    return out
+
+
+class _Capture:
+    """The frames a group's channel writes to rank 0, while in use (``Channel._write`` wrapped)."""
+
+    def __enter__(self) -> list[bytes]:
+        self.frames: list[bytes] = []
+        self._write = _channel.Channel._write
+        frames, write = self.frames, self._write
+
+        def capture(channel: Any, rank: int, call_id: str, frame: bytes) -> None:
+            if rank == 0:
+                frames.append(frame)
+            write(channel, rank, call_id, frame)
+        _channel.Channel._write = capture
+        return self.frames
+
+    def __exit__(self, *exc: Any) -> None:
+        _channel.Channel._write = self._write
+
+
+class _HotRuntime:
+    """What a Host asks of its process, for a Host run in this one (no Ray: it stores nothing)."""
+
+    own_process = True
+
+    def task_id(self) -> None:
+        return None
+
+    def runtime_cancelled(self) -> bool:
+        return False
+
+    def put(self, obj: Any) -> Any:
+        raise RuntimeError("bench.rank_path: a small call's result is never stored")
+
+    def node_ip(self) -> str:
+        return "127.0.0.1"
+
+    def log_path(self) -> None:
+        return None
+
+    def placement(self) -> tuple[list[Any], None]:
+        return [], None
+
+
+def _hot_us(frame: bytes, role: str, calls: int) -> float:
+    host = Host("rank_path", 0, 1, 0, {}, runtime=_HotRuntime())
+    host.setup({}, {role: (Stepper, (), {})})
+    for _ in range(200):
+        host._run_frame(frame)
+    t0 = time.thread_time()
+    for _ in range(calls):
+        call_id, kind, payload, _value = host._run_frame(frame)
+        pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+    return (time.thread_time() - t0) / calls * 1e6
+
+
+async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, float]]:
+    tick = os.sysconf("SC_CLK_TCK")
+    serve: dict[str, list[float]] = {"step": [], "noop": []}
+    process: dict[str, list[float]] = {"step": [], "noop": []}
+    async with WorkerGroup(ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.01), Stepper,
+                           group_name="rank_path") as g:
+        batch = Batch.from_dict({"x": torch.arange(16)})
+        pids = [await h.__ray_call__.remote(lambda _h: os.getpid()) for h in g._shared.hosts]
+        cases = {"step": lambda: g.step(batch), "noop": g.noop}
+        for _ in range(60):
+            await g.step(batch)
+        assert g._shared.channel is not None and g._shared.channel.open, "the channel did not open"
+        with _Capture() as frames:
+            await g.step(batch)
+            await g.noop()
+        captured = dict(zip(("step", "noop"), frames))
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                before = [_threads_cpu(p) for p in pids]
+                for _ in range(calls):
+                    await fn()
+                after = [_threads_cpu(p) for p in pids]
+                busiest, total = [], []
+                for b, a in zip(before, after):
+                    deltas = [t - b.get(tid, 0) for tid, t in a.items()]
+                    busiest.append(max(deltas))
+                    total.append(sum(deltas))
+                serve[name].append(statistics.fmean(busiest) / tick / calls * 1e6)
+                process[name].append(statistics.fmean(total) / tick / calls * 1e6)
+    role = pickle.loads(captured["step"])[1]
+    out = {}
+    for name in cases:
+        hot = _hot_us(captured[name], role, calls)
+        s = statistics.median(serve[name])
+        out[name] = {"hot_us": round(hot, 1), "serve_thread_us": round(s, 1),
+                     "rank_process_us": round(statistics.median(process[name]), 1),
+                     "serve_over_hot": round(s / hot, 2)}
+    return out
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    orc.init(num_cpus=64)
+    try:
+        results = await measure(a.ranks, a.calls, a.rounds)
+    finally:
+        orc.shutdown()
+    emit({"bench": "rank_path", "ranks": a.ranks, "calls": a.calls, "rounds": a.rounds, "results": results})
+
+
+if __name__ == "__main__":
+    orc.run(main())
