@@ -341,13 +341,15 @@ def _dump_stacks_on_crash() -> None:
 
 
 def _unwrap_helpers(host: Host) -> None:
-    """Bind ``host``'s private helpers (``Host._call`` and the like, never called through Ray) as Host defines them.
-    Ray wraps every method of an actor class for its tracing, so each helper call of a call's path ran through one
-    more Python frame and a check, tracing on or not; the methods Ray calls keep Ray's wrapper."""
-    for name, fn in vars(Host).items():
-        if name.startswith("_") and not name.startswith("__") and inspect.isfunction(fn):
-            setattr(host, name, fn.__get__(host))
-    host.is_cancelled = Host.is_cancelled.__get__(host)
+    """Bind ``host``'s private helpers (``Host._call`` and the like, never called through Ray) unwrapped. Ray wraps
+    every method of an actor class for its tracing, so each helper call of a call's path ran through one more Python
+    frame and a check, tracing on or not; the methods Ray calls keep Ray's wrapper. Only Ray's wrapper is taken off
+    (a subclass's own helper stays)."""
+    cls = type(host)
+    for name in [n for n in vars(Host) if n.startswith("_") and not n.startswith("__")] + ["is_cancelled"]:
+        fn = getattr(cls, name, None)
+        if getattr(fn, "__ray_tracing_wrapped__", False):
+            setattr(host, name, fn.__wrapped__.__get__(host))
 
 
 class Host:
