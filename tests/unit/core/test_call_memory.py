@@ -82,8 +82,11 @@ def _gone(refs: list[weakref.ref]) -> list[bool]:
     return [r() is None for r in refs]
 
 
-@pytest.mark.parametrize("await_every", [1, 10, 0], ids=["each awaited", "every 10th awaited", "none awaited"])
-async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last(groups, await_every):
+@pytest.mark.parametrize("between", ["await it", "await every 10th", "await nothing", "await another call"])
+async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last(groups, between):
+    """``x = g.add(x)`` 30 times, with the chain awaited each step, every 10th step, only at the end, or never
+    while the loop runs: it awaits another call each step (which the ranks run after the chain's), and each call's
+    check of the columns it read rank by rank waited for an await of the chain, holding every input until then."""
     g = groups[2]
     x = g.add(rows(64))
     early = [_watch(x)]
@@ -91,26 +94,14 @@ async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last(g
         x = g.add(x)
         if i < 5:
             early.append(_watch(x))
-        if await_every and i % await_every == 0:
+        if between == "await it" or (between == "await every 10th" and i % 10 == 0):
             await x
+        elif between == "await another call":
+            assert await g.count(rows(4)) == [4, 4]
+    if between == "await another call":  # the chain itself was never awaited
+        assert _gone(early) == [True] * len(early)
     assert (await x)["x"].tolist()[:3] == [31, 32, 33]
     assert _gone(early) == [True] * len(early)
-
-
-async def test_a_chain_whose_futures_are_never_awaited_keeps_only_the_last(groups):
-    """Each call reads its input rank by rank (rank i the upstream's rank i), sent before that input finished; the
-    loop awaits another call each step (which the ranks run after it), never the chain. Each call's check of the
-    columns it read waited for an await of the chain, and held every input until then."""
-    g = groups[2]
-    x = g.add(rows(64))
-    early = [_watch(x)]
-    for i in range(30):
-        x = g.add(x)
-        if i < 5:
-            early.append(_watch(x))
-        assert await g.count(rows(4)) == [4, 4]
-    assert _gone(early) == [True] * len(early)
-    assert (await x)["x"].tolist()[:3] == [31, 32, 33]
 
 
 async def test_a_chain_sent_before_its_first_call_finished_keeps_only_the_last(groups):
