@@ -325,7 +325,7 @@ class Invocation:
         self.upstreams = []
         self._written = None
         self._waiting_for = "nothing: it finished"
-        if self.plan.data_args() and collects_by_shape(self.spec.dispatch):  # a user's collect reads them
+        if self.plan.data_args() and collects_by_shape(self.spec.dispatch):  # (a user's collect may read them)
             plan = self.plan = self.plan.without_data(_LET_GO)
             if self.collect is not None:
                 self.collect = lambda values: self.spec.dispatch.collect(plan, values)
