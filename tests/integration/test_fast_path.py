@@ -692,6 +692,6 @@ def _wrapped_helpers(host: Any) -> list[str]:
 async def test_a_ranks_call_path_runs_without_rays_tracing_wrappers(g):
     """Ray wraps every method of an actor class for its tracing, private helpers included: each helper a call's
     path calls on its rank (nine a fast-path call) ran through one more Python frame and a check, with tracing off.
-    A rank binds its helpers as Host defines them (about 5 % of a rank's CPU a 16-row step call:
+    A rank binds its helpers as Host defines them (about 4 % of a rank's CPU a 16-row step call:
     docs/benchmarks.md); the methods Ray calls keep Ray's wrapper."""
     assert await g._shared.hosts[0].__ray_call__.remote(_wrapped_helpers) == []

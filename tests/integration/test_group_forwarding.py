@@ -8,6 +8,9 @@ tests/contract."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -138,16 +141,12 @@ async def test_calls_made_after_a_stream_reach_every_rank_after_its_parts(groups
     await cons.set_scale(1.0)
 
 
-
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast path", "Ray calls"])
 async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last_call(groups, fast_path):
     """``x = g.echo(x)``: each finished call let its inputs go, so the loop keeps the last call alive, not every
     call before it with its rows (each call held its upstream until the chain's future was dropped: a long loop grew
     until it ran out of memory). The loop awaits another call each step, never the chain. Checked in process by
     tests/unit/core/test_call_memory.py."""
-    import gc
-    import weakref
-
     g = groups[2]
     was, g.fast_path = g.fast_path, fast_path
     try:
