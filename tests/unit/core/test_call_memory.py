@@ -5,6 +5,7 @@ g.f(x)``) kept every earlier call and its rows alive for as long as the last fut
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -14,6 +15,7 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
+from orchestra import _invocation
 from orchestra import dispatch as D
 
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
@@ -52,6 +54,10 @@ class _Steps(Worker):
     @endpoint(D.shard())
     def add(self, batch: Batch, other: Batch | None = None) -> Batch:
         return Batch.from_dict({"x": batch["x"] + 1, "h": batch["h"]})
+
+    @endpoint(D.shard())
+    def late(self, batch: Batch) -> Batch:  # its replies reach the controller late (see _replies_held)
+        return batch
 
     @endpoint(D.shard())
     def fail(self, batch: Batch) -> Batch:
@@ -160,3 +166,51 @@ async def test_a_users_collect_still_reads_the_data_arguments_of_a_finished_call
         await up
         n, _ = await g.counted(up)  # a finished input
         assert n == 6
+
+
+def _replies_held(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> tuple[asyncio.Event, list[asyncio.Task]]:
+    """Hold the replies of ``endpoint``'s calls at the controller until the returned event is set, as Ray may deliver
+    a reader's replies before its upstream's (the replies of different actors come in any order); the tasks that
+    deliver them, for the test to await."""
+    gate, tasks = asyncio.Event(), []
+    make_slot, add = _invocation.Invocation._slot, _invocation.Slot.add
+
+    def slot(inv, rank, collected):
+        s = make_slot(inv, rank, collected)
+        s.held = inv.endpoint == endpoint
+        return s
+
+    def held_add(s, ref, out=None):
+        if getattr(s, "held", False):
+            src = _invocation._replies.one(ref) if out is None else out
+            late = asyncio.get_running_loop().create_future()
+
+            async def deliver() -> None:
+                await gate.wait()
+                late.set_result(await src)
+            tasks.append(asyncio.ensure_future(deliver()))
+            out = late
+        return add(s, ref, out)
+
+    monkeypatch.setattr(_invocation.Invocation, "_slot", slot)
+    monkeypatch.setattr(_invocation.Slot, "add", held_add)
+    return gate, tasks
+
+
+async def test_a_reader_that_finished_before_its_upstreams_replies_lets_it_go_when_they_come(groups, monkeypatch):
+    """The reader reads its input rank by rank, sent before that input's replies were here, and finishes first: its
+    check of the columns it read cannot be settled then, and holds the input. When the input's replies come, the
+    input's good verdict settles the finished reader's check, which lets the input go (no await of the reader)."""
+    g = groups[2]
+    gate, delivering = _replies_held(monkeypatch, "late")
+    up = g.late(rows(8))
+    reader = g.add(up)
+    assert await g.count(rows(4)) == [4, 4]  # the ranks ran both before it; the reader's replies are here
+    watched = _watch(up)
+    assert not _gone([watched])[0]  # held by the reader's pending check
+    gate.set()
+    await asyncio.gather(*delivering)
+    await up
+    del up
+    assert _gone([watched]) == [True]
+    assert (await reader)["x"].tolist() == list(range(1, 9))
