@@ -10,7 +10,8 @@ frames the controller wrote to rank 0 for those two calls, captured, are run by 
 (``Host._run_frame`` and the reply's pickling, what the serve thread does per call less its socket reads and writes),
 ``--calls`` times in a row: hot, each call's code and data still in the caches of the core that runs it.
 
-Prints JSON: per call, ``hot_us`` (in this process), ``serve_thread_us`` and ``rank_process_us`` (in the Ray ranks,
+Prints JSON: per call, ``hot_us`` and ``python_calls`` (in this process; the count of Python calls, C functions
+included, does not move between runs of the same code), ``serve_thread_us`` and ``rank_process_us`` (in the Ray ranks,
 averaged over the ranks; medians over the rounds) and ``serve_over_hot``. On 2 cores shared by the controller and
 4 ranks every call wakes 5 processes, so each rank runs its part of a call cold; the ratio says what that costs.
 The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs.
@@ -19,8 +20,10 @@ The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import pickle
+import pstats
 import statistics
 import time
 from typing import Any
@@ -92,16 +95,26 @@ class _HotRuntime:
         return [], None
 
 
-def _hot_us(frame: bytes, role: str, calls: int) -> float:
+def _hot(frame: bytes, role: str, calls: int) -> tuple[float, float]:
+    """CPU µs per call of the call path run ``calls`` times in a row here, and the Python calls it makes per call
+    (cProfile's count, C functions included: the same in every run of the same code)."""
     host = Host("rank_path", 0, 1, 0, {}, runtime=_HotRuntime())
     host.setup({}, {role: (Stepper, (), {})})
-    for _ in range(200):
-        host._run_frame(frame)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            call_id, kind, payload, _value = host._run_frame(frame)
+            pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+
+    run(200)
     t0 = time.thread_time()
-    for _ in range(calls):
-        call_id, kind, payload, _value = host._run_frame(frame)
-        pickle.dumps((call_id, kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-    return (time.thread_time() - t0) / calls * 1e6
+    run(calls)
+    us = (time.thread_time() - t0) / calls * 1e6
+    prof = cProfile.Profile()
+    prof.enable()
+    run(100)
+    prof.disable()
+    return us, pstats.Stats(prof).total_calls / 100
 
 
 async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -136,9 +149,9 @@ async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, fl
     role = pickle.loads(captured["step"])[1]
     out = {}
     for name in cases:
-        hot = _hot_us(captured[name], role, calls)
+        hot, python_calls = _hot(captured[name], role, calls)
         s = statistics.median(serve[name])
-        out[name] = {"hot_us": round(hot, 1), "serve_thread_us": round(s, 1),
+        out[name] = {"hot_us": round(hot, 1), "python_calls": round(python_calls, 1), "serve_thread_us": round(s, 1),
                      "rank_process_us": round(statistics.median(process[name]), 1),
                      "serve_over_hot": round(s / hot, 2)}
     return out

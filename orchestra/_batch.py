@@ -57,8 +57,25 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
     return t.numpy(), None
 
 
+def _spend_the_read_only_warning() -> None:
+    """torch warns once per process (``TORCH_WARN_ONCE``) when a tensor is made from a read-only numpy array: that
+    one warning is spent here, silenced, so that later conversions need no warnings filter of their own (entering
+    and leaving one costs more than the conversion; a Batch is rebuilt on every call's path)."""
+    always = torch.is_warn_always_enabled()  # (which would not spend it)
+    try:
+        torch.set_warn_always(False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.from_numpy(np.frombuffer(bytes(8), dtype=np.uint8))
+    finally:
+        torch.set_warn_always(always)
+
+
+_spend_the_read_only_warning()
+
+
 def _tensor_from_wire(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
-    if arr.flags.writeable:
+    if arr.flags.writeable or not torch.is_warn_always_enabled():  # (torch then warns every time, not once)
         t = torch.from_numpy(arr)
     else:
         # A view of the object store's shared memory. It never reaches user code as is: workers and the controller
@@ -246,8 +263,21 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
+_NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)  # TensorDict without its checks, for what is known good
+
+
+def _flat(columns: Mapping[Any, Any]) -> bool:
+    """Whether every column is named by a string and is a plain dense tensor (no nesting of any kind)."""
+    return _NEW_UNSAFE is not None and all(type(k) is str and type(v) is torch.Tensor and not v.is_nested
+                                           for k, v in columns.items())
+
+
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
-    td = TensorDict({k: _tensor_from_wire(a, d) for k, (a, d) in tensors.items()}, batch_size=[n])
+    columns = {k: _tensor_from_wire(a, d) for k, (a, d) in tensors.items()}
+    # flat columns of n rows each, as __reduce__ wrote them: made without the constructor's checks of what holds
+    # (a Batch is rebuilt on every call's path, on the rank and in the controller)
+    td = (_NEW_UNSAFE(columns, batch_size=torch.Size([n]), nested=False) if _flat(columns)
+          else TensorDict(columns, batch_size=[n]))
     return Batch(td, non_tensors, meta, _pad=pad, _validate=False)
 
 
@@ -493,7 +523,16 @@ class Batch:
             return []
         # one split per column (views) instead of one TensorDict index per piece: the controller splits every
         # sharded argument, so this is on the per-call path
-        tds = self._td.split(sizes, dim=0)
+        td = self._td
+        if (type(td) is TensorDict and getattr(td, "_td_dim_names", ()) is None and not td.is_locked
+                and not getattr(td, "_is_shared", True) and not getattr(td, "_is_memmap", True) and _flat(td)):
+            # a plain TensorDict of flat columns: each column cut once, the pieces made without the constructor's
+            # checks (each piece's columns have its rows by construction); TensorDict.split does more than this
+            cut = {k: v.split(sizes) for k, v in td.items()}
+            tds = [_NEW_UNSAFE({k: c[i] for k, c in cut.items()}, batch_size=torch.Size([s]), device=td.device,
+                               nested=False) for i, s in enumerate(sizes)]
+        else:
+            tds = td.split(sizes, dim=0)
         out, start, pad_from = [], 0, len(self) - self._pad
         for s, td in zip(sizes, tds):
             pad = max(0, min(s, start + s - pad_from)) if self._pad else 0  # its share of the trailing padding

@@ -126,9 +126,45 @@ def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int | No
     return b"".join([head, buf.getvalue(), *raws])
 
 
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+_CONTAINERS = frozenset({list, tuple, dict})
+_PLAIN_ITEMS = 64
+
+
+def _plain(obj: Any) -> bool:
+    """Whether ``obj`` is only None, bools, ints, floats, strings and bytes, in (exact) lists, tuples and dicts — at
+    most ``_PLAIN_ITEMS`` values in all. The C pickler writes those types itself before it looks up any reduction
+    (a dispatch table, copyreg, a ``reducer_override``), so such a value pickles to the same bytes without building
+    the call's reductions table: a reply such as ``{"loss": 0.5}`` or ``None`` skips that work on every call."""
+    if type(obj) in _ATOMS:
+        return True
+    todo, left = [obj], _PLAIN_ITEMS
+    while todo:
+        x = todo.pop()
+        left -= 1
+        if left < 0:  # a large (or self-holding) value: the general pickling, whose cost the walk would not save
+            return False
+        t = type(x)
+        if t in _ATOMS:
+            continue
+        if t not in _CONTAINERS:
+            return False
+        if t is dict:
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        else:
+            todo.extend(x)
+    return True
+
+
 def dumps_frame(obj: Any, limit: int | None = FRAME_BYTES) -> bytes:
     """Pickle ``obj`` for a frame; NeedsRay when it holds a ref or is larger than ``limit`` (None: no limit). Out-of-band buffers
     (numpy arrays) travel after the pickle, so that ``loads_frame`` hands them out read-only, as Ray does."""
+    if _plain(obj):  # the same bytes as below (see _plain), without the reductions table and Pickler set-up
+        data = _PLAIN + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if limit is not None and len(data) - 1 > limit:
+            raise NeedsRay(f"{len(data) - 1} bytes")
+        return data
     return _framed(*_pickle(obj, _refuse), limit)
 
 

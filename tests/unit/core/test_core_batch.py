@@ -548,3 +548,79 @@ def test_a_batch_whose_meta_or_column_holds_a_nan_equals_itself():
                         meta={"kl": float("nan"), "w": torch.tensor([float("nan")])})
     assert b == b and b == b.clone()
     assert b != Batch.from_dict({"x": torch.tensor([1.0, 2.0]), "s": np.array([float("nan"), 1.0])}, meta=b.meta)
+
+
+def _td_split_reference(b: Batch, sizes: list[int]) -> list:
+    """TensorDict's own split: what Batch.split cut before it cut flat columns itself."""
+    return b._td.split(sizes, dim=0)
+
+
+@pytest.mark.parametrize("kind", ["flat", "nested", "named", "locked", "jagged"])
+def test_a_split_piece_is_the_tensordict_split_would_make(kind):
+    """Batch.split cuts a plain TensorDict of flat columns column by column (its pieces made without the
+    constructor's checks); every other TensorDict (nested, named, locked, a jagged column) takes TensorDict.split.
+    Either way each piece holds the same rows, keys, batch size and names as TensorDict.split's piece."""
+    from tensordict import TensorDict
+
+    n, sizes = 6, [1, 3, 0, 2]
+    cols = {"x": torch.arange(n), "y": torch.arange(2 * n, dtype=torch.float32).reshape(n, 2)}
+    if kind == "nested":
+        td = TensorDict({**cols, "n": {"z": torch.arange(n)}}, batch_size=[n])
+    elif kind == "named":
+        td = TensorDict(cols, batch_size=[n], names=["rows"])
+    elif kind == "jagged":
+        td = TensorDict({"x": torch.nested.nested_tensor([torch.arange(k % 3 + 1) for k in range(n)],
+                                                         layout=torch.jagged)}, batch_size=[n])
+    else:
+        td = TensorDict(cols, batch_size=[n])
+    if kind == "locked":
+        td = td.lock_()
+    b = Batch(td, {"s": list("abcdef")})
+    want = _td_split_reference(b, sizes)
+    got = b.split(sizes)
+    for g, w, s in zip(got, want, sizes):
+        assert g._td.batch_size == w.batch_size == torch.Size([s])
+        assert g._td.names == w.names and g._td.device == w.device
+        assert sorted(g._td.keys(True, True), key=str) == sorted(w.keys(True, True), key=str)
+        for k in w.keys(True, True):
+            a, c = g._td.get(k), w.get(k)
+            if a.is_nested:
+                assert [t.tolist() for t in a.unbind()] == [t.tolist() for t in c.unbind()]
+            else:
+                assert torch.equal(a, c) and (not s or a.data_ptr() == c.data_ptr())  # views, as before
+    if kind != "jagged":  # (concat refuses jagged pieces whose ragged sizes differ: unchanged)
+        assert Batch.concat(got) == b
+
+
+def test_a_batch_rebuilt_from_the_wire_is_the_batch_sent():
+    """Flat columns are rebuilt without TensorDict's constructor checks; a nested one takes the constructor."""
+    from tensordict import TensorDict
+
+    flat = Batch.from_dict({"x": torch.arange(4), "f": torch.ones(4, 2, dtype=torch.bfloat16), "s": list("abcd")},
+                           meta={"m": 1})
+    nested = Batch(TensorDict({"a": {"b": torch.arange(3)}, "c": torch.zeros(3, 2)}, batch_size=[3]))
+    for b in (flat, nested, flat.slice(0, 0)):
+        back = pickle.loads(pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL))
+        assert back == b and back.meta == b.meta and back._td.batch_size == b._td.batch_size
+        assert sorted(back._td.keys(True, True), key=str) == sorted(b._td.keys(True, True), key=str)
+
+
+def test_rebuilding_a_read_only_column_warns_nowhere_in_a_fresh_process():
+    """torch warns once per process when a tensor is made from a read-only array (a frame's buffers are); orchestra
+    spends that warning on import, silenced, and then converts without a warnings filter of its own per column. A
+    fresh interpreter with warnings as errors rebuilds frames without one (and with torch's warn-always on, too)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, warnings\n"
+            "from orchestra import Batch, _frame\n"
+            "f = _frame.dumps_frame(Batch.from_dict({'x': torch.arange(4)}))\n"
+            "with warnings.catch_warnings():\n"
+            "    warnings.simplefilter('error')\n"
+            "    _frame.loads_frame(f)\n"
+            "    torch.set_warn_always(True)\n"
+            "    _frame.loads_frame(f)\n"
+            "print('clean')\n")
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr[-2000:]

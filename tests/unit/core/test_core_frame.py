@@ -119,3 +119,41 @@ def test_a_reducer_registered_with_ray_or_copyreg_at_any_time_applies_to_the_nex
     finally:
         del copyreg.dispatch_table[Secret]
     assert _frame.loads_call(_frame.dumps_call(Secret("password"))[0], []).text == "password"
+
+
+class _Dict(dict):
+    def __reduce__(self) -> tuple:
+        return dict, ({"as": "plain dict"},)
+
+
+def test_a_plain_value_pickles_to_the_same_bytes_without_the_reductions_table():
+    """A reply such as ``{"loss": 0.5}`` or None is pickled without building the call's reductions table: the C
+    pickler writes those types itself, before it looks any reduction up, so the bytes are the ones the general
+    pickling writes. Anything else (a subclass, a registered type inside a container, a large or self-holding
+    value) takes the general pickling, and a registered reduction inside a dict still applies."""
+    import collections
+
+    from ray import cloudpickle
+
+    def general(v: object) -> bytes:
+        return _frame._framed(*_frame._pickle(v, _frame._refuse), None)
+
+    for v in (None, True, 3, 2**80, 1.5, float("nan"), "x", "__main__", b"\x00", (), [], {},
+              {"loss": 0.5, "rows": 4.0}, [1, (2, "a"), {"k": [None, b"b"]}], {1: 2, (3, "4"): None}):
+        assert _frame._plain(v)
+        assert _frame.dumps_frame(v) == general(v)
+    loop: list = []
+    loop.append(loop)
+    for v in (_Dict(a=1), collections.OrderedDict(a=1), 1 + 2j, {"s": Secret("x")}, list(range(100)), loop,
+              {"k": {1, 2}}):
+        assert not _frame._plain(v)
+    assert _frame.loads_frame(_frame.dumps_frame(_Dict(a=1))) == {"as": "plain dict"}  # its own reduction
+    assert _frame.loads_frame(_frame.dumps_frame(loop))[0][0][0] is not None
+    cloudpickle.CloudPickler.dispatch[Secret] = _redacted
+    try:
+        assert _frame.loads_frame(_frame.dumps_frame({"s": Secret("password")}))["s"].text == "redacted"
+    finally:
+        del cloudpickle.CloudPickler.dispatch[Secret]
+    with pytest.raises(_frame.NeedsRay):  # the limit holds for plain values too
+        _frame.dumps_frame("x" * 2048, limit=1024)
+    assert _frame.loads_frame(_frame.dumps_frame("x" * 1000, limit=1024)) == "x" * 1000
