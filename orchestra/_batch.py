@@ -39,8 +39,17 @@ def _as_object_array(values: Any, name: str) -> np.ndarray:
     return arr
 
 
-def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
-    """A numpy view of ``t`` (zero-copy through Ray's object store) plus the dtype to restore, if numpy lacks it."""
+# A tensor column of at most this many bytes travels inside the pickle, as bytes: set up and read back with less
+# work than an out-of-band buffer (what a call's small shards and replies hold, on every call's path); each reader
+# gets a private, writable copy. Larger ones travel as out-of-band numpy buffers: zero-copy through Ray's store.
+SMALL_COLUMN_BYTES = 16 << 10
+
+_DTYPES: dict[str, torch.dtype] = {}  # a wire dtype name -> the torch dtype
+
+
+def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[bytes, str, tuple[int, ...]]:
+    """A small column as (its bytes, its dtype's name, its shape); a larger one as a numpy view of ``t`` (zero-copy
+    through Ray's object store) plus the dtype to restore, if numpy lacks it."""
     if t.requires_grad:  # each of these makes a new tensor object: only when it changes something (per-call path)
         t = t.detach()
     if t.is_conj():
@@ -52,9 +61,23 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
     if not t.is_contiguous():
         t = t.contiguous()
     view = _NUMPY_UNSUPPORTED.get(t.dtype)
-    if view is not None:
-        return t.view(view).numpy(), str(t.dtype).removeprefix("torch.")
-    return t.numpy(), None
+    arr = t.view(view).numpy() if view is not None else t.numpy()
+    if arr.nbytes <= SMALL_COLUMN_BYTES:
+        return arr.tobytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
+    return arr, (str(t.dtype).removeprefix("torch.") if view is not None else None)
+
+
+def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A small column (``_tensor_to_wire``) as a tensor of its own: a writable copy of ``data``."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"a Batch column on the wire names {name!r}, which is not a torch dtype")
+        _DTYPES[name] = dtype
+    if not data:  # (frombuffer refuses an empty buffer)
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
 def _spend_the_read_only_warning() -> None:
@@ -273,7 +296,7 @@ def _flat(columns: Mapping[Any, Any]) -> bool:
 
 
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
-    columns = {k: _tensor_from_wire(a, d) for k, (a, d) in tensors.items()}
+    columns = {k: _small_from_wire(*w) if len(w) == 3 else _tensor_from_wire(*w) for k, w in tensors.items()}
     # flat columns of n rows each, as __reduce__ wrote them: made without the constructor's checks of what holds
     # (a Batch is rebuilt on every call's path, on the rank and in the controller)
     td = (_NEW_UNSAFE(columns, batch_size=torch.Size([n]), nested=False) if _flat(columns)

@@ -624,3 +624,34 @@ def test_rebuilding_a_read_only_column_warns_nowhere_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.bool, torch.complex64, torch.uint8, torch.int16])
+def test_a_small_column_travels_inside_the_pickle_and_each_read_owns_its_copy(dtype):
+    """A tensor column of at most SMALL_COLUMN_BYTES rides in the pickle as bytes (a frame without out-of-band
+    buffers); it comes back bit for bit, of its dtype and shape, and each unpickling owns its memory: a reader that
+    writes into its copy changes no other reader's. A larger column still travels out of band (zero-copy)."""
+    from orchestra import _frame
+    from orchestra._batch import SMALL_COLUMN_BYTES
+
+    if dtype is torch.bool:
+        t = torch.arange(12).reshape(4, 3) % 2 == 0
+    elif dtype is torch.complex64:
+        t = torch.randn(4, 3, dtype=dtype)
+    else:
+        t = torch.arange(12, dtype=torch.float32).reshape(4, 3).to(dtype)
+    b = Batch.from_dict({"t": t, "empty": torch.zeros(4, 0), "s": list("abcd")})
+    frame = _frame.dumps_frame(b)
+    assert frame[:1] == b"\x00"  # a plain pickle: nothing out of band
+    one, two = _frame.loads_frame(frame), _frame.loads_frame(frame)
+    assert one["t"].dtype == dtype and one["t"].shape == (4, 3) and one["empty"].shape == (4, 0)
+    assert torch.equal(one["t"].view(torch.uint8), t.view(torch.uint8))
+    one["t"].view(torch.uint8).fill_(7)  # writable, and its own
+    assert torch.equal(two["t"].view(torch.uint8), t.view(torch.uint8))
+
+    big = Batch.from_dict({"x": torch.arange(SMALL_COLUMN_BYTES // 8 + 1)})
+    frame = _frame.dumps_frame(big)
+    assert frame[:1] == b"\x01"  # its column out of band
+    back = _frame.loads_frame(frame)
+    assert torch.equal(back["x"], big["x"])
