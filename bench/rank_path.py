@@ -14,7 +14,9 @@ Prints JSON: per call, ``hot_us`` and ``python_calls`` (in this process; the cou
 included, does not move between runs of the same code), ``serve_thread_us`` and ``rank_process_us`` (in the Ray ranks,
 averaged over the ranks; medians over the rounds) and ``serve_over_hot``. On 2 cores shared by the controller and
 4 ranks every call wakes 5 processes, so each rank runs its part of a call cold; the ratio says what that costs.
-The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs.
+The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs. Then ``--calls`` more of each with a
+thread-CPU timer around each section of the path in every rank (``sections_us``, µs per call averaged over the
+ranks: ``run_frame`` is the whole path less the socket and the reply's outer pickle; the others are parts of it).
 """
 
 from __future__ import annotations
@@ -117,10 +119,57 @@ def _hot(frame: bytes, role: str, calls: int) -> tuple[float, float]:
     return us, pstats.Stats(prof).total_calls / 100
 
 
+_SECTIONS = ("run_frame", "loads_frame", "resolve", "endpoint", "dumps_frame", "fast_done")
+
+
+def _install_timers(host: Host) -> bool:
+    """In a rank: a thread-CPU timer around each section of a fast call's path (``_SECTIONS``): the call path
+    (``Host._run_frame``: everything but the socket reads and writes and the reply's outer pickle), the frame's
+    unpickling, the arguments' resolution, the endpoint, the reply's pickling, and the session's bookkeeping. Each
+    timer costs about a microsecond of its own."""
+    from orchestra import _frame
+
+    acc = host.__dict__.setdefault("_bench_sections", {})
+
+    def timed(name: str, fn: Any) -> Any:
+        acc[name] = [0.0, 0]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                slot = acc[name]
+                slot[0] += time.thread_time() - t0
+                slot[1] += 1
+        return run
+
+    host._run_frame = timed("run_frame", host._run_frame)
+    host._resolve = timed("resolve", host._resolve)
+    host._fast_done = timed("fast_done", host._fast_done)
+    _frame.loads_frame = timed("loads_frame", _frame.loads_frame)
+    _frame.dumps_frame = timed("dumps_frame", _frame.dumps_frame)
+    for role in host.roles.values():
+        for name in ("step", "noop"):
+            setattr(role, name, timed("endpoint", getattr(role, name)))
+    return True
+
+
+def _take_timers(host: Host) -> dict[str, float]:
+    """Per call of the calls since the last take: each section's thread CPU, µs (``_install_timers``)."""
+    acc = host._bench_sections
+    calls = acc["run_frame"][1] or 1
+    out = {name: acc[name][0] / calls * 1e6 for name in _SECTIONS}
+    for slot in acc.values():
+        slot[0], slot[1] = 0.0, 0
+    return out
+
+
 async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, float]]:
     tick = os.sysconf("SC_CLK_TCK")
     serve: dict[str, list[float]] = {"step": [], "noop": []}
     process: dict[str, list[float]] = {"step": [], "noop": []}
+    sections: dict[str, dict[str, float]] = {}
     async with WorkerGroup(ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.01), Stepper,
                            group_name="rank_path") as g:
         batch = Batch.from_dict({"x": torch.arange(16)})
@@ -146,6 +195,15 @@ async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, fl
                     total.append(sum(deltas))
                 serve[name].append(statistics.fmean(busiest) / tick / calls * 1e6)
                 process[name].append(statistics.fmean(total) / tick / calls * 1e6)
+        for h in g._shared.hosts:  # then the same calls again, with a timer around each section of the path
+            await h.__ray_call__.remote(_install_timers)
+        for name, fn in cases.items():
+            for h in g._shared.hosts:
+                await h.__ray_call__.remote(_take_timers)
+            for _ in range(calls):
+                await fn()
+            taken = [await h.__ray_call__.remote(_take_timers) for h in g._shared.hosts]
+            sections[name] = {k: round(statistics.fmean(t[k] for t in taken), 1) for k in _SECTIONS}
     role = pickle.loads(captured["step"])[1]
     out = {}
     for name in cases:
@@ -153,7 +211,7 @@ async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, fl
         s = statistics.median(serve[name])
         out[name] = {"hot_us": round(hot, 1), "python_calls": round(python_calls, 1), "serve_thread_us": round(s, 1),
                      "rank_process_us": round(statistics.median(process[name]), 1),
-                     "serve_over_hot": round(s / hot, 2)}
+                     "serve_over_hot": round(s / hot, 2), "sections_us": sections[name]}
     return out
 
 
