@@ -80,33 +80,24 @@ def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Te
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
-def _spend_the_read_only_warning() -> None:
-    """torch warns once per process (``TORCH_WARN_ONCE``) when a tensor is made from a read-only numpy array: that
-    one warning is spent here, silenced, so that later conversions need no warnings filter of their own (entering
-    and leaving one costs more than the conversion; a Batch is rebuilt on every call's path)."""
-    always = torch.is_warn_always_enabled()  # (which would not spend it)
-    try:
-        torch.set_warn_always(False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.from_numpy(np.frombuffer(bytes(8), dtype=np.uint8))
-    finally:
-        torch.set_warn_always(always)
-
-
-_spend_the_read_only_warning()
+_READ_ONLY_SPENT = False  # torch's one read-only warning of this process was spent by a conversion here, silenced
 
 
 def _tensor_from_wire(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
-    if arr.flags.writeable or not torch.is_warn_always_enabled():  # (torch then warns every time, not once)
-        t = torch.from_numpy(arr)
+    global _READ_ONLY_SPENT
+    if arr.flags.writeable or (_READ_ONLY_SPENT and not torch.is_warn_always_enabled()):
+        t = torch.from_numpy(arr)  # (torch warns once per process, TORCH_WARN_ONCE, unless warn-always is on)
     else:
         # A view of the object store's shared memory. It never reaches user code as is: workers and the controller
         # hand out private copies (see Host._resolve and Invocation.result), so torch's not-writable warning is
-        # silenced for this one conversion only.
+        # silenced for this conversion. It is the process's one such warning (unless warn-always is on): later
+        # conversions need no filter of their own, whose set-up costs more than the conversion. (Spent only when
+        # orchestra converts such an array, so a process that never does keeps the warning for its own.)
+        always = torch.is_warn_always_enabled()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(arr)
+        _READ_ONLY_SPENT = _READ_ONLY_SPENT or not always
     if dtype is not None:
         t = t.view(getattr(torch, dtype))
     return t

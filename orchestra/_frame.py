@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import ray
 from ray import cloudpickle
 
@@ -115,7 +116,17 @@ class _CloudPickler(cloudpickle.CloudPickler):
         super().__init__(file, **kwargs)
 
 
+_ALIGN = 16  # each out-of-band buffer starts at a multiple of this in its frame: aligned for every dtype's scalars
+
+
+def _gap(at: int) -> int:
+    """The zero bytes that put offset ``at`` on the next multiple of ``_ALIGN``."""
+    return -at % _ALIGN
+
+
 def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int | None) -> bytes:
+    """A frame: the pickle alone, or a header (sizes), the pickle, and each out-of-band buffer at an offset aligned
+    to ``_ALIGN`` (a misaligned complex128 column crashed the process on an indexed write)."""
     raws = [b.raw() for b in buffers]
     size = buf.tell() + sum(r.nbytes for r in raws)
     if limit is not None and size > limit:
@@ -123,7 +134,19 @@ def _framed(buf: io.BytesIO, buffers: list[pickle.PickleBuffer], limit: int | No
     if not raws:
         return _PLAIN + buf.getvalue()
     head = struct.pack(f"!cIQ{len(raws)}Q", _OUT_OF_BAND, len(raws), buf.tell(), *(r.nbytes for r in raws))
-    return b"".join([head, buf.getvalue(), *raws])
+    pieces, at = [head, buf.getvalue()], len(head) + buf.tell()
+    for r in raws:
+        pad = _gap(at)
+        if pad:
+            pieces.append(bytes(pad))
+        pieces.append(r)
+        at += pad + r.nbytes
+    return b"".join(pieces)
+
+
+def _address(view: memoryview) -> int:
+    """Where the first byte of ``view`` (a non-empty one) sits in memory."""
+    return np.frombuffer(view, dtype=np.uint8, count=1).ctypes.data
 
 
 _ATOMS = frozenset({type(None), bool, int, float, str, bytes})
@@ -175,7 +198,7 @@ def loads_frame(data: bytes, private: bool = False) -> Any:
     view = memoryview(data)
     if view[:1] == _PLAIN:
         return pickle.loads(view[1:])
-    if private:
+    if private or _address(view) % _ALIGN:  # (a frame that starts misaligned: its buffers would be too)
         data = view = memoryview(bytes(view))  # a copy: every read of ``data`` gets buffers of its own
     n, body = struct.unpack_from("!IQ", data, 1)
     sizes = struct.unpack_from(f"!{n}Q", data, 13)
@@ -184,6 +207,7 @@ def loads_frame(data: bytes, private: bool = False) -> Any:
     at += body
     buffers = []
     for size in sizes:
+        at += _gap(at)
         buffers.append(view[at:at + size])
         at += size
     return pickle.loads(main, buffers=buffers)

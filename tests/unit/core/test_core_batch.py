@@ -605,21 +605,33 @@ def test_a_batch_rebuilt_from_the_wire_is_the_batch_sent():
         assert sorted(back._td.keys(True, True), key=str) == sorted(b._td.keys(True, True), key=str)
 
 
-def test_rebuilding_a_read_only_column_warns_nowhere_in_a_fresh_process():
-    """torch warns once per process when a tensor is made from a read-only array (a frame's buffers are); orchestra
-    spends that warning on import, silenced, and then converts without a warnings filter of its own per column. A
-    fresh interpreter with warnings as errors rebuilds frames without one (and with torch's warn-always on, too)."""
+def test_rebuilding_a_read_only_column_warns_nowhere_and_leaves_the_users_warning_alone():
+    """torch warns once per process when a tensor is made from a read-only array (a frame's large columns are
+    such views): orchestra's first such conversion spends that warning, silenced, and later ones convert without a
+    warnings filter of their own. A fresh interpreter with warnings as errors reads frames without one (with
+    torch's warn-always on, too); and importing orchestra spends nothing: a process whose frames never held such a
+    column still gets the warning for its own conversion (a first version spent it at import)."""
     import subprocess
     import sys
 
+    code = ("import numpy as np, torch, warnings\n"
+            "from orchestra import Batch, _frame\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    torch.from_numpy(np.frombuffer(b'12345678', dtype=np.uint8))\n"
+            "assert any('not writable' in str(w.message) for w in seen), seen\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
     code = ("import torch, warnings\n"
             "from orchestra import Batch, _frame\n"
-            "f = _frame.dumps_frame(Batch.from_dict({'x': torch.arange(4)}))\n"
+            "f = _frame.dumps_frame(Batch.from_dict({'x': torch.arange(10_000)}), limit=None)\n"
             "with warnings.catch_warnings():\n"
             "    warnings.simplefilter('error')\n"
-            "    _frame.loads_frame(f)\n"
-            "    torch.set_warn_always(True)\n"
-            "    _frame.loads_frame(f)\n"
+            "    for always in (False, True, False):\n"
+            "        torch.set_warn_always(always)\n"
+            "        _frame.loads_frame(f)\n"
+            "        _frame.loads_frame(f)\n"
             "print('clean')\n")
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
                          timeout=120)
