@@ -437,8 +437,17 @@ class Batch:
     @property
     def nbytes(self) -> int:
         """Bytes held by tensor columns and numeric non-tensor columns (object columns count 8 bytes a row)."""
-        return (sum(t.numel() * t.element_size() for t in self._td.values(include_nested=True, leaves_only=True))
-                + sum(a.nbytes for a in self._nt.values()))
+        return self._tensor_bytes() + sum(a.nbytes for a in self._nt.values())
+
+    def _tensor_bytes(self) -> int:
+        """Bytes of the tensor columns: summed over the top level when every column there is a plain dense tensor
+        (the usual case, and cheaper than walking the leaves: this runs on every call's path), else over every leaf."""
+        total = 0
+        for t in self._td.values():
+            if type(t) is not torch.Tensor or t.is_nested:  # nesting of any kind: every leaf, as it always was
+                return sum(x.numel() * x.element_size() for x in self._td.values(include_nested=True, leaves_only=True))
+            total += t.numel() * t.element_size()
+        return total
 
     def _schema(self) -> tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]:
         """What another batch's columns must match for ``concat`` to join the two, as plain data a part header
@@ -456,7 +465,8 @@ class Batch:
         ``k`` times this. None for a batch without rows, or with a jagged (``torch.nested``) tensor column, whose rows
         differ in size."""
         n = len(self)
-        if n == 0 or any(t.is_nested for t in self._td.values(include_nested=True, leaves_only=True)):
+        if n == 0 or (not _flat(self._td)
+                      and any(t.is_nested for t in self._td.values(include_nested=True, leaves_only=True))):
             return None
         return self.nbytes // n
 
