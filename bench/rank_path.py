@@ -17,6 +17,8 @@ averaged over the ranks; medians over the rounds) and ``serve_over_hot``. On 2 c
 The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs. Then ``--calls`` more of each with a
 thread-CPU timer around each section of the path in every rank (``sections_us``, µs per call averaged over the
 ranks: ``run_frame`` is the whole path less the socket and the reply's outer pickle; the others are parts of it).
+And the controller's side: on a second group, made with a timer around each of its sections
+(``controller_sections_us``: the event-loop thread's CPU per call, ``thread_us``, and the sections' shares of it).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 import orchestra as orc
-from orchestra import Batch, ResourcePool, WorkerGroup, _channel
+from orchestra import Batch, ResourcePool, WorkerGroup, _channel, _invocation
 from orchestra._host import Host
 
 from ._common import emit
@@ -165,6 +167,65 @@ def _take_timers(host: Host) -> dict[str, float]:
     return out
 
 
+_CONTROLLER_SECTIONS = (
+    # (name, owner, attribute): the controller's side of a fast call, in its event-loop thread
+    ("split_and_describe", _invocation, "_describe_batch"),  # a shard call's batch cut into parts, described
+    ("frames", _invocation.Invocation, "_encode"),  # every rank's frame pickled
+    ("socket_writes", _channel.Channel, "_write"),  # each rank's frame written to its socket
+    ("replies", _channel._Conn, "_on_read"),  # each reply read, unpickled and handed to its call
+    ("completions", _invocation.Invocation, "_check_done"),  # the call's bookkeeping as its ranks finish
+)
+
+
+class _ControllerTimers:
+    """While in use: a thread-CPU timer around each of ``_CONTROLLER_SECTIONS`` (for a group made meanwhile: a
+    socket's reader is bound when its channel opens). Each timer costs about a microsecond of its own."""
+
+    def __enter__(self) -> dict[str, list[float]]:
+        self.acc: dict[str, list[float]] = {}
+        self.saved = []
+        for name, owner, attr in _CONTROLLER_SECTIONS:
+            fn = getattr(owner, attr)
+            self.saved.append((owner, attr, fn))
+            self.acc[name] = [0.0, 0]
+
+            def run(*args: Any, _fn: Any = fn, _slot: list[float] = self.acc[name], **kwargs: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    _slot[0] += time.thread_time() - t0
+                    _slot[1] += 1
+            setattr(owner, attr, run)
+        return self.acc
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, attr, fn in self.saved:
+            setattr(owner, attr, fn)
+
+
+async def _controller_sections(ranks: int, calls: int) -> dict[str, dict[str, float]]:
+    """Per call, the event-loop thread's CPU and each section's (µs), on a group made with the timers in place."""
+    out = {}
+    with _ControllerTimers() as acc:
+        async with WorkerGroup(ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.01), Stepper,
+                               group_name="rank_path_controller") as g:
+            batch = Batch.from_dict({"x": torch.arange(16)})
+            for name, fn in {"step": lambda: g.step(batch), "noop": g.noop}.items():
+                for _ in range(60):
+                    await fn()
+                assert g._shared.channel is not None and g._shared.channel.open, "the channel did not open"
+                for slot in acc.values():
+                    slot[0], slot[1] = 0.0, 0
+                t0 = time.thread_time()
+                for _ in range(calls):
+                    await fn()
+                total = time.thread_time() - t0
+                out[name] = {"thread_us": round(total / calls * 1e6, 1),
+                             **{k: round(v[0] / calls * 1e6, 1) for k, v in acc.items()}}
+    return out
+
+
 async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, float]]:
     tick = os.sysconf("SC_CLK_TCK")
     serve: dict[str, list[float]] = {"step": [], "noop": []}
@@ -212,6 +273,9 @@ async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, fl
         out[name] = {"hot_us": round(hot, 1), "python_calls": round(python_calls, 1), "serve_thread_us": round(s, 1),
                      "rank_process_us": round(statistics.median(process[name]), 1),
                      "serve_over_hot": round(s / hot, 2), "sections_us": sections[name]}
+    controller = await _controller_sections(ranks, calls)
+    for name in cases:
+        out[name]["controller_sections_us"] = controller[name]
     return out
 
 
