@@ -67,14 +67,20 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[by
     return arr, (str(t.dtype).removeprefix("torch.") if view is not None else None)
 
 
-def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A small column (``_tensor_to_wire``) as a tensor of its own: a writable copy of ``data``."""
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype a column on the wire names (``_tensor_to_wire``)."""
     dtype = _DTYPES.get(name)
     if dtype is None:
-        dtype = getattr(torch, name)
+        dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"a Batch column on the wire names {name!r}, which is not a torch dtype")
         _DTYPES[name] = dtype
+    return dtype
+
+
+def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A small column (``_tensor_to_wire``) as a tensor of its own: a writable copy of ``data``."""
+    dtype = _dtype(name)
     if not data:  # (frombuffer refuses an empty buffer)
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
@@ -99,7 +105,7 @@ def _tensor_from_wire(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
             t = torch.from_numpy(arr)
         _READ_ONLY_SPENT = _READ_ONLY_SPENT or not always
     if dtype is not None:
-        t = t.view(getattr(torch, dtype))
+        t = t.view(_dtype(dtype))
     return t
 
 
@@ -282,15 +288,23 @@ _NEW_UNSAFE = getattr(TensorDict, "_new_unsafe", None)  # TensorDict without its
 
 def _flat(columns: Mapping[Any, Any]) -> bool:
     """Whether every column is named by a string and is a plain dense tensor (no nesting of any kind)."""
-    return _NEW_UNSAFE is not None and all(type(k) is str and type(v) is torch.Tensor and not v.is_nested
-                                           for k, v in columns.items())
+    return all(type(k) is str and type(v) is torch.Tensor and not v.is_nested for k, v in columns.items())
+
+
+def _cut_by_column(td: TensorDict) -> bool:
+    """Whether ``Batch.split`` may cut ``td`` column by column and make its pieces without TensorDict's checks: an
+    exact TensorDict of flat columns, unnamed, unlocked, neither shared nor memory-mapped (the pieces have nothing
+    else to carry over). Any other takes ``TensorDict.split``."""
+    return (_NEW_UNSAFE is not None and type(td) is TensorDict and getattr(td, "_td_dim_names", ()) is None
+            and not td.is_locked and not getattr(td, "_is_shared", True) and not getattr(td, "_is_memmap", True)
+            and _flat(td))
 
 
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
     columns = {k: _small_from_wire(*w) if len(w) == 3 else _tensor_from_wire(*w) for k, w in tensors.items()}
     # flat columns of n rows each, as __reduce__ wrote them: made without the constructor's checks of what holds
     # (a Batch is rebuilt on every call's path, on the rank and in the controller)
-    td = (_NEW_UNSAFE(columns, batch_size=torch.Size([n]), nested=False) if _flat(columns)
+    td = (_NEW_UNSAFE(columns, batch_size=torch.Size([n]), nested=False) if _NEW_UNSAFE is not None and _flat(columns)
           else TensorDict(columns, batch_size=[n]))
     return Batch(td, non_tensors, meta, _pad=pad, _validate=False)
 
@@ -548,10 +562,9 @@ class Batch:
         # one split per column (views) instead of one TensorDict index per piece: the controller splits every
         # sharded argument, so this is on the per-call path
         td = self._td
-        if (type(td) is TensorDict and getattr(td, "_td_dim_names", ()) is None and not td.is_locked
-                and not getattr(td, "_is_shared", True) and not getattr(td, "_is_memmap", True) and _flat(td)):
-            # a plain TensorDict of flat columns: each column cut once, the pieces made without the constructor's
-            # checks (each piece's columns have its rows by construction); TensorDict.split does more than this
+        if _cut_by_column(td):
+            # each column cut once, the pieces made without the constructor's checks (each piece's columns have its
+            # rows by construction); TensorDict.split does more than this
             cut = {k: v.split(sizes) for k, v in td.items()}
             tds = [_NEW_UNSAFE({k: c[i] for k, c in cut.items()}, batch_size=torch.Size([s]), device=td.device,
                                nested=False) for i, s in enumerate(sizes)]

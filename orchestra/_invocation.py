@@ -326,9 +326,11 @@ class Invocation:
         self._written = None
         self._waiting_for = "nothing: it finished"
         if self.plan.data_args() and collects_by_shape(self.spec.dispatch):  # (a user's collect may read them)
-            plan = self.plan = self.plan.without_data(_LET_GO)
+            plan = self.plan.without_data(_LET_GO)
             if self.collect is not None:
-                self.collect = lambda values: self.spec.dispatch.collect(plan, values)
+                self._bind_collect(plan)
+            else:
+                self.plan = plan
 
     # -- sending --------------------------------------------------------------------------------------------------
     def _prepare(self, plan: Plan, described: dict[int, Any]) -> dict[int, tuple[tuple, dict, list]]:

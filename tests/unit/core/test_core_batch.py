@@ -550,11 +550,6 @@ def test_a_batch_whose_meta_or_column_holds_a_nan_equals_itself():
     assert b != Batch.from_dict({"x": torch.tensor([1.0, 2.0]), "s": np.array([float("nan"), 1.0])}, meta=b.meta)
 
 
-def _td_split_reference(b: Batch, sizes: list[int]) -> list:
-    """TensorDict's own split: what Batch.split cut before it cut flat columns itself."""
-    return b._td.split(sizes, dim=0)
-
-
 @pytest.mark.parametrize("kind", ["flat", "nested", "named", "locked", "jagged"])
 def test_a_split_piece_is_the_tensordict_split_would_make(kind):
     """Batch.split cuts a plain TensorDict of flat columns column by column (its pieces made without the
@@ -576,7 +571,7 @@ def test_a_split_piece_is_the_tensordict_split_would_make(kind):
     if kind == "locked":
         td = td.lock_()
     b = Batch(td, {"s": list("abcdef")})
-    want = _td_split_reference(b, sizes)
+    want = b._td.split(sizes, dim=0)  # TensorDict's own split: what Batch.split took before
     got = b.split(sizes)
     for g, w, s in zip(got, want, sizes):
         assert g._td.batch_size == w.batch_size == torch.Size([s])
