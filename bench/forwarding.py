@@ -8,9 +8,11 @@ is materialized in the controller. Reported: wall time, bytes each consumer rank
 (``group.stats()``: bytes_in / (rows_used * bytes_per_row)), controller RSS growth over the timed runs, and
 ``controller_stats()["bytes_materialized"]`` (must stay 0).
 
-Raw Ray comparison (same actors): each producer actor gets its input refs, returns its rows (Ray stores the return
-value); each consumer actor is passed *every* producer ref, fetches them all, concatenates and keeps its chunk — what
-a naive chain (verl's DataProtoFuture) does. Targets: fetched/shard <= 1.25; controller RSS growth < 32 MiB.
+Raw Ray comparison (same actors, bare Ray calls through ``__ray_call__``: no orchestra code runs on the ranks): each
+producer actor gets its input refs, returns its rows (Ray stores the return value); each consumer actor is passed
+*every* producer ref, fetches them all, concatenates and keeps its chunk — what a naive chain (verl's
+DataProtoFuture) does; the controller waits for the consumers' results without fetching them (``ray.wait``,
+``fetch_local=False``), as ``down.wait()`` does. Targets: fetched/shard <= 1.25; controller RSS growth < 32 MiB.
 
 A reader fetches whole parts (a producer stores its rows as parts of at most ORCHESTRA_PART_BYTES, 8 MiB), so a rank
 whose rows start or end inside a part fetches the rest of that part too. At 64 and 256 MiB, 4 <-> 2, every part
@@ -36,7 +38,6 @@ import torch
 import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
-from orchestra._host import method_name
 
 from ._common import emit, rss_mib
 
@@ -59,21 +60,20 @@ class Stage(Worker):
     def rollout(self, batch: Batch, n: int) -> Batch:
         return batch.repeat(n)
 
-    @endpoint(D.broadcast())
-    def raw_rollout(self, n: int, *parts: Batch) -> tuple[Batch]:
-        return (Batch.concat(parts).repeat(n),)
 
-    @endpoint(D.broadcast())
-    def raw_echo(self, *parts: Batch) -> tuple[Batch]:
-        # Raw baseline, called directly on the actor handle: Ray resolves the refs; the 1-tuple makes the host hand
-        # the value back as is (Ray stores it as the call's return object) instead of storing it as orchestra parts.
-        return (Batch.concat(parts),)
+# The raw chain's actor calls: plain Ray method calls on the groups' own actors (``actor.__ray_call__``), which run no
+# orchestra code there; Ray resolves the refs passed as arguments and stores each return value as one object.
+def _raw_rollout(_host: object, n: int, *parts: Batch) -> Batch:
+    return Batch.concat(parts).repeat(n)
 
-    @endpoint(D.broadcast())
-    def raw_consume(self, index: int, count: int, *upstream: tuple[Batch]) -> tuple[Batch]:
-        # Naive consumer: every upstream object is fetched and concatenated, then this rank keeps its chunk.
-        full = Batch.concat([u[0] for u in upstream])
-        return (full.chunk(count)[index],)
+
+def _raw_echo(_host: object, *parts: Batch) -> Batch:
+    return Batch.concat(parts)
+
+
+def _raw_consume(_host: object, index: int, count: int, *upstream: Batch) -> Batch:
+    """The naive consumer: every upstream object fetched and concatenated, then this rank's chunk kept."""
+    return Batch.concat(upstream).chunk(count)[index]
 
 
 def _one_row_per_rank(g: WorkerGroup) -> Batch:
@@ -95,7 +95,7 @@ async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warm
     n_rows = sum(p.rows for outs in src_outs for o in outs for p in o.parts)
     n_bytes = sum(p.nbytes for outs in src_outs for o in outs for p in o.parts)
     bpr = n_bytes / n_rows
-    raw_p, raw_c = method_name(0, "raw_rollout" if samples else "raw_echo"), method_name(0, "raw_consume")
+    raw_p = _raw_rollout if samples else _raw_echo
     raw_first = (samples,) if samples else ()
     prompts = None
     if samples:  # a rollout's input is the controller's batch of prompts, split by the call (the pipelines' shape)
@@ -106,14 +106,20 @@ async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warm
         down = cons.echo(up)
         await down.wait()
 
-    async def raw() -> None:
+    async def raw(check: bool = False) -> None:
         if samples:  # the same split and put per call, then each producer repeats its rows
             refs_now = [[ray.put(c)] for c in prompts.chunk(prod.world_size)]
         else:
             refs_now = src_refs
-        up = [getattr(a, raw_p).remote(*raw_first, *refs) for a, refs in zip(prod.actors, refs_now)]
-        await asyncio.gather(*[getattr(a, raw_c).remote(j, cons.world_size, *up) for j, a in enumerate(cons.actors)])
+        up = [a.__ray_call__.remote(raw_p, *raw_first, *refs) for a, refs in zip(prod.actors, refs_now)]
+        down = [a.__ray_call__.remote(_raw_consume, j, cons.world_size, *up) for j, a in enumerate(cons.actors)]
+        if check:  # once, untimed: the consumers' rows, fetched here
+            got = await asyncio.gather(*down)
+            assert sum(len(b) for b in got) == n_rows * max(1, samples), "the raw chain lost or added rows"
+        else:  # as ours: done, nothing fetched into the controller
+            await asyncio.to_thread(ray.wait, down, num_returns=len(down), fetch_local=False)
 
+    await raw(check=True)
     for _ in range(warmup):
         await ours()
         await raw()
