@@ -187,12 +187,13 @@ async def _run(args: argparse.Namespace, bench_cls: type, baseline_target: Any) 
             "interleaved_steps": len(t["group"]),
             "baseline_mp_median_step_ms": round(med["baseline"], 2),
             "workergroup_update_actor_ms": round(med["group"], 2),
-            "workergroup_in_worker_train_step_ms": round(med["in_worker"], 2),
+            # the in-worker time is the ranks' mean (the metric's reduction), the baseline's the slowest rank's:
+            # no ratio of the two; their difference over-states the dispatch's cost (an upper bound)
+            "workergroup_in_worker_train_step_ms_rank_mean": round(med["in_worker"], 2),
             "baseline_standalone_median_step_ms": standalone["median_step_ms"],
             "ratio": round(med["group"] / med["baseline"], 3),
             "ratio_paired_median": round(paired, 3),
-            "ratio_in_worker": round(med["in_worker"] / med["baseline"], 3),
-            "dispatch_overhead_ms": round(med["group"] - med["in_worker"], 2),
+            "dispatch_overhead_ms_at_most": round(med["group"] - med["in_worker"], 2),
             "target_ratio_max": 1.10,
         }
         fsdp["meets_target"] = fsdp["ratio"] <= 1.10
@@ -221,8 +222,7 @@ async def _run(args: argparse.Namespace, bench_cls: type, baseline_target: Any) 
             "in_process": {k: in_process[k] for k in ("rollout_engine_tokens_per_s", "hf_generate_tokens_per_s",
                                                       "speedup_vs_generate")},
             "generate_endpoint_tokens_per_s": round(e2e, 1),
-            "generate_endpoint_ranks": args.world_size,
-            "generate_endpoint_vs_hf_generate_in_process": round(e2e / in_process["hf_generate_tokens_per_s"], 3),
+            "generate_endpoint_ranks": args.world_size,  # (no ratio to in_process: one process, all rows)
             "target_speedup_min": 1.0,
         }
         rollout["meets_target"] = in_worker["speedup_vs_generate"] >= 1.0 and in_process["speedup_vs_generate"] >= 1.0

@@ -8,7 +8,8 @@ is materialized in the controller. Reported: wall time, bytes each consumer rank
 (``group.stats()``: bytes_in / (rows_used * bytes_per_row)), controller RSS growth over the timed runs, and
 ``controller_stats()["bytes_materialized"]`` (must stay 0).
 
-Raw Ray comparison (same actors, bare Ray calls through ``__ray_call__``: no orchestra code runs on the ranks): each
+Raw Ray comparison (same actors, bare Ray calls through ``__ray_call__``: none of orchestra's call path runs on the
+ranks, only the Batch code that Ray's unpickling and the functions below use): each
 producer actor gets its input refs, returns its rows (Ray stores the return value); each consumer actor is passed
 *every* producer ref, fetches them all, concatenates and keeps its chunk — what a naive chain (verl's
 DataProtoFuture) does; the controller waits for the consumers' results without fetching them (``ray.wait``,
@@ -61,8 +62,9 @@ class Stage(Worker):
         return batch.repeat(n)
 
 
-# The raw chain's actor calls: plain Ray method calls on the groups' own actors (``actor.__ray_call__``), which run no
-# orchestra code there; Ray resolves the refs passed as arguments and stores each return value as one object.
+# The raw chain's actor calls: plain Ray method calls on the groups' own actors (``actor.__ray_call__``), which run none
+# of orchestra's call path there (only Batch's own code); Ray resolves the refs passed as arguments and stores each
+# return value as one object.
 def _raw_rollout(_host: object, n: int, *parts: Batch) -> Batch:
     return Batch.concat(parts).repeat(n)
 
@@ -92,6 +94,9 @@ async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warm
     await src.wait()
     src_outs = await src.outputs()
     src_refs = [[p.ref for o in outs for p in o.parts] for outs in src_outs]
+    # the raw chain starts from the same stored rows: each part an object of Ray's store (a part kept inline in a
+    # reply would make the raw producers read rows shipped from the controller instead)
+    assert all(isinstance(r, ray.ObjectRef) for refs in src_refs for r in refs), "a source part is not a stored object"
     n_rows = sum(p.rows for outs in src_outs for o in outs for p in o.parts)
     n_bytes = sum(p.nbytes for outs in src_outs for o in outs for p in o.parts)
     bpr = n_bytes / n_rows
@@ -153,7 +158,7 @@ async def chain(prod: WorkerGroup, cons: WorkerGroup, mib: int, iters: int, warm
         "raw_ray_naive": {**raw_ms, "MB_per_s": round(out_bytes / 1e3 / raw_ms["median_ms"], 1)},
         "ratio_vs_raw_ray_naive": round(ours_ms["median_ms"] / raw_ms["median_ms"], 3),
         "fetched_over_shard_per_rank": fetched,
-        "fetched_over_shard_raw_naive": cons.world_size,  # every consumer fetches all N rows for its N/D
+        "fetched_over_shard_raw_naive_by_construction": cons.world_size,  # each consumer fetches all N rows for its N/D
         "parts_in_per_rank": [int(s["parts_in"]) for s in st],
         "controller_rss_growth_mib": round(rss_peak - rss0, 1),
         "controller_bytes_materialized": cs["bytes_materialized"],

@@ -8,8 +8,9 @@ concatenates them into one Batch (rows in input order).
 
 Raw Ray floor (same actors, same Batch wire format): ``ray.put`` of the 4 shards, one bare Ray actor call per rank
 (``__ray_call__`` of ``_raw_echo``: Ray resolves the ref, the function returns the shard, Ray stores the return
-value; no orchestra code runs on the rank), and ``ray.get`` of the 4 results. ``raw_ray_concat`` adds the
-``Batch.concat`` of the 4 shards so that both sides end with one Batch in the controller. Prints JSON. Target: 64 MiB over 4 workers < 100 ms.
+value; none of orchestra's call path runs on the rank, only Batch's own pickling, as on orchestra's side), and
+``ray.get`` of the 4 results. ``raw_ray_concat`` adds the ``Batch.concat`` of the 4 shards so that both sides end
+with one Batch in the controller. Prints JSON. Target: 64 MiB over 4 workers < 100 ms.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Echo(Worker):
 
 def _raw_echo(_host: object, batch: Batch) -> Batch:
     """The raw baseline's actor call (``actor.__ray_call__``: a plain Ray method call on the group's own actors, which
-    runs no orchestra code there): the shard Ray resolved, returned for Ray to store."""
+    runs none of orchestra's call path there): the shard Ray resolved, returned for Ray to store."""
     return batch
 
 
