@@ -22,7 +22,42 @@ from tensordict import is_non_tensor, is_tensor_collection  # after ._tensordict
 
 __all__ = ["Batch"]
 
-_NUMPY_UNSUPPORTED = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+# The torch dtypes numpy has; a column of any other dtype (bfloat16, every float8 and float4, complex32, the sub-byte
+# and bits dtypes) travels and concatenates as a view of the unsigned integer of its element size, viewed back after.
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                           torch.uint32, torch.uint64, torch.float16, torch.float32, torch.float64, torch.complex64,
+                           torch.complex128})
+_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _NumpyViews(dict):
+    """dtype -> the integer dtype numpy carries it as (None: numpy has it; computed once per dtype)."""
+
+    def __missing__(self, dtype: torch.dtype) -> torch.dtype | None:
+        view = None if dtype in _NUMPY_DTYPES else _BY_SIZE.get(dtype.itemsize)
+        self[dtype] = view
+        return view
+
+
+_NUMPY_UNSUPPORTED = _NumpyViews()
+
+
+def _cannot_travel(t: torch.Tensor) -> str | None:
+    """Why tensor ``t`` cannot be a column on the wire (None when it can): the wire carries dense, strided tensors
+    with data, of any dtype, on any device (copied to the CPU); each reason says what to pass instead."""
+    if t.is_nested:
+        return ("a nested (jagged) tensor cannot travel between processes: pad its rows into a dense tensor (with a "
+                "mask or lengths column), or pass a list of per-row tensors (an object column)")
+    if t.layout is not torch.strided:
+        return f"a tensor of layout {t.layout} cannot travel between processes: pass t.to_dense()"
+    if t.is_quantized:
+        return "a quantized tensor cannot travel between processes: pass t.dequantize() (or its int_repr() and scale)"
+    if t.device.type == "meta":
+        return "a tensor on the meta device holds no data to send: materialize it (t.to_empty(device=...) and fill it)"
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return (f"a tensor subclass ({type(t).__name__}) cannot travel between processes: pass a plain tensor "
+                f"(e.g. a DTensor's full_tensor() or to_local())")
+    return None
 
 
 def _as_object_array(values: Any, name: str) -> np.ndarray:
@@ -49,7 +84,12 @@ _DTYPES: dict[str, torch.dtype] = {}  # a wire dtype name -> the torch dtype
 
 def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[bytes, str, tuple[int, ...]]:
     """A small column as (its bytes, its dtype's name, its shape); a larger one as a numpy view of ``t`` (zero-copy
-    through Ray's object store) plus the dtype to restore, if numpy lacks it."""
+    through Ray's object store) plus the dtype to restore, if numpy lacks it. A tensor that cannot travel
+    (``_cannot_travel``) raises TypeError saying why."""
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized:
+        why = _cannot_travel(t)
+        if why is not None:
+            raise TypeError(why)
     if t.requires_grad:  # each of these makes a new tensor object: only when it changes something (per-call path)
         t = t.detach()
     if t.is_conj():
@@ -57,10 +97,12 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[by
     if t.is_neg():
         t = t.resolve_neg()
     if t.device.type != "cpu":
+        if t.device.type == "meta":
+            raise TypeError(_cannot_travel(t))
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    view = _NUMPY_UNSUPPORTED.get(t.dtype)
+    view = _NUMPY_UNSUPPORTED[t.dtype]
     arr = t.view(view).numpy() if view is not None else t.numpy()
     if arr.nbytes <= SMALL_COLUMN_BYTES:
         return arr.tobytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
@@ -124,7 +166,7 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
             or any(t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
                    or t.requires_grad or t.is_conj() or t.is_neg() for t in tensors)):
         return torch.cat(tensors)
-    view = _NUMPY_UNSUPPORTED.get(first.dtype)
+    view = _NUMPY_UNSUPPORTED[first.dtype]
     try:
         arrays = [(t.view(view) if view is not None else t).numpy() for t in tensors]
     except (TypeError, RuntimeError):  # a dtype numpy lacks and that has no view here
@@ -737,8 +779,19 @@ class Batch:
     # -- wire format ----------------------------------------------------------------------------------------------
     def __reduce__(self):  # numpy views pickle out of band: Ray stores them without a copy and readers map them
         self._check_wire()
-        tensors = {k: _tensor_to_wire(v) for k, v in self._td.items(include_nested=True, leaves_only=True)}
+        try:
+            tensors = {k: _tensor_to_wire(v) for k, v in self._td.items(include_nested=True, leaves_only=True)}
+        except TypeError:
+            self._check_tensors()  # names the column
+            raise
         return _rebuild, (len(self), tensors, self._nt, self.meta, self._pad)
+
+    def _check_tensors(self) -> None:
+        """Raise TypeError naming the first tensor column the wire cannot carry, and why (``_cannot_travel``)."""
+        for k, v in self._td.items(include_nested=True, leaves_only=True):
+            why = _cannot_travel(v)
+            if why is not None:
+                raise TypeError(f"Batch column {_name(k)!r}: {why}") from None
 
     def _check_wire(self) -> None:
         """Raise TypeError naming a column the wire would drop: a value of the TensorDict that is not a tensor, or a

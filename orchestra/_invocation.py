@@ -1518,8 +1518,9 @@ class _DryRun(cloudpickle.CloudPickler):
         return None
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Batch):  # tensor columns travel as raw buffers: only the other columns can fail
-            obj._check_wire()  # (and a TensorDict value that is not a tensor, which the wire would drop)
+        if isinstance(obj, Batch):  # tensor columns travel as raw buffers: only the other columns can fail,
+            obj._check_wire()  # a TensorDict value that is not a tensor, which the wire would drop,
+            obj._check_tensors()  # and a tensor the wire cannot carry (jagged, sparse, quantized, meta, a subclass)
             return tuple, ((obj.non_tensors, obj.meta),)
         return super().reducer_override(obj)
 
@@ -1543,8 +1544,9 @@ _SIMPLE = (int, float, str, bytes, bool, type(None), ray.ObjectRef, torch.Tensor
 
 
 def _only_tensors(v: Any) -> bool:
-    """A Batch of tensor columns alone with plain meta: nothing in it can fail to serialize (cheap check; a value
-    put into its TensorDict that is not a tensor is left to the dry run, which names it)."""
+    """A Batch of plain tensor columns alone with plain meta: nothing in it can fail to serialize (cheap check; a
+    value put into its TensorDict that is not a tensor, and a tensor the wire cannot carry — jagged, sparse,
+    quantized, on the meta device, a subclass — are left to the dry run, which names them)."""
     if not (isinstance(v, Batch) and not v.non_tensors and all(
             type(k) is str and isinstance(m, (int, float, str, bool, type(None))) for k, m in v.meta.items())):
         return False
@@ -1552,7 +1554,8 @@ def _only_tensors(v: Any) -> bool:
         v._check_wire()
     except TypeError:
         return False
-    return True
+    return all(type(t) is torch.Tensor and t.layout is torch.strided and not t.is_quantized and t.device.type != "meta"
+               for t in v.tensors.values(include_nested=True, leaves_only=True))
 
 
 def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:

@@ -613,6 +613,45 @@ async def test_unserializable_broadcast_argument_is_rejected_before_sending(bed)
     assert await h4.seen_calls() == before
 
 
+def _jagged(lengths: list[int]) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.nested's prototype notice)
+        return torch.nested.nested_tensor([torch.arange(k) for k in lengths], layout=torch.jagged)
+
+
+async def test_a_column_the_wire_cannot_carry_is_refused_naming_group_endpoint_rank_and_column(bed):
+    """A jagged (torch.nested) column, the natural shape of variable-length responses, cannot travel: the call is
+    refused before any rank is sent anything, and the error says which column and what to pass instead (before:
+    torch's '.numpy() is not supported for tensor subclasses', naming neither group, endpoint nor column)."""
+    h4 = bed["h4"]
+    before = await h4.seen_calls()
+    b = Batch.from_dict({"x": torch.arange(4), "response": _jagged([3, 1, 4, 2])})
+    with pytest.raises(orc.DispatchError) as info:
+        await h4.count(b)
+    msg = str(info.value)
+    for part in ("group 'h4'", "endpoint 'count'", "argument 0", "rank 0", "Batch column 'response'",
+                 "list of per-row tensors", "no rank was sent the call"):
+        assert part in msg, (part, msg)
+    assert await h4.seen_calls() == before
+
+
+class _Ragged(orc.Worker):
+    @endpoint(D.shard())
+    def respond(self, batch: Batch) -> Batch:
+        return Batch.from_dict({"response": _jagged([k + 1 for k in batch["x"].tolist()])})
+
+
+async def test_a_result_the_wire_cannot_carry_fails_its_call_naming_the_rank_and_the_column():
+    async with WorkerGroup(pool(2), _Ragged, group_name="ragged") as g:
+        with pytest.raises(orc.WorkerError) as info:
+            await g.respond(rows(4))
+    e = info.value
+    assert e.group == "ragged" and e.endpoint == "respond" and e.rank in (0, 1)
+    assert "Batch column 'response'" in str(e) and "list of per-row tensors" in str(e)
+
+
 @pytest.mark.parametrize("wrap", [lambda f: [f], lambda f: {"a": f}, lambda f: Batch.from_dict({"f": [f, f]})],
                          ids=["list", "dict", "object-column"])
 async def test_a_future_inside_an_argument_is_refused_naming_it_before_sending(bed, wrap):
