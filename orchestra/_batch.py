@@ -23,7 +23,7 @@ from tensordict import is_non_tensor, is_tensor_collection  # after ._tensordict
 __all__ = ["Batch"]
 
 # The torch dtypes numpy has; a column of any other dtype (bfloat16, every float8 and float4, complex32, the sub-byte
-# and bits dtypes) travels and concatenates as a view of the unsigned integer of its element size, viewed back after.
+# and bits dtypes) travels and concatenates as a view of the integer dtype of its element size, viewed back after.
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
                            torch.uint32, torch.uint64, torch.float16, torch.float32, torch.float64, torch.complex64,
                            torch.complex128})
@@ -44,20 +44,28 @@ _NUMPY_UNSUPPORTED = _NumpyViews()
 
 def _cannot_travel(t: torch.Tensor) -> str | None:
     """Why tensor ``t`` cannot be a column on the wire (None when it can): the wire carries dense, strided tensors
-    with data, of any dtype, on any device (copied to the CPU); each reason says what to pass instead."""
+    with data, of any dtype, on any device (copied to the CPU); a subclass that only adds Python behaviour arrives
+    as a plain tensor, one that redefines the tensor's contents (``__torch_dispatch__``: DTensor, jagged) cannot
+    travel. Each reason says what to pass instead."""
+    if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_quantized and not t.is_meta:
+        return None  # (the common case, first: this runs for every column of a preflight's Batch)
     if t.is_nested:
         return ("a nested (jagged) tensor cannot travel between processes: pad its rows into a dense tensor (with a "
                 "mask or lengths column), or pass a list of per-row tensors (an object column)")
     if t.layout is not torch.strided:
         return f"a tensor of layout {t.layout} cannot travel between processes: pass t.to_dense()"
     if t.is_quantized:
-        return "a quantized tensor cannot travel between processes: pass t.dequantize() (or its int_repr() and scale)"
-    if t.device.type == "meta":
+        return ("a quantized tensor cannot travel between processes: pass t.dequantize() (or its int_repr() with its "
+                "scales and zero points)")
+    if t.is_meta:
         return "a tensor on the meta device holds no data to send: materialize it (t.to_empty(device=...) and fill it)"
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return (f"a tensor subclass ({type(t).__name__}) cannot travel between processes: pass a plain tensor "
-                f"(e.g. a DTensor's full_tensor() or to_local())")
+    if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        return (f"a tensor subclass ({type(t).__name__}) that redefines its contents (__torch_dispatch__) cannot "
+                f"travel between processes: pass a plain tensor (e.g. a DTensor's full_tensor() or to_local())")
     return None
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # what a subclass without __torch_dispatch__ of its own has
 
 
 def _as_object_array(values: Any, name: str) -> np.ndarray:
@@ -86,7 +94,7 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[by
     """A small column as (its bytes, its dtype's name, its shape); a larger one as a numpy view of ``t`` (zero-copy
     through Ray's object store) plus the dtype to restore, if numpy lacks it. A tensor that cannot travel
     (``_cannot_travel``) raises TypeError saying why."""
-    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized:
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized:  # (meta: below)
         why = _cannot_travel(t)
         if why is not None:
             raise TypeError(why)
@@ -100,13 +108,16 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[by
         if t.device.type == "meta":
             raise TypeError(_cannot_travel(t))
         t = t.cpu()
+    dtype = t.dtype
+    view = _NUMPY_UNSUPPORTED[dtype]
+    if view is not None:  # (first: torch cannot copy some of these dtypes, e.g. the sub-byte ones, into contiguity)
+        t = t.view(view)
     if not t.is_contiguous():
         t = t.contiguous()
-    view = _NUMPY_UNSUPPORTED[t.dtype]
-    arr = t.view(view).numpy() if view is not None else t.numpy()
+    arr = t.numpy()
     if arr.nbytes <= SMALL_COLUMN_BYTES:
-        return arr.tobytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
-    return arr, (str(t.dtype).removeprefix("torch.") if view is not None else None)
+        return arr.tobytes(), str(dtype).removeprefix("torch."), tuple(t.shape)
+    return arr, (str(dtype).removeprefix("torch.") if view is not None else None)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -201,15 +212,16 @@ def _copied(x: Any) -> Any:
         return x
 
 
+_KINDS = {torch.bool: "bool", torch.uint8: "uint",
+          **dict.fromkeys((torch.int8, torch.int16, torch.int32, torch.int64), "int"),
+          **dict.fromkeys((torch.float16, torch.bfloat16, torch.float32, torch.float64), "float"),
+          **dict.fromkeys((torch.complex32, torch.complex64, torch.complex128), "complex")}
+
+
 def _kind(dtype: torch.dtype) -> str:
-    """A tensor dtype's kind: columns of one kind concatenate into the wider dtype without losing a value."""
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_complex:
-        return "complex"
-    if dtype.is_floating_point:
-        return "float"
-    return "int" if dtype.is_signed else "uint"
+    """A tensor dtype's kind: columns of one kind concatenate into the wider dtype without losing a value. torch
+    promotes no float8, float4, sub-byte, bits or wide unsigned dtype to another, so each is a kind of its own."""
+    return _KINDS.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def _checked(td: TensorDict) -> TensorDict:
@@ -788,6 +800,11 @@ class Batch:
 
     def _check_tensors(self) -> None:
         """Raise TypeError naming the first tensor column the wire cannot carry, and why (``_cannot_travel``)."""
+        for v in self._td.values():  # a flat batch of plain tensors, the common case, at the top level alone
+            if not (type(v) is torch.Tensor and v.layout is torch.strided and not v.is_quantized and not v.is_meta):
+                break
+        else:
+            return
         for k, v in self._td.items(include_nested=True, leaves_only=True):
             why = _cannot_travel(v)
             if why is not None:

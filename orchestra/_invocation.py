@@ -1485,7 +1485,15 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
         # pad()'s filler rows are the controller's to drop (Layout.pad_rows): the pieces carry no pad count of them
         batch = a.pad_to_multiple(D)._pad_free()
     sizes = balanced_sizes(len(batch), D)
-    shards = batch.split(sizes)
+    try:
+        shards = batch.split(sizes)
+    except Exception as e:  # a column torch cannot split (sparse, ...) is one the wire cannot carry: named, if so
+        try:
+            a._check_tensors()
+        except TypeError as why:
+            raise DispatchError(f"{plan.where()}: a Batch argument cannot be split into its {D} shards ({why}); no "
+                                f"rank was sent the call") from None
+        raise e
     row_bytes = batch._bytes_per_row()  # a shard's size is its rows' share (None: each shard's own sum)
     out, start = {}, 0
     for d, (s, n) in enumerate(zip(shards, sizes)):
@@ -1554,8 +1562,16 @@ def _only_tensors(v: Any) -> bool:
         v._check_wire()
     except TypeError:
         return False
-    return all(type(t) is torch.Tensor and t.layout is torch.strided and not t.is_quantized and t.device.type != "meta"
-               for t in v.tensors.values(include_nested=True, leaves_only=True))
+    return _tensors_travel(v)
+
+
+def _tensors_travel(b: Batch) -> bool:
+    """Whether every tensor column of ``b`` is one the wire carries (``Batch._check_tensors``)."""
+    try:
+        b._check_tensors()
+    except TypeError:
+        return False
+    return True
 
 
 def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:
@@ -1567,7 +1583,10 @@ def _preflight(plan: Plan, calls: dict[int, tuple[tuple, dict, list]]) -> None:
         if stray is not None:
             raise _unserializable(plan, "a forwarded future", r, refs, _cannot_leave_process(stray))
         for name, v in [*((i, a) for i, a in enumerate(args)), *kwargs.items()]:
-            if isinstance(v, _SIMPLE) or id(v) in checked or _only_tensors(v):
+            if isinstance(v, _SIMPLE) or id(v) in checked:
+                continue
+            if _only_tensors(v):  # (a broadcast's ranks share the object: checked once)
+                checked.add(id(v))
                 continue
             try:
                 _dry_run(v, in_process_ok)
@@ -1583,7 +1602,7 @@ def _unserializable(plan: Plan, what: str, rank: int | None, value: Any, e: Base
     if isinstance(value, DataArg):
         batch = next((o.ref for s in value.sources for o in s.outputs
                       if isinstance(o, PartInfo) and isinstance(o.ref, Batch)), None)
-    if isinstance(batch, Batch):
+    if isinstance(batch, Batch) and _tensors_travel(batch):  # (else the error itself names the tensor column)
         for k, col in batch.non_tensors.items():
             try:
                 _dry_run(col)

@@ -637,6 +637,23 @@ async def test_a_column_the_wire_cannot_carry_is_refused_naming_group_endpoint_r
     assert await h4.seen_calls() == before
 
 
+async def test_a_sparse_column_of_a_shard_call_is_refused_naming_it_and_a_tensor_column_is_not_blamed_on_another(bed):
+    """torch cannot split a sparse column: the shard call is refused naming it, not with torch's 'aten::as_strided'.
+    And a refusal of a tensor column names that column, not an object column next to it."""
+    import threading
+
+    h4 = bed["h4"]
+    before = await h4.seen_calls()
+    with pytest.raises(orc.DispatchError, match="Batch column 'c'.*to_dense") as info:
+        await h4.count(Batch.from_dict({"x": torch.arange(4), "c": torch.eye(4).to_sparse()}))
+    assert "group 'h4'" in str(info.value) and "endpoint 'count'" in str(info.value)
+    both = Batch.from_dict({"x": torch.arange(4), "response": _jagged([1, 2, 3, 4]), "obj": [threading.Lock()] * 4})
+    with pytest.raises(orc.DispatchError) as info:
+        await h4.echo_all(both)
+    assert "Batch column 'response'" in str(info.value) and "column 'obj'" not in str(info.value)
+    assert await h4.seen_calls() == before
+
+
 class _Ragged(orc.Worker):
     @endpoint(D.shard())
     def respond(self, batch: Batch) -> Batch:
