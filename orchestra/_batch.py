@@ -671,7 +671,8 @@ class Batch:
                                      f"shape {tuple(t.shape[1:])}, {names[i0]}'s is {mine.dtype} with rows of shape "
                                      f"{tuple(mine.shape[1:])}; make them one kind (bool, integer, float, complex) "
                                      f"and row shape: a wider dtype of the same kind is taken, another kind would "
-                                     f"be converted")
+                                     f"be converted (torch promotes no float8, float4, sub-byte, bits or wider "
+                                     f"unsigned dtype: those join only their own dtype)")
             for k, a in b._nt.items():
                 mine_a = first._nt[k]
                 if a.shape[1:] != mine_a.shape[1:]:
