@@ -1487,13 +1487,13 @@ def _describe_batch(a: Batch, spec: Any, plan: Plan) -> dict[int, tuple[list[lis
     sizes = balanced_sizes(len(batch), D)
     try:
         shards = batch.split(sizes)
-    except Exception as e:  # a column torch cannot split (sparse, ...) is one the wire cannot carry: named, if so
+    except Exception:  # a column torch cannot split (sparse, ...) is one the wire cannot carry: named, if so
         try:
             a._check_tensors()
         except TypeError as why:
             raise DispatchError(f"{plan.where()}: a Batch argument cannot be split into its {D} shards ({why}); no "
                                 f"rank was sent the call") from None
-        raise e
+        raise
     row_bytes = batch._bytes_per_row()  # a shard's size is its rows' share (None: each shard's own sum)
     out, start = {}, 0
     for d, (s, n) in enumerate(zip(shards, sizes)):
@@ -1528,7 +1528,7 @@ class _DryRun(cloudpickle.CloudPickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Batch):  # tensor columns travel as raw buffers: only the other columns can fail,
             obj._check_wire()  # a TensorDict value that is not a tensor, which the wire would drop,
-            obj._check_tensors()  # and a tensor the wire cannot carry (jagged, sparse, quantized, meta, a subclass)
+            obj._check_tensors()  # and a tensor the wire cannot carry (jagged, sparse, quantized, meta, DTensor)
             return tuple, ((obj.non_tensors, obj.meta),)
         return super().reducer_override(obj)
 
@@ -1554,7 +1554,8 @@ _SIMPLE = (int, float, str, bytes, bool, type(None), ray.ObjectRef, torch.Tensor
 def _only_tensors(v: Any) -> bool:
     """A Batch of plain tensor columns alone with plain meta: nothing in it can fail to serialize (cheap check; a
     value put into its TensorDict that is not a tensor, and a tensor the wire cannot carry — jagged, sparse,
-    quantized, on the meta device, a subclass — are left to the dry run, which names them)."""
+    quantized, on the meta device, a subclass that redefines its contents — are left to the dry run, which names
+    them)."""
     if not (isinstance(v, Batch) and not v.non_tensors and all(
             type(k) is str and isinstance(m, (int, float, str, bool, type(None))) for k, m in v.meta.items())):
         return False
