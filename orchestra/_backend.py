@@ -16,6 +16,8 @@ Handles and references keep Ray's shape on both, so the call path above the seam
 from __future__ import annotations
 
 import logging
+import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,6 +117,11 @@ class Backend(ABC):
     @abstractmethod
     def put(self, obj: Any) -> Any:
         """Store ``obj`` for readers on any rank; returns its ref. Readers share the stored object: never write it."""
+
+    def wait_exited(self, ranks: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+        """Wait (blocking) until the processes of killed ranks (``describe()``'s entries) have exited, up to
+        ``timeout`` seconds; returns the entries of those still running. Nothing to wait for by default."""
+        return []
 
 
 class RayBackend(Backend):
@@ -239,8 +246,48 @@ class RayBackend(Backend):
     def kill(self, handle: Any) -> None:
         ray.kill(handle)
 
+    def wait_exited(self, ranks: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+        """``ray.kill`` returns before the process ends (and frees its memory and devices): wait for the ranks on
+        this node (their pids are seen here) until each has exited, polling; ranks on other nodes are not waited
+        for (their processes cannot be seen from here)."""
+        try:
+            here = ray.get_runtime_context().get_node_id()
+        except Exception as e:  # noqa: BLE001 - no node context (Ray gone): nothing here to wait for
+            log.debug("wait_exited: no node id here: %r", e)
+            return []
+        left = [r for r in ranks if r.get("node_id") == here and isinstance(r.get("pid"), int)
+                and r["pid"] != os.getpid()]
+        deadline, pause = time.monotonic() + timeout, 0.001
+        while True:
+            left = [r for r in left if _running(r["pid"])]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
     def put(self, obj: Any) -> Any:
         return ray.put(obj)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not gone, and not a zombie (which has exited and released its memory and
+    devices, and only waits for its parent to read its status; seen on Linux, in /proc)."""
+    if _PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the pid: ours is gone
+        return False
+    return True
+
+
+_PROC = os.path.exists("/proc/self/stat")
 
 
 def _largest(node_totals: list[dict], need: dict) -> dict:

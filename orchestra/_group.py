@@ -28,6 +28,7 @@ from .dispatch import stream as stream_transform
 __all__ = ["WorkerGroup"]
 
 UNSEEN_KEPT = 64  # failed calls nothing awaited, kept per group for failed_calls_not_awaited()
+EXIT_WAIT_S = 30.0  # how long closing a group waits for its killed ranks' processes to exit (then warns)
 
 
 def _log_unseen(inv: Any) -> None:
@@ -484,13 +485,20 @@ class _Shared:
         self.pool.forget()
 
     def finish_close(self, hosts: list[Any]) -> None:
-        """Kill the actors and give this group's pool reference back, the first time only (blocking Ray calls: run
-        off the event loop when on one)."""
+        """Kill the actors, wait until their processes on this node have exited (their memory and devices are free
+        for the next group placed there: a kill returns before that), and give this group's pool reference back, the
+        first time only (blocking: run off the event loop when on one)."""
         for h in hosts:
             try:
                 self.pool.backend.kill(h)
             except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
                 log.debug("group %r: kill: %r", self.name, e)
+        if hosts and self.info:
+            left = self.pool.backend.wait_exited(self.info, EXIT_WAIT_S)
+            if left:
+                log.warning("group %r: rank(s) %s (pid %s) still running %.0f s after they were killed; their "
+                            "memory and devices may still be held", self.name, [r.get("rank") for r in left],
+                            [r.get("pid") for r in left], EXIT_WAIT_S)
         with self._pool_ref_lock:
             mine, self._holds_pool_ref = self._holds_pool_ref, False
         if mine:

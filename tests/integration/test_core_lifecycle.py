@@ -57,6 +57,32 @@ async def test_shutdown_right_after_construction_leaks_nothing():
         await g.ping()
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has exited: its memory and devices are released)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["aclose", "shutdown"])
+async def test_closing_a_group_returns_once_its_ranks_processes_have_exited(how):
+    """A group closed and a new one placed on the same GPUs right away must not find their memory still held by the
+    old ranks: ``aclose()`` / ``shutdown()`` return once the ranks' processes on this node have exited (before, a
+    rank was still running right after in 2 of 3 tries here; the kill is asynchronous)."""
+    for attempt in range(3):
+        g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Hazard, group_name=f"exit{attempt}")
+        await g.ready()
+        pids = [d["pid"] for d in await g.describe()]
+        assert all(_running(p) for p in pids)
+        if how == "aclose":
+            await g.aclose()
+        else:
+            g.shutdown()
+        assert not any(_running(p) for p in pids), (attempt, pids)
+
+
 async def test_cancelled_stream_leaves_no_task(scorers, orc_sequencer):
     g = scorers[2]
     baseline = len(asyncio.all_tasks())
