@@ -119,7 +119,7 @@ class Backend(ABC):
         """Store ``obj`` for readers on any rank; returns its ref. Readers share the stored object: never write it."""
 
     def wait_exited(self, ranks: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-        """Wait (blocking) until the processes of killed ranks (``describe()``'s entries) have exited, up to
+        """Wait (blocking) until the processes of killed ranks (``Host.process()``'s entries) have exited, up to
         ``timeout`` seconds; returns the entries of those still running. Nothing to wait for by default."""
         return []
 
@@ -251,6 +251,8 @@ class RayBackend(Backend):
         this node (their pids are seen here) until each has exited, polling; ranks on other nodes are not waited
         for (their processes cannot be seen from here)."""
         try:
+            if _client_mode():  # the node id is the client server's, and its processes are not this machine's
+                return []
             here = ray.get_runtime_context().get_node_id()
         except Exception as e:  # noqa: BLE001 - no node context (Ray gone): nothing here to wait for
             log.debug("wait_exited: no node id here: %r", e)
@@ -259,7 +261,7 @@ class RayBackend(Backend):
                 and r["pid"] != os.getpid()]
         deadline, pause = time.monotonic() + timeout, 0.001
         while True:
-            left = [r for r in left if _running(r["pid"])]
+            left = [r for r in left if _running(r["pid"], r.get("start"))]
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(pause)
@@ -269,15 +271,19 @@ class RayBackend(Backend):
         return ray.put(obj)
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` still runs: not gone, and not a zombie (which has exited and released its memory and
-    devices, and only waits for its parent to read its status; seen on Linux, in /proc)."""
+def _running(pid: int, start: int | None = None) -> bool:
+    """Whether process ``pid`` still runs: not gone, not another process that took its pid since (its start time is
+    not ``start``), and not a zombie whose threads have all exited (its memory and devices are released; it only
+    waits for its parent to read its status). Read from /proc on Linux; elsewhere, whether the pid exists."""
     if _PROC:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+                fields = f.read().rsplit(b")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             return False
+        if start is not None and int(fields[19]) != start:
+            return False
+        return fields[0] not in (b"Z", b"X") or int(fields[17]) > 1
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -285,6 +291,25 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process took the pid: ours is gone
         return False
     return True
+
+
+def process_start(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot, from /proc), which tells it from a later process that
+    took its pid; None where there is no /proc."""
+    if not _PROC:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _client_mode() -> bool:
+    """Whether this process drives Ray through Ray Client (its nodes' processes are not on this machine)."""
+    from ray.util.client import ray as client
+
+    return client.is_connected()
 
 
 _PROC = os.path.exists("/proc/self/stat")

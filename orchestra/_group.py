@@ -102,6 +102,8 @@ class _Shared:
         self.pool, self.roles, self.name = pool, roles, name
         self.hosts: list[Any] = []
         self.info: list[dict] = []
+        self.processes: list[dict] = []  # each rank's process (``Host.process``), known before its set-up ran
+        self._close_lock = threading.Lock()  # a second close returns only once the first has finished
         self.meshes: dict[tuple[str, str], list[MeshInfo]] = {}
         self._start: asyncio.Task | None = None
         self._ready = False
@@ -162,6 +164,12 @@ class _Shared:
         host_cls = host_class({role: cls for role, (cls, _, _) in self.roles.items()})
         self.hosts = self.pool.backend.spawn(self.pool, host_cls, slots, self.name, CONCURRENCY_GROUPS)
         try:
+            # each rank's process first: closing waits for it to exit, even when the start-up below fails
+            known = await asyncio.gather(*[h.process.remote() for h in self.hosts], return_exceptions=True)
+            self.processes = [p for p in known if isinstance(p, dict)]
+            failed = next((p for p in known if isinstance(p, BaseException)), None)
+            if failed is not None:
+                raise failed
             ip, port = await self.hosts[0].address.remote()
             self.info = await asyncio.gather(*[
                 h.setup.remote({"RANK": str(s.rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(s.local_rank),
@@ -486,23 +494,25 @@ class _Shared:
 
     def finish_close(self, hosts: list[Any]) -> None:
         """Kill the actors, wait until their processes on this node have exited (their memory and devices are free
-        for the next group placed there: a kill returns before that), and give this group's pool reference back, the
-        first time only (blocking: run off the event loop when on one)."""
-        for h in hosts:
-            try:
-                self.pool.backend.kill(h)
-            except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
-                log.debug("group %r: kill: %r", self.name, e)
-        if hosts and self.info:
-            left = self.pool.backend.wait_exited(self.info, EXIT_WAIT_S)
-            if left:
-                log.warning("group %r: rank(s) %s (pid %s) still running %.0f s after they were killed; their "
-                            "memory and devices may still be held", self.name, [r.get("rank") for r in left],
-                            [r.get("pid") for r in left], EXIT_WAIT_S)
-        with self._pool_ref_lock:
-            mine, self._holds_pool_ref = self._holds_pool_ref, False
-        if mine:
-            self.pool.release_ref(self._pool_era)
+        for the next group placed there: a kill returns before that; up to ``EXIT_WAIT_S``), and give this group's
+        pool reference back, the first time only. Blocking: run off the event loop when on one. A close that finds
+        another in progress returns once that one has finished, so neither returns with ranks still running."""
+        with self._close_lock:
+            for h in hosts:
+                try:
+                    self.pool.backend.kill(h)
+                except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
+                    log.debug("group %r: kill: %r", self.name, e)
+            if hosts and self.processes:
+                left = self.pool.backend.wait_exited(self.processes, EXIT_WAIT_S)
+                if left:
+                    log.warning("group %r: rank(s) %s (pid %s) still running %.0f s after they were killed; their "
+                                "memory and devices may still be held", self.name, [r.get("rank") for r in left],
+                                [r.get("pid") for r in left], EXIT_WAIT_S)
+            with self._pool_ref_lock:
+                mine, self._holds_pool_ref = self._holds_pool_ref, False
+            if mine:
+                self.pool.release_ref(self._pool_era)
 
 
 def _off_this_node(node_ids: list[Any]) -> frozenset[int]:

@@ -392,6 +392,13 @@ class Host:
         return self._rank_or_declared()
 
     @ray.method(concurrency_group=CONTROL)
+    def process(self) -> dict[str, Any]:
+        """This rank's process — pid, start time (``_backend.process_start``) and node — asked before set-up, so
+        that closing the group can wait for the process to exit even when its start-up failed."""
+        return {"rank": self.rank, "pid": os.getpid(), "start": _backend.process_start(os.getpid()),
+                "node_id": self.runtime.placement()[1]}
+
+    @ray.method(concurrency_group=CONTROL)
     def address(self) -> tuple[str, int]:
         """This node's address and a free TCP port on it, for MASTER_ADDR / MASTER_PORT. This host keeps the port
         bound on every address (SO_REUSEADDR, never listening) for as long as it lives, so that a port picked free is

@@ -70,7 +70,7 @@ def _running(pid: int) -> bool:
 async def test_closing_a_group_returns_once_its_ranks_processes_have_exited(how):
     """A group closed and a new one placed on the same GPUs right away must not find their memory still held by the
     old ranks: ``aclose()`` / ``shutdown()`` return once the ranks' processes on this node have exited (before, a
-    rank was still running right after in 2 of 3 tries here; the kill is asynchronous)."""
+    rank was still running right after in 2 of 3 tries of this test, 3 of 3 of a script; the kill is asynchronous)."""
     for attempt in range(3):
         g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Hazard, group_name=f"exit{attempt}")
         await g.ready()
@@ -81,6 +81,41 @@ async def test_closing_a_group_returns_once_its_ranks_processes_have_exited(how)
         else:
             g.shutdown()
         assert not any(_running(p) for p in pids), (attempt, pids)
+
+
+async def test_of_two_closes_at_once_neither_returns_before_the_ranks_have_exited():
+    """The second close kills nothing (the first did) and, before, returned at once — releasing the pool's
+    reservation while the first still waited for the processes to exit."""
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), Hazard, group_name="twice")
+    await g.ready()
+    pids = [d["pid"] for d in await g.describe()]
+    first, second = asyncio.ensure_future(g.aclose()), asyncio.ensure_future(g.aclose())
+    done, _ = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+    assert not any(_running(p) for p in pids), "a close returned with a rank still running"
+    await asyncio.gather(first, second)
+
+
+class _PidOnInit(orc.Worker):
+    """Writes its pid where the test reads it, then fails on rank 1: a start-up that fails."""
+
+    def __init__(self, where: str) -> None:
+        with open(os.path.join(where, str(self.rank)), "w") as f:
+            f.write(str(os.getpid()))
+        if self.rank == 1:
+            raise RuntimeError("cannot build model on rank 1")
+
+
+async def test_a_failed_start_up_returns_once_its_ranks_processes_have_exited(tmp_path):
+    """A start-up that fails kills its ranks; before, nothing waited for them (their pids were only learned from a
+    set-up that succeeded), so a retry on the same GPUs right away could find their memory still held."""
+    g = WorkerGroup(ResourcePool(process_on_nodes=[2], cpus_per_worker=0.01), _PidOnInit, str(tmp_path),
+                    group_name="bad_start")
+    with pytest.raises(orc.WorkerError, match="cannot build model on rank 1"):
+        await g.ready()
+    # rank 1's file is there (it failed after writing it); rank 0's only if its set-up ran before the failure
+    # ended the start-up (which kills every rank)
+    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert (tmp_path / "1").exists() and not any(_running(p) for p in pids), pids
 
 
 async def test_cancelled_stream_leaves_no_task(scorers, orc_sequencer):
