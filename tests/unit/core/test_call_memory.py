@@ -83,6 +83,16 @@ def _watch(fut: orc.DataFuture) -> weakref.ref:
     return weakref.ref(fut._inv)
 
 
+async def _seen(refs: list[weakref.ref]) -> None:
+    """Until each of those calls has seen every output it received: the ranks' replies may all be here (another
+    call the ranks ran after them returned) with the calls' own callbacks still queued on the loop (2 runs in 16
+    on a loaded machine). A wait on an output runs after the callbacks registered on it before, the call's among
+    them; a rank's end tells its call at once. Without awaiting the calls themselves, which would check their inputs and let them go on its own."""
+    outs = [o for r in refs if r() is not None for s in r().slots for o in (s.done, *s.outputs)]
+    if outs:
+        await asyncio.wait(outs)
+
+
 def _gone(refs: list[weakref.ref]) -> list[bool]:
     gc.collect()
     return [r() is None for r in refs]
@@ -105,6 +115,7 @@ async def test_a_loop_feeding_each_result_to_the_next_call_keeps_only_the_last(g
         elif between == "await another call":
             assert await g.count(rows(4)) == [4, 4]
     if between == "await another call":  # the chain itself was never awaited
+        await _seen(early)
         assert _gone(early) == [True] * len(early)
     assert (await x)["x"].tolist()[:3] == [31, 32, 33]
     assert _gone(early) == [True] * len(early)
@@ -123,6 +134,7 @@ async def test_a_chain_sent_before_its_first_call_finished_keeps_only_the_last(g
         early.append(_watch(x))
     _GO.set()
     assert await g.count(rows(4)) == [4, 4]  # each rank runs it after the chain
+    await _seen(early)
     assert _gone(early[:-1]) == [True] * (len(early) - 1)
     assert (await x)["x"].tolist() == list(range(10, 18))
 
