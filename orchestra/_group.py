@@ -739,7 +739,8 @@ class WorkerGroup:
 
     def calls_in_flight(self) -> list[str]:
         """``"group.endpoint"`` of every call not yet finished or ended on this group's actors (every colocated
-        role's), sorted; empty when nothing is left running. For tests that check no call was left behind."""
+        role's), sorted; empty when nothing is left running. For tests that check no call was left behind. A call
+        another call read is listed until its own replies are here, which can be after its reader returned."""
         return sorted(f"{inv.group}.{inv.endpoint}" for inv in list(self._shared.live))
 
     def on_death(self, callback: Callable[[WorkerDiedError], None]) -> Callable[[], None]:

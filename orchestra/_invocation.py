@@ -804,6 +804,19 @@ class Invocation:
             inv._apart_bad = why
             todo.extend(inv._apart_dependents)
 
+    def read_elsewhere(self) -> bool:
+        """Whether something awaited this call or read it as another call's input (``looked_at``)."""
+        return self._looked
+
+    def unreceived(self) -> list[asyncio.Future]:
+        """What the controller still waits for from this call's ranks: its sending, each rank's end and replies.
+        A wait on these runs after the call's own callbacks on them (a call read by another can have run, its rows
+        read, with its replies still on their way here: Ray delivers the replies of different actors in any
+        order)."""
+        if not self.submitted.done():
+            return [self.submitted]
+        return [f for s in self.slots for f in (s.done, *s.outputs) if not f.done()]
+
     def outputs_here(self) -> bool:
         """Whether every collected slot's outputs were received (failed or not)."""
         return all(s.done.done() and all(o.done() for o in s.outputs) for s in self.slots if s.collected)

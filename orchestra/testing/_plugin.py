@@ -210,6 +210,22 @@ def in_flight(factory: GroupFactory) -> list[str]:
     return [c for g in factory.groups if not g.closed for c in g.calls_in_flight()]
 
 
+async def replies_of_calls_read(factory: GroupFactory, bound: float = LEAK_WAIT_S) -> None:
+    """Until the calls in flight that another call read (or something awaits) have received their ranks' replies,
+    up to ``bound`` s: such a call has run (its reader read its rows), but its replies may reach the controller
+    after the reader's (Ray delivers the replies of different actors in any order). A call nobody awaited nor read
+    is not waited for: it is reported at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound
+    while True:
+        pending = {f for g in factory.groups if not g.closed for inv in list(g._shared.live) if inv.read_elsewhere()
+                   for f in inv.unreceived()}
+        left = deadline - loop.time()
+        if not pending or left <= 0:
+            return
+        await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
+
 def failed_unawaited(factory: GroupFactory) -> list[str]:
     """The calls of the groups ``factory`` made that failed with nothing awaiting them, closed groups included (a
     group keeps them after its close): a test that closes its group itself hides no failure."""
@@ -219,13 +235,17 @@ def failed_unawaited(factory: GroupFactory) -> list[str]:
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
     """After a test body that passed: fail the test when calls of groups made by ``make_group`` are still in flight
-    (a call never awaited, or a stream never drained), or failed with nothing awaiting them (an error no one saw,
+    (a call never awaited, or a stream never drained; a call another call read is given its replies first:
+    ``replies_of_calls_read``), or failed with nothing awaiting them (an error no one saw,
     whether or not the test closed the group). A body that raised is reported as is."""
     result = yield
     factory = getattr(pyfuncitem, "funcargs", {}).get("make_group")
     if isinstance(factory, GroupFactory):
         problems = []
         left = in_flight(factory)
+        if left and not factory.loop.is_running() and not factory.loop.is_closed():
+            factory.loop.run_until_complete(replies_of_calls_read(factory))
+            left = in_flight(factory)
         if left:
             problems.append(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
                             f"before the test returns")
