@@ -103,7 +103,9 @@ class _Shared:
         self.hosts: list[Any] = []
         self.info: list[dict] = []
         self.processes: list[dict] = []  # each rank's process (``Host.process``), known before its set-up ran
-        self._close_lock = threading.Lock()  # a second close returns only once the first has finished
+        self._close_lock = threading.Lock()  # finish_close runs once at a time: a second close waits for the first
+        self._unkilled: list[Any] = []  # the actor handles a close took, still to kill (``finish_close``)
+        self._close_pending = False  # closed, and finish_close has yet to run to its end
         self.meshes: dict[tuple[str, str], list[MeshInfo]] = {}
         self._start: asyncio.Task | None = None
         self._ready = False
@@ -179,8 +181,8 @@ class _Shared:
         except BaseException as e:
             if self.closed is not None:
                 raise closed_error(self.name, self.closed) from None
-            hosts = self.close("its start-up failed")
-            await anyio.to_thread.run_sync(self.finish_close, hosts)
+            self.close("its start-up failed")
+            await anyio.to_thread.run_sync(self.finish_close)
             raise convert_error(e, self.name, "__init__", None) from None
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
@@ -434,10 +436,9 @@ class _Shared:
         if t is not None and t.cancelled() and self.closed is None:
             # only the end of the loop it ran on cancels a start-up task of an open group (close() marks the
             # group closed first): what it placed or spawned may be half done, so close the group, not retry
-            hosts = self.close("its start-up was cancelled when the event loop it began on ended (an asyncio.run() "
-                               "that returned before ready()); make the group, and await ready(), in the loop "
-                               "that uses it")
-            await anyio.to_thread.run_sync(self.finish_close, hosts)
+            self.close("its start-up was cancelled when the event loop it began on ended (an asyncio.run() "
+                       "that returned before ready()); make the group, and await ready(), in the loop that uses it")
+            await anyio.to_thread.run_sync(self.finish_close)
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
         self.follow_loop()
@@ -458,10 +459,10 @@ class _Shared:
             if self.closed is None:  # after the close, every kept one was logged already
                 _log_unseen(old)
 
-    def close(self, why: str = "shutdown() was called") -> list[Any]:
-        """Mark closed, cancel start-up and every call in flight; returns the actor handles still to kill."""
+    def close(self, why: str = "shutdown() was called") -> None:
+        """Mark closed, cancel start-up and every call in flight; the actors are killed by ``finish_close``."""
         if self.closed is not None:
-            return []
+            return
         self.closed = why
         for inv in list(self.unseen.values()):  # logged, and kept: failed_calls_not_awaited() still lists them
             _log_unseen(inv)
@@ -478,8 +479,17 @@ class _Shared:
         draining, self._draining = self._draining, []
         for c in [*draining, *([ch] if ch is not None else [])]:
             c.close(err)
-        hosts, self.hosts = self.hosts, []
-        return hosts
+        with self._pool_ref_lock:
+            self._unkilled, self.hosts = self.hosts, []
+            self._close_pending = True
+
+    def end(self, why: str = "shutdown() was called") -> Callable[[], None] | None:
+        """Close the group; return the blocking rest of the close (``finish_close``), to run off the event loop, or
+        None once nothing is left to do. Every close that finds the rest not done runs it: the first to get there
+        does the work, the others wait for it (a second close had returned at once, or ran its thread before the
+        first's, killing nothing and giving the pool back while the ranks still ran)."""
+        self.close(why)
+        return self.finish_close if self._close_pending else None
 
     def holds_pool_ref(self) -> bool:
         """Whether this group has yet to give its reference on the pool back (``finish_close``)."""
@@ -490,29 +500,40 @@ class _Shared:
         with it, so closing later has nothing to give back (and must not call Ray, which would start a cluster)."""
         with self._pool_ref_lock:
             self._holds_pool_ref = False
+            self._unkilled, self._close_pending = [], False
         self.pool.forget()
 
-    def finish_close(self, hosts: list[Any]) -> None:
-        """Kill the actors, wait until their processes on this node have exited (their memory and devices are free
-        for the next group placed there: a kill returns before that; up to ``EXIT_WAIT_S``), and give this group's
-        pool reference back, the first time only. Blocking: run off the event loop when on one. A close that finds
-        another in progress returns once that one has finished, so neither returns with ranks still running."""
+    def finish_close(self) -> None:
+        """After ``close``: kill the actors, wait until their processes on this node have exited (their memory and
+        devices are free for the next group placed there: a kill returns before that; up to ``EXIT_WAIT_S``), and
+        give this group's pool reference back, the first time only. Blocking: run off the event loop when on one.
+        Any number of closes may call it, from any thread: the first does the work, the others return once it is
+        done, so that no close returns with ranks still running or gives the pool back before they were killed."""
         with self._close_lock:
-            for h in hosts:
-                try:
-                    self.pool.backend.kill(h)
-                except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
-                    log.debug("group %r: kill: %r", self.name, e)
-            if hosts and self.processes:
-                left = self.pool.backend.wait_exited(self.processes, EXIT_WAIT_S)
-                if left:
-                    log.warning("group %r: rank(s) %s (pid %s) still running %.0f s after they were killed; their "
-                                "memory and devices may still be held", self.name, [r.get("rank") for r in left],
-                                [r.get("pid") for r in left], EXIT_WAIT_S)
             with self._pool_ref_lock:
-                mine, self._holds_pool_ref = self._holds_pool_ref, False
-            if mine:
-                self.pool.release_ref(self._pool_era)
+                hosts, self._unkilled = self._unkilled, []
+            try:
+                self._kill_and_release(hosts)
+            finally:
+                self._close_pending = False
+
+    def _kill_and_release(self, hosts: list[Any]) -> None:
+        """``finish_close``'s work: kill, wait for the processes, give the pool reference back."""
+        for h in hosts:
+            try:
+                self.pool.backend.kill(h)
+            except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
+                log.debug("group %r: kill: %r", self.name, e)
+        if hosts and self.processes:
+            left = self.pool.backend.wait_exited(self.processes, EXIT_WAIT_S)
+            if left:
+                log.warning("group %r: rank(s) %s (pid %s) still running %.0f s after they were killed; their "
+                            "memory and devices may still be held", self.name, [r.get("rank") for r in left],
+                            [r.get("pid") for r in left], EXIT_WAIT_S)
+        with self._pool_ref_lock:
+            mine, self._holds_pool_ref = self._holds_pool_ref, False
+        if mine:
+            self.pool.release_ref(self._pool_era)
 
 
 def _off_this_node(node_ids: list[Any]) -> frozenset[int]:
@@ -775,16 +796,16 @@ class WorkerGroup:
         _refuse_off_its_loop(self._shared, f"group {self.name!r}: shutdown() was called",
                              "Close it on that loop: asyncio.run_coroutine_threadsafe(group.aclose(), loop).result() "
                              "from this thread, or await group.aclose() there")
-        hosts = self._shared.close()
-        if hosts or self._shared.holds_pool_ref():
-            self._shared.finish_close(hosts)
+        rest = self._shared.end()
+        if rest is not None:
+            rest()
 
     async def aclose(self) -> None:
         """``shutdown()`` for async code: the blocking Ray calls run in a worker thread."""
         self._shared.follow_loop()
-        hosts = self._shared.close()
-        if hosts or self._shared.holds_pool_ref():
-            await anyio.to_thread.run_sync(self._shared.finish_close, hosts)
+        rest = self._shared.end()
+        if rest is not None:
+            await anyio.to_thread.run_sync(rest)
 
     async def __aenter__(self) -> WorkerGroup:
         try:

@@ -173,10 +173,12 @@ def shutdown() -> None:
                            f"{elsewhere} live on an event loop running in another thread; nothing was changed. Close "
                            f"them on that loop first: asyncio.run_coroutine_threadsafe(group.aclose(), loop).result()")
     for g in groups:
-        hosts = g.close("orchestra was shut down")
         if not g.pool.backend.own_process:  # in-process ranks have no cluster to end them: stop their threads
-            g.finish_close(hosts)
+            rest = g.end("orchestra was shut down")
+            if rest is not None:
+                rest()
         else:  # Ray ranks and reservations end with the cluster (or this job's connection to it) below
+            g.close("orchestra was shut down")
             g.forget_pool()
     _groups.clear()
     _backend.unregister("local")

@@ -113,7 +113,8 @@ def end_local_session(local: Any) -> None:
         raise RuntimeError(f"orc_cluster: in-process group(s) {elsewhere} live on an event loop running in another "
                            f"thread; close them on that loop (await group.aclose()) before the session ends")
     for g in groups:
-        g.finish_close(g.close("orchestra was shut down"))
+        g.close("orchestra was shut down")
+        g.finish_close()
     try:
         registered = _backend.by_name("local")
     except ValueError:  # already forgotten (an orc.shutdown() in a test)

@@ -9,7 +9,9 @@ The worker classes are the Ray tests' (``tests/integration/orc_test_workers.py``
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -84,6 +86,48 @@ async def test_a_group_whose_start_failed_keeps_the_pool_another_group_holds():
         await bad.aclose()
         assert pool.holds_refs(), "the failed group gave back the pool reference A holds"
         assert await a.ping() == [0]
+    assert not pool.holds_refs()
+
+
+_FIRST: contextvars.ContextVar[bool] = contextvars.ContextVar("first_close", default=False)
+
+
+@pytest.mark.parametrize("second", sorted(CLOSES))
+async def test_a_close_while_another_is_under_way_returns_only_after_it(monkeypatch, second):
+    """Two closes at once: the one that closed the group kills the ranks, waits for their processes and gives the
+    pool back, in a thread; the other ran the same in its own thread, which could run first: it killed nothing,
+    gave the pool back and returned before any rank was killed (the Ray test of this saw a rank still running when
+    a close returned, 1 run in 3). Here the first close's thread is held until the second close returned: the
+    second kills the ranks itself now, or waits while another close does."""
+    pool = shared_pool()
+    g = WorkerGroup(pool, Hazard, group_name="twice")
+    await g.ready()
+    shared, order, go = g._shared, [], threading.Event()
+    finish, kill = type(shared).finish_close, pool.backend.kill
+
+    def held_finish(self, *args):
+        if _FIRST.get():  # the thread of the close that closed the group
+            assert go.wait(timeout=60)
+        finish(self, *args)
+
+    def noted_kill(handle):
+        kill(handle)
+        order.append("killed")
+
+    monkeypatch.setattr(type(shared), "finish_close", held_finish)
+    monkeypatch.setattr(pool.backend, "kill", noted_kill)
+    async def first_close() -> None:
+        _FIRST.set(True)  # seen in its thread: anyio runs the function in a copy of the caller's context
+        await g.aclose()
+
+    first = asyncio.ensure_future(first_close())
+    await asyncio.sleep(0)  # it closes the group and hands the rest of its close to a thread
+    assert g.closed
+    await CLOSES[second](g)
+    order.append("second returned")
+    go.set()
+    await first
+    assert order == ["killed", "second returned"]
     assert not pool.holds_refs()
 
 
