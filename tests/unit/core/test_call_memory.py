@@ -15,8 +15,9 @@ import torch
 
 import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
-from orchestra import _invocation
 from orchestra import dispatch as D
+
+from held_replies import replies_held
 
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
@@ -56,7 +57,7 @@ class _Steps(Worker):
         return Batch.from_dict({"x": batch["x"] + 1, "h": batch["h"]})
 
     @endpoint(D.shard())
-    def late(self, batch: Batch) -> Batch:  # its replies reach the controller late (see _replies_held)
+    def late(self, batch: Batch) -> Batch:  # its replies reach the controller late (see held_replies.py)
         return batch
 
     @endpoint(D.shard())
@@ -85,9 +86,10 @@ def _watch(fut: orc.DataFuture) -> weakref.ref:
 
 async def _seen(refs: list[weakref.ref]) -> None:
     """Until each of those calls has seen every output it received: the ranks' replies may all be here (another
-    call the ranks ran after them returned) with the calls' own callbacks still queued on the loop (2 runs in 16
+    call the ranks ran after them returned) with the calls' own callbacks still queued on the loop (2 runs in 14
     on a loaded machine). A wait on an output runs after the callbacks registered on it before, the call's among
-    them; a rank's end tells its call at once. Without awaiting the calls themselves, which would check their inputs and let them go on its own."""
+    them; a rank's end tells its call at once. The calls themselves are not awaited: an await checks their inputs
+    and lets them go on its own, which would hide what this checks."""
     outs = [o for r in refs if r() is not None for s in r().slots for o in (s.done, *s.outputs)]
     if outs:
         await asyncio.wait(outs)
@@ -184,41 +186,12 @@ async def test_a_users_collect_still_reads_the_data_arguments_of_a_finished_call
         assert n == 6
 
 
-def _replies_held(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> tuple[asyncio.Event, list[asyncio.Task]]:
-    """Hold the replies of ``endpoint``'s calls at the controller until the returned event is set, as Ray may deliver
-    a reader's replies before its upstream's (the replies of different actors come in any order); the tasks that
-    deliver them, for the test to await."""
-    gate, tasks = asyncio.Event(), []
-    make_slot, add = _invocation.Invocation._slot, _invocation.Slot.add
-
-    def slot(inv, rank, collected):
-        s = make_slot(inv, rank, collected)
-        s.held = inv.endpoint == endpoint
-        return s
-
-    def held_add(s, ref, out=None):
-        if getattr(s, "held", False):
-            src = _invocation._replies.one(ref) if out is None else out
-            late = asyncio.get_running_loop().create_future()
-
-            async def deliver() -> None:
-                await gate.wait()
-                late.set_result(await src)
-            tasks.append(asyncio.ensure_future(deliver()))
-            out = late
-        return add(s, ref, out)
-
-    monkeypatch.setattr(_invocation.Invocation, "_slot", slot)
-    monkeypatch.setattr(_invocation.Slot, "add", held_add)
-    return gate, tasks
-
-
 async def test_a_reader_that_finished_before_its_upstreams_replies_lets_it_go_when_they_come(groups, monkeypatch):
     """The reader reads its input rank by rank, sent before that input's replies were here, and finishes first: its
     check of the columns it read cannot be settled then, and holds the input. When the input's replies come, the
     input's good verdict settles the finished reader's check, which lets the input go (no await of the reader)."""
     g = groups[2]
-    gate, delivering = _replies_held(monkeypatch, "late")
+    gate, delivering = replies_held(monkeypatch, "late")
     up = g.late(rows(8))
     reader = g.add(up)
     assert await g.count(rows(4)) == [4, 4]  # the ranks ran both before it; the reader's replies are here

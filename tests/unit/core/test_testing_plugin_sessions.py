@@ -125,14 +125,14 @@ def test_make_group_fails_a_test_whose_on_death_callback_raised(local_user_run):
 
 
 FORWARDED = '''
-import asyncio
-
 import torch
-from orchestra import Batch, Worker, endpoint, _invocation
+from held_replies import replies_held
+from orchestra import Batch, endpoint
 from orchestra import dispatch as D
+from workers import W
 
 
-class Rows(Worker):
+class Rows(W):
     @endpoint(D.shard())
     def make(self, batch):
         return batch
@@ -141,42 +141,9 @@ class Rows(Worker):
     def count(self, batch):
         return len(batch)
 
-    @endpoint(D.broadcast())
-    def hold(self, seq):
-        with seq(1):  # held until the test enters position 1 (it never does: the group is closed first)
-            pass
-
-
-def replies_after_the_body(monkeypatch, endpoint):
-    # the replies of endpoint's calls reach the controller only once the test body has returned (the event
-    # returned is set as its last statement), as Ray may deliver them after those of the call that read them
-    gate, tasks = asyncio.Event(), []
-    make_slot, add = _invocation.Invocation._slot, _invocation.Slot.add
-
-    def slot(inv, rank, collected):
-        s = make_slot(inv, rank, collected)
-        s.held = inv.endpoint == endpoint
-        return s
-
-    def held_add(s, ref, out=None):
-        if getattr(s, "held", False):
-            src = _invocation._replies.one(ref) if out is None else out
-            late = asyncio.get_running_loop().create_future()
-
-            async def deliver():
-                await gate.wait()
-                late.set_result(await src)
-            tasks.append(asyncio.ensure_future(deliver()))
-            out = late
-        return add(s, ref, out)
-
-    monkeypatch.setattr(_invocation.Invocation, "_slot", slot)
-    monkeypatch.setattr(_invocation.Slot, "add", held_add)
-    return gate
-
 
 async def test_reads_a_call_whose_replies_come_after_its_reader(make_group, monkeypatch):
-    gate = replies_after_the_body(monkeypatch, "make")
+    gate, _ = replies_held(monkeypatch, "make")  # set as the body's last statement: the replies come after it
     maker = await make_group(Rows, ranks=2, group_name="maker")
     reader = await make_group(Rows, ranks=1, group_name="reader")
     assert await reader.count(maker.make(Batch.from_dict({"x": torch.arange(4)}))) == [4]
@@ -195,7 +162,9 @@ def test_make_group_waits_for_the_replies_of_a_call_another_call_read_and_report
     ``mean_advantage_step`` does) has run; its replies may reach the controller after its reader's (Ray delivers the
     replies of different actors in any order): the plugin waits for them before it counts the calls in flight
     (was: "calls still in flight" failed such a test, 1 CI run in 3). A call nobody awaited nor read is reported."""
-    code, out = run_pytest(tmp_path, {"test_forwarded.py": FORWARDED}, "--orc-backend=local")
+    helper = (Path(__file__).parent / "held_replies.py").read_text()
+    files = {"workers.py": WORKERS, "held_replies.py": helper, "test_forwarded.py": FORWARDED}
+    code, out = run_pytest(tmp_path, files, "--orc-backend=local")
     assert code == 1, out
     assert "PASSED test_forwarded.py::test_reads_a_call_whose_replies_come_after_its_reader" in out, out
     assert "FAILED test_forwarded.py::test_leaves_a_call_nobody_read" in out, out
