@@ -97,7 +97,7 @@ async def test_a_close_while_another_is_under_way_returns_only_after_it(monkeypa
     """Two closes at once: the one that closed the group kills the ranks, waits for their processes and gives the
     pool back, in a thread; the other ran the same in its own thread, which could run first: it killed nothing,
     gave the pool back and returned before any rank was killed (the Ray test of this saw a rank still running when
-    a close returned, 1 run in 3). Here the first close's thread is held until the second close returned: the
+    a close returned, in one of the two CI runs on stop 40's commit). Here the first close's thread is held until the second close returned: the
     second kills the ranks itself now, or waits while another close does."""
     pool = shared_pool()
     g = WorkerGroup(pool, Hazard, group_name="twice")
@@ -116,6 +116,7 @@ async def test_a_close_while_another_is_under_way_returns_only_after_it(monkeypa
 
     monkeypatch.setattr(type(shared), "finish_close", held_finish)
     monkeypatch.setattr(pool.backend, "kill", noted_kill)
+
     async def first_close() -> None:
         _FIRST.set(True)  # seen in its thread: anyio runs the function in a copy of the caller's context
         await g.aclose()

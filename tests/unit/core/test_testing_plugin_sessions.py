@@ -161,7 +161,7 @@ def test_make_group_waits_for_the_replies_of_a_call_another_call_read_and_report
     """A call whose result was read by another call (forwarded, never awaited itself, as docs/testing.md's
     ``mean_advantage_step`` does) has run; its replies may reach the controller after its reader's (Ray delivers the
     replies of different actors in any order): the plugin waits for them before it counts the calls in flight
-    (was: "calls still in flight" failed such a test, 1 CI run in 3). A call nobody awaited nor read is reported."""
+    (was: "calls still in flight" failed such a test in the CI run of stop 40). A call nobody awaited nor read is reported."""
     helper = (Path(__file__).parent / "held_replies.py").read_text()
     files = {"workers.py": WORKERS, "held_replies.py": helper, "test_forwarded.py": FORWARDED}
     code, out = run_pytest(tmp_path, files, "--orc-backend=local")
