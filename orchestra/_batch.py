@@ -94,6 +94,16 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[by
     """A small column as (its bytes, its dtype's name, its shape); a larger one as a numpy view of ``t`` (zero-copy
     through Ray's object store) plus the dtype to restore, if numpy lacks it. A tensor that cannot travel
     (``_cannot_travel``) raises TypeError saying why."""
+    arr, viewed = _wire_array(t)
+    if arr.nbytes <= SMALL_COLUMN_BYTES:
+        return arr.tobytes(), _dtype_name(t.dtype), arr.shape
+    return arr, (_dtype_name(t.dtype) if viewed else None)
+
+
+def _wire_array(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """``t`` as the wire carries its elements: a C-contiguous numpy array on the CPU (a view of ``t`` when it is one
+    already), and whether it holds them as the integer dtype of their size (numpy lacks ``t``'s dtype). A tensor
+    that cannot travel (``_cannot_travel``) raises TypeError saying why."""
     if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized:  # (meta: below)
         why = _cannot_travel(t)
         if why is not None:
@@ -108,16 +118,23 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[by
         if t.device.type == "meta":
             raise TypeError(_cannot_travel(t))
         t = t.cpu()
-    dtype = t.dtype
-    view = _NUMPY_UNSUPPORTED[dtype]
+    view = _NUMPY_UNSUPPORTED[t.dtype]
     if view is not None:  # (first: torch cannot copy some of these dtypes, e.g. the sub-byte ones, into contiguity)
         t = t.view(view)
     if not t.is_contiguous():
         t = t.contiguous()
-    arr = t.numpy()
-    if arr.nbytes <= SMALL_COLUMN_BYTES:
-        return arr.tobytes(), str(dtype).removeprefix("torch."), tuple(t.shape)
-    return arr, (str(dtype).removeprefix("torch.") if view is not None else None)
+    return t.numpy(), view is not None
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # a torch dtype -> its name on the wire
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The name a column's dtype travels as (``_dtype`` reads it back)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _dtype(name: str) -> torch.dtype:

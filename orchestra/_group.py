@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import ray
 
-from . import _channel, _runtime, _stats
+from . import _channel, _runtime, _stats, _template
 from ._batch import Batch
 from ._errors import DECLARED_DEAD, CallCancelledError, DispatchError, GroupClosedError, WorkerDiedError
 from ._future import DataFuture
@@ -132,6 +132,7 @@ class _Shared:
         self._fast_ok: bool | None = None  # backend and placement allow it (decided once the ranks are up)
         self._streak = 0  # fast-path-eligible calls in a row
         self.fast_calls = 0  # calls sent over a channel, all channels together
+        self.templates = _template.Templates()  # each endpoint's frames of its last call shape (orchestra._template)
         # this group's one reference on the pool, given back exactly once (finish_close, from any thread): another
         # group on the same pool keeps it whatever sequence of close/aclose/shutdown/failed start happens here
         self._pool_ref_lock = threading.Lock()

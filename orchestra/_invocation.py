@@ -199,7 +199,7 @@ class Invocation:
                 and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
             try:
                 self._bind_collect(plan)
-                self._send(plan, _per_rank_calls(plan, _describe_batches(plan), self._readers(plan)), None)
+                self._send_now(plan)
             except BaseException as e:
                 self._fail_submit(e)
                 shared.live.discard(self)  # nothing was sent: no call of this group is left running
@@ -341,15 +341,33 @@ class Invocation:
         """The DP sizes a shard call's output may be read at (``_Shared.reader_sizes``); none for other calls."""
         return self.shared.reader_sizes() if plan.shard is not None else ()
 
-    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]], tg: Any) -> None:
+    def _send_now(self, plan: Plan) -> None:
+        """Send a call whose arguments are all here and small: its frames written into its endpoint's template when
+        one of its shape is known (``orchestra._template``), else made as usual (which may learn one)."""
+        readers = self._readers(plan)
+        role = self.target._role
+        templates = self.shared.templates
+        shape, frames = templates.frames(role, plan, readers)
+        if frames is not None:
+            self._send(plan, None, None, frames)
+            return
+        calls = _per_rank_calls(plan, _describe_batches(plan), readers)
+        frames = self._encode(plan, calls)
+        self._send(plan, calls, None, frames)
+        templates.saw(role, shape, plan, frames,
+                      lambda p: self._encode(p, _per_rank_calls(p, _describe_batches(p), readers)))
+
+    def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]] | None, tg: Any,
+              encoded: dict[int, tuple[bytes | None, list, tuple]] | None = None) -> None:
         """Send every rank its call, each rank's arguments pickled once, into one frame, before any rank is sent
-        anything (``_encode``): over the group's fast-path channel when the call qualifies (see
-        ``orchestra._channel``), else as Ray actor calls that carry the frame."""
+        anything (``_encode``, or ``encoded`` when given: then ``calls`` may be None): over the group's fast-path
+        channel when the call qualifies (see ``orchestra._channel``), else as Ray actor calls that carry the frame."""
         hosts = self.shared.hosts
         meth = self.target._method_name(self.spec.name)
         collectors = set(plan.shard.collectors if plan.shard is not None else
                          plan.collectors if plan.collectors is not None else plan.ranks)
-        encoded = self._encode(plan, calls)
+        if encoded is None:
+            encoded = self._encode(plan, calls)
         qualifies = (encoded is not None and not self.spec.streaming
                      and not any(refs or top for _, refs, top in encoded.values())
                      and self.shared.may_use_fast_path())

@@ -58,6 +58,18 @@ async def test_repeated_calls_take_the_fast_path_with_the_general_paths_results(
     assert all(s["double"]["calls"] >= 1 and s["double"]["rows_out"] >= 2 for s in stats)
 
 
+async def test_repeated_shard_calls_are_written_into_a_frame_template_and_get_their_own_results(g):
+    await _open(g)
+    used = g._shared.templates.used
+    for i in range(8):  # 16 rows, the 4th with meta (made as usual, the template kept), then 12 rows
+        rows = 16 if i < 5 else 12
+        b = Batch.from_dict({"x": torch.arange(rows) * (i + 1)}, meta={"i": i} if i == 3 else None)
+        out = await g.double(b)
+        assert out["x"].tolist() == (b["x"] * 2).tolist()
+    assert g._shared.templates.used - used == 3  # calls 2, 4 and 7: each shape learnt from its second call
+    assert g._shared.channel is not None
+
+
 async def test_each_rank_sees_the_calls_in_the_order_they_were_made_across_both_paths(g):
     await _open(g)
     start = len((await g.history())[0])
