@@ -20,6 +20,8 @@ chains a loop of nothing else makes before its channel opens (None: not within 1
 interleaved in ``--rounds`` rounds; medians over every sample. ``*_cpu_ms``: the controller's CPU ms per call (all
 its threads); ``*_rank_cpu_ms``: each rank process's CPU ms per call (``/proc/<pid>/stat``, averaged over the
 ranks). ``open_ms``: the call that opens a channel (after a call that released it), median of 20.
+``step_*_templated``: how many of the step samples' calls had their frames written into a frame template
+(orchestra._template) rather than pickled: every one, once a group has seen two steps.
 Target (issue "core speed"): the fast step on 4 ranks <= 0.5 ms median, >= 3x faster than verl (~raw sync).
 
 ``--remote``: the ranks run on another Ray node than the controller's (a ``ray.cluster_utils.Cluster`` of a head
@@ -272,11 +274,14 @@ async def measure(n: int, iters: int, rounds: int, remote: bool = False) -> dict
         cpu: dict[str, list[float]] = {k: [] for k in cases}
         rank_cpu: dict[str, list[float]] = {k: [] for k in cases}
         calls_before = fast._shared.fast_calls
+        templated_before = (fast._shared.templates.used, general._shared.templates.used)
         for _ in range(rounds):
             for k, (fn, is_async) in cases.items():
                 await _sample(fn, iters, is_async, wall[k], cpu[k], pids.get(k) or pids[k.split("_", 1)[1]],
                               rank_cpu[k])
         fast_calls = fast._shared.fast_calls - calls_before
+        templated = (fast._shared.templates.used - templated_before[0],
+                     general._shared.templates.used - templated_before[1])
         floor.close()
 
         opens = []
@@ -301,6 +306,7 @@ async def measure(n: int, iters: int, rounds: int, remote: bool = False) -> dict
     out: dict = {"ranks": n, "ranks_on_another_node": remote, "fast_path_socket": "tcp" if remote else "unix",
                  "iters_per_round": iters, "rounds": rounds,
                  "fast_calls_in_fast_cases": fast_calls, "expected_fast_calls": 4 * iters * rounds,
+                 "step_fast_templated": templated[0], "step_general_templated": templated[1],
                  "chains_to_open": chains_to_open if opened else None}
     for k in cases:
         out[f"{k}_ms"] = round(statistics.median(wall[k]), 4)

@@ -5,16 +5,20 @@ A training loop calls the same endpoint with a Batch of the same columns, dtypes
 (``await g.step(batch)``). Each rank's frame of such a call differs from the last call's only in the bytes of its
 shard's columns; making it the usual way (split the Batch into shard Batches, describe each, pickle each rank's
 arguments) is most of what the controller spends sending a small step on the fast path. So a group learns, per
-endpoint, a template from the second call in a row of one shape (``Shape``): its frames, made the usual way, and
+endpoint, a template from the second call in a row of one shape (``shape_of``): its frames, made the usual way, and
 those of the same call with random bytes for its columns, which show where each rank's column bytes lie. It is kept
 only when writing the call's own bytes there gives back its frames exactly, byte for byte. A later call of that
-shape writes its column bytes into the template: the frames it would have pickled, without splitting or pickling.
+shape writes its column bytes into the template: the frames it would have pickled, without splitting or pickling
+(byte for byte but for pickle's back-references to a string object already in the frame: a column named like a
+field of ``Span``, or like the keyword the Batch is passed by, may be written out where pickling would refer back
+to it, or the reverse; it unpickles to the same).
 
 What a frame holds besides column bytes is all in the shape: endpoint, executing ranks, argument name, shard spec,
 the reader sizes a shard call tells each rank, row count, each column's name, dtype and row shape, and the
-reductions a custom serializer could change. A call that differs in any of them (another row count, a ``meta`` or
-non-tensor column, another argument) is made the usual way, and so is one whose column cannot travel (its error
-comes from there). Only one concrete Batch argument of flat tensor columns is templated.
+reductions a custom serializer could change (``Batch``'s, ``Span``'s; no numpy array is in such a frame). A call
+that differs in any of them (another row count, a ``meta`` or non-tensor column, another argument) is made the
+usual way, and so is one with a column that is not contiguous (each shard of it is copied on its own) or that
+cannot travel (its error comes from there). Only one concrete Batch argument of flat tensor columns is templated.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from . import _frame
-from ._batch import Batch, _wire_array, balanced_sizes
+from ._batch import SMALL_COLUMN_BYTES, Batch, _wire_array, balanced_sizes
 from ._wire import Span
 from .dispatch import Plan
 
@@ -38,6 +42,7 @@ __all__ = ["FrameTemplate", "Templates", "shape_of"]
 log = logging.getLogger("orchestra")
 
 MIN_PIECE_BYTES = 8  # a rank's column bytes are found in its frame only when at least this long (else no template)
+MAX_COLUMNS = 64  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
 
 Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out of it, refs as arguments): _encode's
 
@@ -45,7 +50,10 @@ Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out
 def shape_of(plan: Plan, readers: tuple[int, ...], base: dict) -> tuple | None:
     """What the frames of ``plan`` depend on besides its columns' bytes (``readers``: the reader sizes its ranks are
     told; ``base``: the call's reductions), or None when no template can make them: the call must be a shard call
-    whose one argument is a concrete Batch of flat tensor columns, without non-tensor columns, meta or padding."""
+    whose one argument is a concrete Batch of at most ``MAX_COLUMNS`` flat tensor columns, each shard's column
+    inside the pickle (``SMALL_COLUMN_BYTES``: a larger one is a numpy array there, whose reductions a serializer
+    could change), without non-tensor columns, meta or padding; and no module may be pickled by value (cloudpickle
+    would write the module's globals into the frame)."""
     spec = plan.shard
     if spec is None or plan.per_rank or len(plan.args) + len(plan.kwargs) != 1:
         return None
@@ -53,27 +61,48 @@ def shape_of(plan: Plan, readers: tuple[int, ...], base: dict) -> tuple | None:
     if type(b) is not Batch or b._nt or b.meta or b._pad:
         return None
     td = b._td
-    if type(td) is not TensorDict:
+    if type(td) is not TensorDict or len(td.keys()) > MAX_COLUMNS or _frame._by_value_modules():
         return None
+    rows = td.batch_size[0]
+    if spec.pad and rows % spec.dp_size:  # pad()'s filler rows are not the Batch's bytes
+        return None
+    most = -(-rows // spec.dp_size)  # the rows of the largest shard
     columns = []
     for k, v in td.items():
         if type(k) is not str or type(v) is not torch.Tensor or v.is_nested:
             return None
-        columns.append((k, v.dtype, v.shape[1:]))
-    rows = td.batch_size[0]
-    if spec.pad and rows % spec.dp_size:  # pad()'s filler rows are not the Batch's bytes
-        return None
+        row = v.shape[1:]
+        if most * row.numel() * v.element_size() > SMALL_COLUMN_BYTES:
+            return None
+        columns.append((k, v.dtype, row))
     return (plan.endpoint, plan.ranks, tuple(plan.kwargs), spec, readers, rows, tuple(columns),
-            base.get(Batch), base.get(Span), bool(_frame._by_value_modules()))
+            base.get(Batch), base.get(Span))
 
 
 def _batch_of(plan: Plan) -> Batch:
     return plan.args[0] if plan.args else next(iter(plan.kwargs.values()))
 
 
-def _column_bytes(b: Batch) -> list[memoryview]:
-    """Each column's elements as the wire carries them, as flat bytes (a TypeError for one that cannot travel)."""
-    return [memoryview(_wire_array(v)[0].reshape(-1).view(np.uint8)) for v in b._td.values()]
+def _column_bytes(b: Batch) -> list[memoryview] | None:
+    """Each column's elements as the wire carries them (``_wire_array``), as flat bytes in row order; None when a
+    column is not contiguous (a shard of it is copied on its own, and torch's copy of a bool column rewrites
+    bytes that are not 0 or 1: only a contiguous column's bytes are the same whole and cut); a TypeError for one
+    that cannot travel."""
+    out = []
+    for v in b._td.values():
+        if not v.is_contiguous():
+            return None
+        try:  # the common column at once: numpy() refuses every one _wire_array must convert first (a dtype numpy
+            # lacks, a gradient, a conjugate or negative bit, another device or layout)
+            arr = v.numpy() if type(v) is torch.Tensor else None
+        except (TypeError, RuntimeError):
+            arr = None
+        if arr is None:
+            arr = _wire_array(v)[0]  # (raises the TypeError of a column that cannot travel)
+        if not arr.flags.c_contiguous:
+            return None
+        out.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    return out
 
 
 class FrameTemplate:
@@ -98,7 +127,7 @@ class FrameTemplate:
         spec = plan.shard
         rows = len(batch)
         real = _column_bytes(batch)
-        if not rows or not all(real):
+        if real is None or not rows or not all(real):
             return None
         cuts = []
         for data in real:
@@ -115,6 +144,8 @@ class FrameTemplate:
         if fake_frames is None:
             return None
         fake_bytes = _column_bytes(noise)
+        if fake_bytes is None:
+            return None
         ranks = {}
         for r, (frame, refs, top) in frames.items():
             fake, fake_refs, fake_top = fake_frames[r]
@@ -145,10 +176,12 @@ class FrameTemplate:
             return None
         return template
 
-    def frames(self, batch: Batch) -> Frames:
-        """The frames of a call of this shape with ``batch`` as its argument (a TypeError for a column that cannot
-        travel)."""
+    def frames(self, batch: Batch) -> Frames | None:
+        """The frames of a call of this shape with ``batch`` as its argument; None when a column is not contiguous
+        (``_column_bytes``), a TypeError for one that cannot travel."""
         data = _column_bytes(batch)
+        if data is None:
+            return None
         cuts = self.cuts
         out: Frames = {}
         for r, (d, order, pieces) in self.ranks.items():
@@ -189,9 +222,10 @@ class Templates:
             return shape, None
         try:
             frames = seen.template.frames(_batch_of(plan))
-        except TypeError:  # the usual path raises the DispatchError that names the column
+        except TypeError:  # a column that cannot travel: the usual path raises the DispatchError that names it
             return shape, None
-        self.used += 1
+        if frames is not None:
+            self.used += 1
         return shape, frames
 
     def saw(self, role: str, shape: tuple | None, plan: Plan, frames: Frames | None,

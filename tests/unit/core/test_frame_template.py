@@ -4,16 +4,19 @@ anything but its column bytes is made as usual. Ray-free: the frames are what ``
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+from ray import cloudpickle
 
 from orchestra import Batch
 from orchestra import _frame
 from orchestra import dispatch as D
 from orchestra._invocation import _describe_batches, _frame_of, _per_rank_calls, _with_refs
-from orchestra._template import FrameTemplate, Templates, shape_of
+from orchestra._batch import SMALL_COLUMN_BYTES
+from orchestra._template import MAX_COLUMNS, FrameTemplate, Templates, shape_of
 from orchestra._wire import STORE_KWARG
 from orchestra.dispatch import Plan
 
@@ -62,7 +65,6 @@ def _cases() -> dict[str, tuple[Batch, dict]]:
         "bool": (Batch.from_dict({"m": torch.rand(64) > 0.5}), {}),
         "several columns": (Batch.from_dict({"a": torch.arange(n), "b": torch.randn(n, 2).half(),
                                              "c": torch.randint(0, 9, (n, 8), dtype=torch.int8)}), {}),
-        "transposed column": (Batch.from_dict({"x": torch.randn(4, n).t()}), {}),
         "conjugate column": (Batch.from_dict({"x": cplx.conj()}), {}),
         "requires grad": (Batch.from_dict({"x": grad}), {}),
         "pad, rows divisible": (Batch.from_dict({"x": torch.arange(n)}), {"dispatch": D.shard(pad=True)}),
@@ -96,17 +98,59 @@ def test_a_template_makes_the_frames_pickling_would_for_new_column_bytes(case):
                 assert shard[k].contiguous().view(torch.uint8).equal(want.contiguous().view(torch.uint8)), (r, k)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "every other element", "expanded", "every other column",
+                                    "bool bytes not 0 or 1, rows padded"])
+def test_a_column_that_is_not_contiguous_is_pickled_as_usual(layout):
+    """Each shard of such a column is copied on its own (and torch's copy rewrites bool bytes that are not 0 or 1):
+    the template, which reads the whole column once, leaves it to the usual path."""
+    n = 16
+    if layout == "transposed":
+        col = torch.randn(3, n).t()
+    elif layout == "every other element":
+        col = torch.randn(n, 2)[:, 0]
+    elif layout == "expanded":
+        col = torch.randn(1).expand(n)
+    elif layout == "every other column":
+        col = torch.randn(n, 6)[:, ::2]
+    else:
+        col = torch.randint(0, 256, (n, 24), dtype=torch.uint8).view(torch.bool)[:, :16]
+    t = Templates()
+    dense = Batch.from_dict({"x": col.contiguous()})
+    for _ in range(2):
+        plan = _plan(dense)
+        shape, frames = t.frames("role", plan, READERS)
+        t.saw("role", shape, plan, _usual(plan), _usual)
+    assert t.frames("role", _plan(dense), READERS)[1] is not None
+    plan = _plan(Batch.from_dict({"x": col}))
+    shape, frames = t.frames("role", plan, READERS)
+    assert shape is not None and frames is None and t.used == 1
+    assert _usual(plan)  # which sends it
+
+
 def test_no_template_when_a_ranks_column_bytes_are_too_short_to_find():
     plan = _plan(Batch.from_dict({"x": torch.arange(4, dtype=torch.int8)}))  # one byte per rank
     assert _learnt(plan) is None
 
 
 @pytest.mark.parametrize("why", ["meta", "non-tensor column", "padding rows of its own", "another argument",
-                                 "a broadcast", "a per-rank plan", "pad() adds rows"])
+                                 "a broadcast", "a per-rank plan", "pad() adds rows", "a shard column out of band",
+                                 "a module pickled by value", "too many columns"])
 def test_calls_a_template_cannot_make_have_no_shape(why):
     b = Batch.from_dict({"x": torch.arange(8)})
     plan = _plan(b)
-    if why == "meta":
+    if why == "a shard column out of band":  # a numpy array in the frame: a serializer registered for it applies
+        plan = _plan(Batch.from_dict({"x": torch.zeros(2, SMALL_COLUMN_BYTES // 4 + 1)}), n=2)
+    elif why == "a module pickled by value":  # cloudpickle would write its globals into the frame
+        cloudpickle.register_pickle_by_value(json)
+        try:
+            assert shape_of(plan, READERS, _frame.reductions()) is None
+        finally:
+            cloudpickle.unregister_pickle_by_value(json)
+        assert shape_of(plan, READERS, _frame.reductions()) is not None
+        return
+    elif why == "too many columns":
+        plan = _plan(Batch.from_dict({f"c{i}": torch.arange(8) for i in range(MAX_COLUMNS + 1)}))
+    elif why == "meta":
         plan = _plan(Batch.from_dict({"x": torch.arange(8)}, meta={"step": 1}))
     elif why == "non-tensor column":
         plan = _plan(Batch.from_dict({"x": torch.arange(8), "s": [str(i) for i in range(8)]}))
