@@ -90,6 +90,9 @@ def _column_bytes(b: Batch) -> list[memoryview] | None:
     that cannot travel."""
     out = []
     for v in b._td.values():
+        if type(v) is not torch.Tensor or v.layout is not torch.strided:  # (a sparse CSR one has no is_contiguous)
+            _wire_array(v)  # raises the TypeError of a column that cannot travel
+            return None  # a subclass that may: as usual
         if not v.is_contiguous():
             return None
         try:  # the common column at once: numpy() refuses every one _wire_array must convert first (a dtype numpy
