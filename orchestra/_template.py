@@ -23,6 +23,7 @@ cannot travel (its error comes from there). Only one concrete Batch argument of 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable
@@ -42,6 +43,7 @@ __all__ = ["FrameTemplate", "Templates", "shape_of"]
 log = logging.getLogger("orchestra")
 
 MIN_PIECE_BYTES = 8  # a rank's column bytes are found in its frame only when at least this long (else no template)
+_string_at = ctypes.string_at  # the bytes at an address: a contiguous CPU column's memory
 MAX_COLUMNS = 64  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
 
 Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out of it, refs as arguments): _encode's
@@ -95,13 +97,12 @@ def _column_bytes(b: Batch) -> list[memoryview] | None:
             return None  # a subclass that may: as usual
         if not v.is_contiguous():
             return None
-        try:  # the common column at once: numpy() refuses every one _wire_array must convert first (a dtype numpy
-            # lacks, a gradient, a conjugate or negative bit, another device or layout)
-            arr = v.numpy() if type(v) is torch.Tensor else None
-        except (TypeError, RuntimeError):
-            arr = None
-        if arr is None:
-            arr = _wire_array(v)[0]  # (raises the TypeError of a column that cannot travel)
+        if v.device.type == "cpu" and not (v.is_conj() or v.is_neg() or v.is_quantized):
+            # its memory is what the wire carries (_wire_array's numpy view of it, of any dtype, with or without a
+            # gradient), read in one copy: numpy() costs ~3x as much on a controller whose caches its ranks keep cold
+            out.append(memoryview(_string_at(v.data_ptr(), v.numel() * v.element_size())))
+            continue
+        arr = _wire_array(v)[0]  # converted first (another device, a conjugate or negative bit) or refused
         if not arr.flags.c_contiguous:
             return None
         out.append(memoryview(arr.reshape(-1).view(np.uint8)))

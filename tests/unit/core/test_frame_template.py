@@ -237,3 +237,22 @@ def test_no_template_when_the_frames_with_random_bytes_do_not_show_where_the_col
         frames = {r: (f[:-1] + bytes([f[-1] ^ 1]), refs, top) for r, (f, refs, top) in frames.items()}
         encode = _usual
     assert FrameTemplate.learn(shape, plan, frames, encode) is None
+
+
+def _every_dtype() -> list[torch.dtype]:
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    return sorted((d for d in dtypes if not str(d).startswith(("torch.q", "torch.quint"))), key=str)  # no quantized
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", _every_dtype(), ids=str)
+def test_a_column_of_every_dtype_is_written_as_pickling_would(dtype):
+    """A contiguous column's memory is read as it is: for every dtype (numpy's or not, sub-byte, float8, bits) the
+    frames are the ones pickling makes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    col = torch.randint(0, 256, (16, 2 * size), dtype=torch.uint8).view(dtype)
+    template = _learnt(_plan(Batch.from_dict({"x": col})))
+    assert template is not None
+    other = torch.randint(0, 256, (16, 2 * size), dtype=torch.uint8).view(dtype)
+    plan = _plan(Batch.from_dict({"x": other}))
+    assert template.frames(plan.args[0]) == _usual(plan)
