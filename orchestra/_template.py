@@ -23,7 +23,6 @@ cannot travel (its error comes from there). Only one concrete Batch argument of 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from . import _frame
-from ._batch import SMALL_COLUMN_BYTES, Batch, _wire_array, balanced_sizes
+from ._batch import SMALL_COLUMN_BYTES, Batch, _string_at, _wire_array, balanced_sizes
 from ._wire import Span
 from .dispatch import Plan
 
@@ -43,7 +42,6 @@ __all__ = ["FrameTemplate", "Templates", "shape_of"]
 log = logging.getLogger("orchestra")
 
 MIN_PIECE_BYTES = 8  # a rank's column bytes are found in its frame only when at least this long (else no template)
-_string_at = ctypes.string_at  # the bytes at an address: a contiguous CPU column's memory
 MAX_COLUMNS = 64  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
 
 Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out of it, refs as arguments): _encode's
