@@ -23,7 +23,7 @@ import io
 import pickle
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,12 @@ class NeedsRay(Exception):
 
 def _refuse(obj: Any) -> Any:
     raise NeedsRay(type(obj).__name__)
+
+
+def registered() -> Mapping[type, Any]:
+    """The reductions registered now, unmerged (``reductions()`` without the copy): a lookup of one type gives what
+    ``reductions()`` would hold for it."""
+    return cloudpickle.CloudPickler.dispatch_table
 
 
 def reductions() -> dict:

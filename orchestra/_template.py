@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,9 +47,9 @@ MAX_COLUMNS = 64  # learning searches each rank's frame once per column: a Batch
 Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out of it, refs as arguments): _encode's
 
 
-def shape_of(plan: Plan, readers: tuple[int, ...], base: dict) -> tuple | None:
+def shape_of(plan: Plan, readers: tuple[int, ...], base: Mapping[type, Any]) -> tuple | None:
     """What the frames of ``plan`` depend on besides its columns' bytes (``readers``: the reader sizes its ranks are
-    told; ``base``: the call's reductions), or None when no template can make them: the call must be a shard call
+    told; ``base``: the reductions registered now, ``_frame.reductions()`` or ``_frame.registered()``), or None when no template can make them: the call must be a shard call
     whose one argument is a concrete Batch of at most ``MAX_COLUMNS`` flat tensor columns, each shard's column
     inside the pickle (``SMALL_COLUMN_BYTES``: a larger one is a numpy array there, whose reductions a serializer
     could change), without non-tensor columns, meta or padding; and no module may be pickled by value (cloudpickle
@@ -216,7 +216,7 @@ class Templates:
     def frames(self, role: str, plan: Plan, readers: tuple[int, ...]) -> tuple[tuple | None, Frames | None]:
         """(the call's shape, its frames made from its endpoint's template), the frames None when no template of
         this shape is known; a column that cannot travel leaves them to the usual path, which says why."""
-        shape = shape_of(plan, readers, _frame.reductions())
+        shape = shape_of(plan, readers, _frame.registered())
         if shape is None:
             return None, None
         seen = self._by_endpoint.get((role, plan.endpoint))

@@ -256,3 +256,22 @@ def test_a_column_of_every_dtype_is_written_as_pickling_would(dtype):
     other = torch.randint(0, 256, (16, 2 * size), dtype=torch.uint8).view(dtype)
     plan = _plan(Batch.from_dict({"x": other}))
     assert template.frames(plan.args[0]) == _usual(plan)
+
+
+def test_a_serializer_registered_for_batch_after_a_template_is_used_from_the_next_call_on():
+    """What ``ray.util.register_serializer`` does (``CloudPickler.dispatch[cls] = reducer``) changes the shape: the
+    next call is pickled as usual, with the new reduction."""
+    t = Templates()
+    b = Batch.from_dict({"x": torch.arange(16)})
+    for _ in range(2):
+        plan = _plan(b)
+        shape, frames = t.frames("role", plan, READERS)
+        t.saw("role", shape, plan, _usual(plan), _usual)
+    assert t.frames("role", _plan(b), READERS)[1] is not None
+    cloudpickle.CloudPickler.dispatch[Batch] = lambda v: (Batch.from_dict, ({"x": v["x"]},))
+    try:
+        shape, frames = t.frames("role", _plan(b), READERS)
+        assert shape is not None and frames is None
+    finally:
+        cloudpickle.CloudPickler.dispatch.pop(Batch, None)
+    assert t.frames("role", _plan(b), READERS)[1] is not None
