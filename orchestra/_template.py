@@ -49,11 +49,11 @@ Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out
 
 def shape_of(plan: Plan, readers: tuple[int, ...], base: Mapping[type, Any]) -> tuple | None:
     """What the frames of ``plan`` depend on besides its columns' bytes (``readers``: the reader sizes its ranks are
-    told; ``base``: the reductions registered now, ``_frame.reductions()`` or ``_frame.registered()``), or None when no template can make them: the call must be a shard call
-    whose one argument is a concrete Batch of at most ``MAX_COLUMNS`` flat tensor columns, each shard's column
-    inside the pickle (``SMALL_COLUMN_BYTES``: a larger one is a numpy array there, whose reductions a serializer
-    could change), without non-tensor columns, meta or padding; and no module may be pickled by value (cloudpickle
-    would write the module's globals into the frame)."""
+    told; ``base``: the reductions registered now, ``_frame.reductions()`` or ``_frame.registered()``), or None
+    when no template can make them: the call must be a shard call whose one argument is a concrete Batch of at most
+    ``MAX_COLUMNS`` flat tensor columns, each shard's column inside the pickle (``SMALL_COLUMN_BYTES``: a larger one
+    is a numpy array there, whose reductions a serializer could change), without non-tensor columns, meta or
+    padding; and no module may be pickled by value (cloudpickle would write the module's globals into the frame)."""
     spec = plan.shard
     if spec is None or plan.per_rank or len(plan.args) + len(plan.kwargs) != 1:
         return None
@@ -107,6 +107,11 @@ def _column_bytes(b: Batch) -> list[memoryview] | None:
     return out
 
 
+def _random_bytes(n: int) -> torch.Tensor:
+    """``n`` random bytes as a uint8 tensor: a column's bytes no frame holds by chance."""
+    return torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8)
+
+
 class FrameTemplate:
     """The frames of one call shape, with the places of each rank's column bytes cut out (see the module
     docstring). ``frames(batch)`` writes a Batch's column bytes into them."""
@@ -139,7 +144,7 @@ class FrameTemplate:
                 spans.append((at * width, (at + n) * width))
                 at += n
             cuts.append(spans)
-        noise = Batch({k: torch.frombuffer(bytearray(os.urandom(len(d))), dtype=torch.uint8).view(v.dtype).view(v.shape)
+        noise = Batch({k: _random_bytes(len(d)).view(v.dtype).view(v.shape)
                        for (k, v), d in zip(batch._td.items(), real)})
         fake_frames = encode(plan.with_(args=(noise,) if plan.args else (),
                                         kwargs={k: noise for k in plan.kwargs}))
