@@ -163,7 +163,8 @@ def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Te
     dtype = _dtype(name)
     if not data:  # (frombuffer refuses an empty buffer)
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    t = torch.frombuffer(bytearray(data), dtype=dtype)
+    return t if len(shape) == 1 and len(t) == shape[0] else t.view(shape)  # (a row of one element: as it is)
 
 
 _READ_ONLY_SPENT = False  # torch's one read-only warning of this process was spent by a conversion here, silenced
