@@ -91,19 +91,37 @@ SMALL_COLUMN_BYTES = 16 << 10
 _DTYPES: dict[str, torch.dtype] = {}  # a wire dtype name -> the torch dtype
 
 
-_string_at = ctypes.string_at  # the bytes at an address: a contiguous CPU column's memory
+_string_at = ctypes.string_at  # the bytes at an address (its size a C int: reads stay far below 2 GiB here)
+
+
+def _memory_of(t: torch.Tensor, limit: int) -> bytes | None:
+    """The bytes of ``t``'s elements read from its memory in one copy, when that is what the wire carries (the bytes
+    ``_wire_array``'s numpy view gives, of any dtype) and they are at most ``limit``; else None. Only a plain,
+    contiguous CPU tensor without a conjugate or negative bit, not quantized, whose elements lie in its storage: not
+    a ZeroTensor (no memory), nor one whose storage was freed or shrunk (those take ``_wire_array``'s path, as
+    before). Cheaper than ``numpy()``, which costs ~3x as much on a process whose caches other processes keep cold."""
+    if not (type(t) is torch.Tensor and t.layout is torch.strided and t.device.type == "cpu" and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg() or t.is_quantized)):
+        return None
+    size = t.element_size()
+    nbytes = t.numel() * size
+    if nbytes > limit:
+        return None
+    if not nbytes:
+        return b""
+    at = t.data_ptr()
+    if not at or t.storage_offset() * size + nbytes > t.untyped_storage().nbytes():
+        return None
+    return _string_at(at, nbytes)
 
 
 def _tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None] | tuple[bytes, str, tuple[int, ...]]:
     """A small column as (its bytes, its dtype's name, its shape); a larger one as a numpy view of ``t`` (zero-copy
     through Ray's object store) plus the dtype to restore, if numpy lacks it. A tensor that cannot travel
     (``_cannot_travel``) raises TypeError saying why."""
-    if (type(t) is torch.Tensor and t.layout is torch.strided and t.device.type == "cpu" and t.is_contiguous()
-            and not (t.is_conj() or t.is_neg() or t.is_quantized)):
-        nbytes = t.numel() * t.element_size()
-        if nbytes <= SMALL_COLUMN_BYTES:  # its memory is the bytes _wire_array's numpy view would give, of any dtype:
-            # read in one copy (numpy() costs ~3x as much on a process whose caches other processes keep cold)
-            return (_string_at(t.data_ptr(), nbytes) if nbytes else b""), _dtype_name(t.dtype), tuple(t.shape)
+    data = _memory_of(t, SMALL_COLUMN_BYTES)
+    if data is not None:
+        return data, _dtype_name(t.dtype), tuple(t.shape)
     arr, viewed = _wire_array(t)
     if arr.nbytes <= SMALL_COLUMN_BYTES:
         return arr.tobytes(), _dtype_name(t.dtype), arr.shape
@@ -162,6 +180,8 @@ def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Te
     """A small column (``_tensor_to_wire``) as a tensor of its own: a writable copy of ``data``."""
     dtype = _dtype(name)
     if not data:  # (frombuffer refuses an empty buffer)
+        if math.prod(shape):  # a frame cut short: never uninitialised memory in its place
+            raise ValueError(f"a Batch column on the wire holds no bytes for its shape {tuple(shape)}")
         return torch.empty(shape, dtype=dtype)
     t = torch.frombuffer(bytearray(data), dtype=dtype)
     return t if len(shape) == 1 and len(t) == shape[0] else t.view(shape)  # (a row of one element: as it is)

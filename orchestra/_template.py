@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from . import _frame
-from ._batch import SMALL_COLUMN_BYTES, Batch, _string_at, _wire_array, balanced_sizes
+from ._batch import SMALL_COLUMN_BYTES, Batch, _memory_of, _wire_array, balanced_sizes
 from ._wire import Span
 from .dispatch import Plan
 
@@ -42,7 +42,8 @@ __all__ = ["FrameTemplate", "Templates", "shape_of"]
 log = logging.getLogger("orchestra")
 
 MIN_PIECE_BYTES = 8  # a rank's column bytes are found in its frame only when at least this long (else no template)
-MAX_COLUMNS = 64  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
+MAX_COLUMNS = 64
+MAX_COLUMN_READ = 1 << 30  # a column read from memory at once is at most this (send-now batches are far smaller)  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
 
 Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out of it, refs as arguments): _encode's
 
@@ -95,12 +96,11 @@ def _column_bytes(b: Batch) -> list[memoryview] | None:
             return None  # a subclass that may: as usual
         if not v.is_contiguous():
             return None
-        if v.device.type == "cpu" and not (v.is_conj() or v.is_neg() or v.is_quantized):
-            # its memory is what the wire carries (_wire_array's numpy view of it, of any dtype, with or without a
-            # gradient), read in one copy: numpy() costs ~3x as much on a controller whose caches its ranks keep cold
-            out.append(memoryview(_string_at(v.data_ptr(), v.numel() * v.element_size())))
+        data = _memory_of(v, MAX_COLUMN_READ)  # (numpy() costs ~3x as much on a controller its ranks keep cold)
+        if data is not None:
+            out.append(memoryview(data))
             continue
-        arr = _wire_array(v)[0]  # converted first (another device, a conjugate or negative bit) or refused
+        arr = _wire_array(v)[0]  # converted first (another device, a conjugate or negative bit), or refused
         if not arr.flags.c_contiguous:
             return None
         out.append(memoryview(arr.reshape(-1).view(np.uint8)))
@@ -229,7 +229,8 @@ class Templates:
             return shape, None
         try:
             frames = seen.template.frames(_batch_of(plan))
-        except TypeError:  # a column that cannot travel: the usual path raises the DispatchError that names it
+        except (TypeError, ValueError, RuntimeError):  # a column that cannot travel (or torch refuses to read, a
+            # ZeroTensor's numpy()): the usual path raises the error that names it
             return shape, None
         if frames is not None:
             self.used += 1

@@ -752,3 +752,32 @@ def test_a_column_the_wire_cannot_carry_is_named_with_what_to_pass_instead(colum
     assert torch.equal(pickle.loads(pickle.dumps(Batch.from_dict({"p": p})))["p"], p.detach())
     tagged = pickle.loads(pickle.dumps(Batch.from_dict({"t": torch.ones(2, 3).as_subclass(_Tagged)})))["t"]
     assert type(tagged) is torch.Tensor and torch.equal(tagged, torch.ones(2, 3))  # as before: a plain tensor
+
+
+@pytest.mark.parametrize("kind", ["storage offset", "shares its storage", "a gradient"])
+def test_a_small_column_read_from_its_memory_is_its_own_elements(kind):
+    """A small contiguous CPU column travels as its memory read in one copy: from its own offset in a shared storage,
+    whatever else the storage holds."""
+    whole = torch.arange(64, dtype=torch.float32)
+    col = {"storage offset": whole[8:24], "shares its storage": whole.view(16, 4)[5],
+           "a gradient": (whole[:16] * 1.0).requires_grad_()}[kind]
+    back = pickle.loads(pickle.dumps(Batch.from_dict({"x": col.reshape(-1, 1)})))["x"]
+    assert torch.equal(back.view(-1), col.detach())
+    back[0, 0] = -1.0  # its own memory
+    assert col[0] != -1.0
+
+
+def test_a_zero_tensor_column_is_refused_not_sent_as_whatever_memory_it_points_at():
+    """A ZeroTensor (autograd's) has no memory (its data pointer is 0): it never travels as bytes read from there
+    (reading address 0 gave the process's heap bytes); numpy() refuses it, as before."""
+    zeros = torch._efficientzerotensor(6, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="ZeroTensor"):
+        pickle.dumps(Batch.from_dict({"x": zeros}))
+
+
+def test_a_small_column_with_no_bytes_for_its_shape_is_refused_not_made_of_uninitialised_memory():
+    from orchestra._batch import _small_from_wire
+
+    with pytest.raises(ValueError, match="no bytes"):
+        _small_from_wire(b"", "float32", (4,))
+    assert _small_from_wire(b"", "float32", (0, 3)).shape == (0, 3)
