@@ -105,7 +105,6 @@ class _Shared:
         self.processes: list[dict] = []  # each rank's process (``Host.process``), known before its set-up ran
         self._close_lock = threading.Lock()  # finish_close runs once at a time: a second close waits for the first
         self._unkilled: list[Any] = []  # the actor handles a close took, still to kill (``finish_close``)
-        self._close_pending = False  # closed, and finish_close has yet to run to its end
         self.meshes: dict[tuple[str, str], list[MeshInfo]] = {}
         self._start: asyncio.Task | None = None
         self._ready = False
@@ -134,7 +133,8 @@ class _Shared:
         self.fast_calls = 0  # calls sent over a channel, all channels together
         self.templates = _template.Templates()  # each endpoint's frames of its last call shape (orchestra._template)
         # this group's one reference on the pool, given back exactly once (finish_close, from any thread): another
-        # group on the same pool keeps it whatever sequence of close/aclose/shutdown/failed start happens here
+        # group on the same pool keeps it whatever sequence of close/aclose/shutdown/failed start happens here.
+        # The lock guards it and the handles a close took (``_unkilled``)
         self._pool_ref_lock = threading.Lock()
         self._holds_pool_ref = True
         self._pool_era = pool.acquire()
@@ -482,7 +482,6 @@ class _Shared:
             c.close(err)
         with self._pool_ref_lock:
             self._unkilled, self.hosts = self.hosts, []
-            self._close_pending = True
 
     def end(self, why: str = "shutdown() was called") -> Callable[[], None] | None:
         """Close the group; return the blocking rest of the close (``finish_close``), to run off the event loop, or
@@ -490,18 +489,16 @@ class _Shared:
         does the work, the others wait for it (a second close had returned at once, or ran its thread before the
         first's, killing nothing and giving the pool back while the ranks still ran)."""
         self.close(why)
-        return self.finish_close if self._close_pending else None
-
-    def holds_pool_ref(self) -> bool:
-        """Whether this group has yet to give its reference on the pool back (``finish_close``)."""
-        return self._holds_pool_ref
+        # left to do: ranks to kill or the pool to give back, or a finish_close under way (which ends by doing so)
+        left = self._unkilled or self._holds_pool_ref or self._close_lock.locked()
+        return self.finish_close if left else None
 
     def forget_pool(self) -> None:
         """The cluster this group ran on is gone (``orc.shutdown()``): its ranks and its pool's reservations ended
         with it, so closing later has nothing to give back (and must not call Ray, which would start a cluster)."""
         with self._pool_ref_lock:
             self._holds_pool_ref = False
-            self._unkilled, self._close_pending = [], False
+            self._unkilled = []
         self.pool.forget()
 
     def finish_close(self) -> None:
@@ -513,10 +510,7 @@ class _Shared:
         with self._close_lock:
             with self._pool_ref_lock:
                 hosts, self._unkilled = self._unkilled, []
-            try:
-                self._kill_and_release(hosts)
-            finally:
-                self._close_pending = False
+            self._kill_and_release(hosts)
 
     def _kill_and_release(self, hosts: list[Any]) -> None:
         """``finish_close``'s work: kill, wait for the processes, give the pool reference back."""
