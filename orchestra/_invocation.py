@@ -352,10 +352,9 @@ class Invocation:
             self._send(plan, None, None, frames)
             return
         calls = _per_rank_calls(plan, _describe_batches(plan), readers)
-        frames = self._encode(plan, calls)
+        frames = _encode(plan, calls)
         self._send(plan, calls, None, frames)
-        templates.saw(role, shape, plan, frames,
-                      lambda p: self._encode(p, _per_rank_calls(p, _describe_batches(p), readers)))
+        templates.saw(role, shape, plan, frames, lambda p: _frames_of(p, readers))
 
     def _send(self, plan: Plan, calls: dict[int, tuple[tuple, dict, list]] | None, tg: Any,
               encoded: dict[int, tuple[bytes | None, list, tuple]] | None = None) -> None:
@@ -367,7 +366,7 @@ class Invocation:
         collectors = set(plan.shard.collectors if plan.shard is not None else
                          plan.collectors if plan.collectors is not None else plan.ranks)
         if encoded is None:
-            encoded = self._encode(plan, calls)
+            encoded = _encode(plan, calls)
         qualifies = (encoded is not None and not self.spec.streaming
                      and not any(refs or top for _, refs, top in encoded.values())
                      and self.shared.may_use_fast_path())
@@ -413,42 +412,6 @@ class Invocation:
         carried = [r for _, refs, top in encoded.values() for r in (*refs, *top)]
         own = {r for u in self.upstreams if u.shared is self.shared for s in u.slots for r in s.refs}
         return bool(carried) and all(r in own for r in carried)
-
-    def _encode(self, plan: Plan,
-                calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[bytes | None, list, tuple]] | None:
-        """Every rank's (frame, the ObjectRefs lifted out of it, the refs given as arguments themselves, which Ray
-        resolves to values before the call), pickled before any rank is sent anything: this is the call's
-        serialization check (ranks given the same arguments share one pickle). None when the call takes
-        Ray's per-argument path (in-process ranks, or a frame over ``FRAME_BYTES``), after ``_preflight`` checked
-        it. A value that cannot be pickled raises ``_preflight``'s DispatchError, naming rank, argument and column."""
-        if not plan.group.pool.backend.own_process:
-            _preflight(plan, calls)
-            return None
-        out: dict[int, tuple[bytes | None, list, tuple]] = {}
-        done: dict[tuple, tuple[bytes, list, tuple]] = {}
-        kept = []  # the argument objects stay alive while their ids key ``done``
-        base: dict | None = None  # the reductions, read once for every rank of the call
-        try:
-            for r, (args, kwargs, refs) in calls.items():
-                a, kw = _with_refs(args, kwargs, refs)
-                if not a and not kw:  # nothing to pickle: the Ray call carries no argument at all
-                    out[r] = (None, [], ())
-                    continue
-                kept.append((a, kw))
-                key = (tuple(map(id, a)), tuple((k, id(v)) for k, v in kw.items()))
-                enc = done.get(key)
-                if enc is None:
-                    if base is None:
-                        base = _frame.reductions()
-                    enc = done[key] = _frame_of(a, kw, base)
-                out[r] = enc
-        except _frame.NeedsRay:  # too large for a frame: Ray serializes it argument by argument
-            _preflight(plan, calls)
-            return None
-        except Exception:
-            _preflight(plan, calls)  # names the rank, argument and column
-            raise
-        return out
 
     async def _describe_all(self, plan: Plan) -> dict[int, Any]:
         """Descriptors of every data argument (awaiting upstream submissions, never their payloads); large
@@ -646,7 +609,7 @@ class Invocation:
                             calls[r] = (args, kwargs, refs)
                         if self._written is not None:
                             self._written.check(self.where())
-                        encoded = self._encode(plan, calls)
+                        encoded = _encode(plan, calls)
                         self.shared.before_ray_compute()
                         for r in calls:
                             a, kw = _ray_args(encoded, calls, r)
@@ -1370,6 +1333,49 @@ def _frame_of(args: tuple, kwargs: dict, base: dict | None = None) -> tuple[byte
     blob, nested = _frame.dumps_call((tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}),
                                      base=base)
     return blob, nested, tuple(top)
+
+
+def _encode(plan: Plan,
+            calls: dict[int, tuple[tuple, dict, list]]) -> dict[int, tuple[bytes | None, list, tuple]] | None:
+    """Every rank's (frame, the ObjectRefs lifted out of it, the refs given as arguments themselves, which Ray
+    resolves to values before the call), pickled before any rank is sent anything: this is the call's
+    serialization check (ranks given the same arguments share one pickle). None when the call takes
+    Ray's per-argument path (in-process ranks, or a frame over ``FRAME_BYTES``), after ``_preflight`` checked
+    it. A value that cannot be pickled raises ``_preflight``'s DispatchError, naming rank, argument and column."""
+    if not plan.group.pool.backend.own_process:
+        _preflight(plan, calls)
+        return None
+    out: dict[int, tuple[bytes | None, list, tuple]] = {}
+    done: dict[tuple, tuple[bytes, list, tuple]] = {}
+    kept = []  # the argument objects stay alive while their ids key ``done``
+    base: dict | None = None  # the reductions, read once for every rank of the call
+    try:
+        for r, (args, kwargs, refs) in calls.items():
+            a, kw = _with_refs(args, kwargs, refs)
+            if not a and not kw:  # nothing to pickle: the Ray call carries no argument at all
+                out[r] = (None, [], ())
+                continue
+            kept.append((a, kw))
+            key = (tuple(map(id, a)), tuple((k, id(v)) for k, v in kw.items()))
+            enc = done.get(key)
+            if enc is None:
+                if base is None:
+                    base = _frame.reductions()
+                enc = done[key] = _frame_of(a, kw, base)
+            out[r] = enc
+    except _frame.NeedsRay:  # too large for a frame: Ray serializes it argument by argument
+        _preflight(plan, calls)
+        return None
+    except Exception:
+        _preflight(plan, calls)  # names the rank, argument and column
+        raise
+    return out
+
+
+def _frames_of(plan: Plan, readers: tuple[int, ...]) -> dict[int, tuple[bytes | None, list, tuple]] | None:
+    """The frames of a call whose arguments are all here and small (``_send_now``): its shards described, each
+    rank's arguments built and pickled (``_encode``); ``readers``: the call's ``_readers``."""
+    return _encode(plan, _per_rank_calls(plan, _describe_batches(plan), readers))
 
 
 def _ray_args(encoded: dict[int, tuple[bytes | None, list, tuple]] | None, calls: dict[int, tuple[tuple, dict, list]],

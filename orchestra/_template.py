@@ -101,9 +101,7 @@ def _column_bytes(b: Batch) -> list[memoryview] | None:
             out.append(memoryview(data))
             continue
         arr = _wire_array(v)[0]  # converted first (another device, a conjugate or negative bit), or refused
-        if not arr.flags.c_contiguous:
-            return None
-        out.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        out.append(memoryview(arr.reshape(-1).view(np.uint8)))  # (contiguous: reshape is a view)
     return out
 
 
@@ -116,18 +114,16 @@ class FrameTemplate:
     """The frames of one call shape, with the places of each rank's column bytes cut out (see the module
     docstring). ``frames(batch)`` writes a Batch's column bytes into them."""
 
-    __slots__ = ("shape", "cuts", "ranks")
+    __slots__ = ("cuts", "ranks")
 
-    def __init__(self, shape: tuple, cuts: list[list[tuple[int, int]]],
+    def __init__(self, cuts: list[list[tuple[int, int]]],
                  ranks: dict[int, tuple[int, tuple[int, ...], tuple[bytes, ...]]]) -> None:
-        self.shape = shape
         self.cuts = cuts  # per column, per DP piece: its (start, stop) in the column's bytes
         self.ranks = ranks  # per rank: its DP piece, the columns in the order the frame holds them, the pieces between
 
     @classmethod
-    def learn(cls, shape: tuple, plan: Plan, frames: Frames,
-              encode: Callable[[Plan], Frames | None]) -> FrameTemplate | None:
-        """The template of ``plan``'s shape, from its ``frames`` (made the usual way) and those ``encode`` makes of
+    def learn(cls, plan: Plan, frames: Frames, encode: Callable[[Plan], Frames | None]) -> FrameTemplate | None:
+        """The template of ``plan``'s shape (``shape_of``), from its ``frames`` (made the usual way) and those ``encode`` makes of
         the same call with random column bytes; None when they do not show where every rank's column bytes lie
         (a piece shorter than ``MIN_PIECE_BYTES``, found more than once, or a frame it does not give back)."""
         batch = _batch_of(plan)
@@ -178,7 +174,7 @@ class FrameTemplate:
                 end = at + n
             pieces.append(fake[end:])
             ranks[r] = (d, tuple(j for _, _, j in found), tuple(pieces))
-        template = cls(shape, cuts, ranks)
+        template = cls(cuts, ranks)
         if template.frames(batch) != frames:  # the call's own bytes must give back its own frames
             return None
         return template
@@ -229,8 +225,9 @@ class Templates:
             return shape, None
         try:
             frames = seen.template.frames(_batch_of(plan))
-        except (TypeError, ValueError, RuntimeError):  # a column that cannot travel (or torch refuses to read, a
-            # ZeroTensor's numpy()): the usual path raises the error that names it
+        except (TypeError, ValueError, RuntimeError) as e:  # a column that cannot travel (or torch refuses to read,
+            # a ZeroTensor's numpy()): the usual path raises the error that names it
+            log.debug("%s: this call's frames are made as usual (%r)", plan.where(), e)
             return shape, None
         if frames is not None:
             self.used += 1
@@ -251,7 +248,7 @@ class Templates:
             return
         seen.learnt = True
         try:
-            seen.template = FrameTemplate.learn(shape, plan, frames, encode)
+            seen.template = FrameTemplate.learn(plan, frames, encode)
         except Exception as e:  # noqa: BLE001 - the call was sent: without a template its shape is made as usual
             log.debug("%s: no frame template for its calls of this shape (%r)", plan.where(), e)
         if seen.template is None:

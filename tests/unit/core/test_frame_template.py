@@ -14,7 +14,7 @@ from ray import cloudpickle
 from orchestra import Batch
 from orchestra import _frame
 from orchestra import dispatch as D
-from orchestra._invocation import _describe_batches, _frame_of, _per_rank_calls, _with_refs
+from orchestra._invocation import _frames_of
 from orchestra._batch import SMALL_COLUMN_BYTES
 from orchestra._template import MAX_COLUMNS, FrameTemplate, Templates, shape_of
 from orchestra._wire import STORE_KWARG
@@ -25,7 +25,7 @@ READERS = (4,)
 
 def _plan(batch: Batch | None = None, n: int = 4, dispatch: D.Dispatch | None = None, key: str | None = None,
           **extra) -> Plan:
-    group = SimpleNamespace(name="g")
+    group = SimpleNamespace(name="g", pool=SimpleNamespace(backend=SimpleNamespace(own_process=True)))  # Ray's
     args, kwargs = ((), {key: batch}) if key else ((batch,), {})
     kwargs.update(extra)
     plan = Plan(group=group, endpoint="step", world_size=n, ranks=tuple(range(n)), args=args, kwargs=kwargs)
@@ -33,16 +33,13 @@ def _plan(batch: Batch | None = None, n: int = 4, dispatch: D.Dispatch | None = 
 
 
 def _usual(plan: Plan, readers: tuple[int, ...] = READERS) -> dict:
-    """Each rank's frame as the usual send path pickles it (``Invocation._send_now`` without a template)."""
-    base = _frame.reductions()
-    calls = _per_rank_calls(plan, _describe_batches(plan), readers)
-    return {r: _frame_of(*_with_refs(a, kw, refs), base) for r, (a, kw, refs) in calls.items()}
+    """Each rank's frame as the usual send path makes it (``Invocation._send_now`` without a template)."""
+    return _frames_of(plan, readers)
 
 
 def _learnt(plan: Plan) -> FrameTemplate | None:
-    shape = shape_of(plan, READERS, _frame.reductions())
-    assert shape is not None
-    return FrameTemplate.learn(shape, plan, _usual(plan), _usual)
+    assert shape_of(plan, READERS, _frame.reductions()) is not None
+    return FrameTemplate.learn(plan, _usual(plan), _usual)
 
 
 def _random_like(b: Batch, seed: int) -> Batch:
@@ -79,12 +76,13 @@ CASES = _cases()
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_template_makes_the_frames_pickling_would_for_new_column_bytes(case):
     batch, how = CASES[case]
-    template = _learnt(_plan(batch, **how))
+    learnt_on = _plan(batch, **how)
+    template = _learnt(learnt_on)
     assert template is not None
     for seed in range(3):
         other = _random_like(batch, seed)
         plan = _plan(other, **how)
-        assert shape_of(plan, READERS, _frame.reductions()) == template.shape
+        assert shape_of(plan, READERS, _frame.reductions()) == shape_of(learnt_on, READERS, _frame.reductions())
         made = template.frames(other)
         assert made == _usual(plan)  # byte for byte
         # and each rank reads its own rows of the new batch, bit-exact
@@ -228,7 +226,6 @@ def test_a_column_that_cannot_travel_is_left_to_the_usual_path_which_names_it(ki
 @pytest.mark.parametrize("noise", ["not in them", "in frames of another shape", "where the call's own bytes are not"])
 def test_no_template_when_the_frames_with_random_bytes_do_not_show_where_the_columns_go(noise):
     plan = _plan(Batch.from_dict({"x": torch.arange(16)}))
-    shape = shape_of(plan, READERS, _frame.reductions())
     frames = _usual(plan)
     if noise == "not in them":
         encode = lambda p: frames  # noqa: E731 - the call's own frames, not the noise's
@@ -237,7 +234,7 @@ def test_no_template_when_the_frames_with_random_bytes_do_not_show_where_the_col
     else:  # the noise is found, but the call's own frames are not the template with its bytes written in
         frames = {r: (f[:-1] + bytes([f[-1] ^ 1]), refs, top) for r, (f, refs, top) in frames.items()}
         encode = _usual
-    assert FrameTemplate.learn(shape, plan, frames, encode) is None
+    assert FrameTemplate.learn(plan, frames, encode) is None
 
 
 def _every_dtype() -> list[torch.dtype]:
