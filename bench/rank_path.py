@@ -18,7 +18,10 @@ The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs. The
 thread-CPU timer around each section of the path in every rank (``sections_us``, µs per call averaged over the
 ranks: ``run_frame`` is the whole path less the socket and the reply's outer pickle; the others are parts of it).
 And the controller's side: on a second group, made with a timer around each of its sections
-(``controller_sections_us``: the event-loop thread's CPU per call, ``thread_us``, and the sections' shares of it).
+(``controller_sections_us``: the event-loop thread's CPU per call, ``thread_us``, and the sections' shares of it;
+a repeated step's frames come from its frame template, ``template_frames``, of which ``column_read`` reads the
+batch's columns); then on a third, the same with every column read through ``numpy()`` instead of from its memory
+(``controller_sections_us_numpy_read``: the baseline of that read, in the same run).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 
 import orchestra as orc
-from orchestra import Batch, ResourcePool, WorkerGroup, _channel, _invocation
+from orchestra import Batch, ResourcePool, WorkerGroup, _batch, _channel, _invocation, _template
 from orchestra._host import Host
 
 from ._common import emit
@@ -170,7 +173,9 @@ def _take_timers(host: Host) -> dict[str, float]:
 _CONTROLLER_SECTIONS = (
     # (name, owner, attribute): the controller's side of a fast call, in its event-loop thread
     ("split_and_describe", _invocation, "_describe_batch"),  # a shard call's batch cut into parts, described
-    ("frames", _invocation.Invocation, "_encode"),  # every rank's frame pickled
+    ("frames", _invocation, "_encode"),  # every rank's frame pickled (these two: a call made without a template)
+    ("template_frames", _template.FrameTemplate, "frames"),  # every rank's frame written from its frame template
+    ("column_read", _template, "_column_bytes"),  # (part of template_frames) the batch's columns read as bytes
     ("socket_writes", _channel.Channel, "_write"),  # each rank's frame written to its socket
     ("replies", _channel._Conn, "_on_read"),  # each reply read, unpickled and handed to its call
     ("completions", _invocation.Invocation, "_check_done"),  # the call's bookkeeping as its ranks finish
@@ -204,8 +209,25 @@ class _ControllerTimers:
             setattr(owner, attr, fn)
 
 
-async def _controller_sections(ranks: int, calls: int) -> dict[str, dict[str, float]]:
-    """Per call, the event-loop thread's CPU and each section's (µs), on a group made with the timers in place."""
+def _no_memory_read(t: Any, limit: int) -> None:
+    """``_batch._memory_of`` that never reads a column's memory: every column goes through ``numpy()``, as before
+    2026-12-07 (the baseline of ``read_memory=False``)."""
+    return None
+
+
+async def _controller_sections(ranks: int, calls: int, read_memory: bool = True) -> dict[str, dict[str, float]]:
+    """Per call, the event-loop thread's CPU and each section's (µs), on a group made with the timers in place;
+    ``read_memory=False``: with columns read through ``numpy()`` instead of from their memory (``_no_memory_read``)."""
+    saved = _batch._memory_of, _template._memory_of
+    if not read_memory:
+        _batch._memory_of = _template._memory_of = _no_memory_read
+    try:
+        return await _timed_controller(ranks, calls)
+    finally:
+        _batch._memory_of, _template._memory_of = saved
+
+
+async def _timed_controller(ranks: int, calls: int) -> dict[str, dict[str, float]]:
     out = {}
     with _ControllerTimers() as acc:
         async with WorkerGroup(ResourcePool(process_on_nodes=[ranks], cpus_per_worker=0.01), Stepper,
@@ -274,8 +296,10 @@ async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, fl
                      "rank_process_us": round(statistics.median(process[name]), 1),
                      "serve_over_hot": round(s / hot, 2), "sections_us": sections[name]}
     controller = await _controller_sections(ranks, calls)
+    numpy_read = await _controller_sections(ranks, calls, read_memory=False)
     for name in cases:
         out[name]["controller_sections_us"] = controller[name]
+        out[name]["controller_sections_us_numpy_read"] = numpy_read[name]
     return out
 
 

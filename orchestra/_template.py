@@ -42,8 +42,8 @@ __all__ = ["FrameTemplate", "Templates", "shape_of"]
 log = logging.getLogger("orchestra")
 
 MIN_PIECE_BYTES = 8  # a rank's column bytes are found in its frame only when at least this long (else no template)
-MAX_COLUMNS = 64
-MAX_COLUMN_READ = 1 << 30  # a column read from memory at once is at most this (send-now batches are far smaller)  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
+MAX_COLUMNS = 64  # learning searches each rank's frame once per column: a Batch of more columns is pickled as usual
+MAX_COLUMN_READ = 1 << 30  # a column read from memory at once is at most this (send-now batches are far smaller)
 
 Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out of it, refs as arguments): _encode's
 
@@ -96,7 +96,7 @@ def _column_bytes(b: Batch) -> list[memoryview] | None:
             return None  # a subclass that may: as usual
         if not v.is_contiguous():
             return None
-        data = _memory_of(v, MAX_COLUMN_READ)  # (numpy() costs ~3x as much on a controller its ranks keep cold)
+        data = _memory_of(v, MAX_COLUMN_READ)  # (cheaper than numpy(): bench.rank_path)
         if data is not None:
             out.append(memoryview(data))
             continue
@@ -123,9 +123,10 @@ class FrameTemplate:
 
     @classmethod
     def learn(cls, plan: Plan, frames: Frames, encode: Callable[[Plan], Frames | None]) -> FrameTemplate | None:
-        """The template of ``plan``'s shape (``shape_of``), from its ``frames`` (made the usual way) and those ``encode`` makes of
-        the same call with random column bytes; None when they do not show where every rank's column bytes lie
-        (a piece shorter than ``MIN_PIECE_BYTES``, found more than once, or a frame it does not give back)."""
+        """The template of ``plan``'s shape (``shape_of``), from its ``frames`` (made the usual way) and those
+        ``encode`` makes of the same call with random column bytes; None when they do not show where every rank's
+        column bytes lie (a piece shorter than ``MIN_PIECE_BYTES``, found more than once, or a frame it does not give
+        back)."""
         batch = _batch_of(plan)
         spec = plan.shard
         rows = len(batch)
