@@ -69,6 +69,23 @@ def _cannot_travel(t: torch.Tensor) -> str | None:
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # what a subclass without __torch_dispatch__ of its own has
 
 
+def _storage_short(t: torch.Tensor) -> str | None:
+    """Why strided tensor ``t``'s elements cannot be read from its storage (None when they can): its storage was
+    freed or shrunk under it, or it views past the storage's end. torch lets such a tensor be read (it shows
+    whatever memory lies there, or crashes the process); the wire would send that memory as the column's values."""
+    n = t.numel()
+    if not n or t.is_meta:
+        return None
+    last = t.storage_offset() + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+    need, have = (last + 1) * t.element_size(), t.untyped_storage().nbytes()
+    if need <= have:
+        return None
+    return (f"its elements lie in bytes {t.storage_offset() * t.element_size()}..{need} of its storage, which holds "
+            f"{have} bytes: the storage was freed or shrunk under it (as FSDP frees a parameter's unsharded storage "
+            f"with untyped_storage().resize_(0) after use), so its values are gone. Send a copy taken while they were "
+            f"there (clone() it before the storage is freed)")
+
+
 def _as_object_array(values: Any, name: str) -> np.ndarray:
     if isinstance(values, np.ndarray):
         if values.ndim == 0:
@@ -136,6 +153,9 @@ def _wire_array(t: torch.Tensor) -> tuple[np.ndarray, bool]:
         why = _cannot_travel(t)
         if why is not None:
             raise TypeError(why)
+    short = _storage_short(t)  # (before any copy below, which would read the memory that is not the column's)
+    if short is not None:
+        raise TypeError(short)
     if t.requires_grad:  # each of these makes a new tensor object: only when it changes something (per-call path)
         t = t.detach()
     if t.is_conj():
@@ -850,12 +870,15 @@ class Batch:
     def _check_tensors(self) -> None:
         """Raise TypeError naming the first tensor column the wire cannot carry, and why (``_cannot_travel``)."""
         for v in self._td.values():  # a flat batch of plain tensors, the common case, at the top level alone
-            if not (type(v) is torch.Tensor and v.layout is torch.strided and not v.is_quantized and not v.is_meta):
+            if not (type(v) is torch.Tensor and v.layout is torch.strided and not v.is_quantized and not v.is_meta
+                    and _storage_short(v) is None):
                 break
         else:
             return
         for k, v in self._td.items(include_nested=True, leaves_only=True):
             why = _cannot_travel(v)
+            if why is None and v.layout is torch.strided:
+                why = _storage_short(v)
             if why is not None:
                 raise TypeError(f"Batch column {_name(k)!r}: {why}") from None
 

@@ -781,3 +781,31 @@ def test_a_small_column_with_no_bytes_for_its_shape_is_refused_not_made_of_unini
     with pytest.raises(ValueError, match="no bytes"):
         _small_from_wire(b"", "float32", (4,))
     assert _small_from_wire(b"", "float32", (0, 3)).shape == (0, 3)
+
+
+def _short_storage(rows: int, how: str) -> torch.Tensor:
+    """A column whose elements no longer lie in its storage: freed (FSDP's ``untyped_storage().resize_(0)`` after a
+    parameter is used), shrunk under a view, or a strided (not contiguous) view of a freed storage."""
+    whole = torch.arange(float(2 * rows + 8))
+    col = whole[4:4 + 2 * rows:2] if how == "strided, freed" else whole[4:4 + rows]
+    whole.untyped_storage().resize_(8 * whole.element_size() if how == "shrunk" else 0)
+    return col
+
+
+@pytest.mark.parametrize("rows", [8, 100_000], ids=["small", "large"])
+@pytest.mark.parametrize("how", ["freed", "shrunk", "strided, freed"])
+def test_a_column_whose_storage_does_not_hold_it_is_refused_naming_it_not_sent_as_other_memory(rows, how):
+    """Before, such a column travelled as whatever memory its pointer showed (the process's heap bytes), with no
+    error: a rank trained on garbage and the controller's memory left the process."""
+    from orchestra import _frame
+
+    b = Batch.from_dict({"ok": torch.arange(rows), "x": _short_storage(rows, how)})
+    for send in (pickle.dumps, _frame.dumps_frame):
+        with pytest.raises(TypeError, match="Batch column 'x'") as info:
+            send(b)
+        assert "storage" in str(info.value) and "clone()" in str(info.value)
+    with pytest.raises(TypeError, match="Batch column 'x'"):
+        b._check_tensors()  # the preflight's check (the in-process backend's every call) names it too
+    fine = Batch.from_dict({"x": torch.arange(float(rows + 8))[4:4 + rows]})  # a view inside its storage travels
+    assert torch.equal(pickle.loads(pickle.dumps(fine))["x"], fine["x"])
+    fine._check_tensors()

@@ -202,9 +202,15 @@ def test_an_endpoint_learns_from_the_second_call_of_a_shape_and_forgets_it_for_a
     assert t.used == 4
 
 
+def _freed(t: torch.Tensor) -> torch.Tensor:
+    t.untyped_storage().resize_(0)  # FSDP's pattern for a parameter's unsharded storage after use
+    return t
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
-@pytest.mark.parametrize("kind", ["meta", "sparse", "sparse csr", "zero tensor"])
+@pytest.mark.parametrize("kind", ["meta", "sparse", "sparse csr", "zero tensor", "freed storage"])
 def test_a_column_that_cannot_travel_is_left_to_the_usual_path_which_names_it(kind):
+    """Before, a column whose storage was freed was written into the template as whatever memory numpy() read."""
     t = Templates()
     good = Batch.from_dict({"x": torch.arange(64.0).view(16, 4)})
     for _ in range(2):
@@ -215,7 +221,8 @@ def test_a_column_that_cannot_travel_is_left_to_the_usual_path_which_names_it(ki
     col = {"meta": lambda: torch.empty(16, 4, device="meta"),  # each of the template's dtype and shape
            "sparse": lambda: torch.eye(16, 4).to_sparse(),
            "sparse csr": lambda: torch.eye(16, 4).to_sparse_csr(),
-           "zero tensor": lambda: torch._efficientzerotensor(16, 4)}[kind]()  # no memory: numpy() refuses it
+           "zero tensor": lambda: torch._efficientzerotensor(16, 4),  # no memory: numpy() refuses it
+           "freed storage": lambda: _freed(torch.arange(64.0).view(16, 4))}[kind]()
     bad = Batch.from_dict({"x": col})
     shape, frames = t.frames("role", _plan(bad), READERS)
     assert shape is not None and frames is None

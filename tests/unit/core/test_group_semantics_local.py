@@ -654,6 +654,23 @@ async def test_a_sparse_column_of_a_shard_call_is_refused_naming_it_and_a_tensor
     assert await h4.seen_calls() == before
 
 
+@pytest.mark.parametrize("call", ["count", "echo_all"])
+async def test_a_column_whose_storage_was_freed_is_refused_naming_it_and_no_rank_is_sent_the_call(bed, call):
+    """FSDP frees a parameter's unsharded storage after use (``untyped_storage().resize_(0)``); a column still
+    viewing it was sent as whatever memory lay there (or crashed the controller), with no error."""
+    h4 = bed["h4"]
+    before = await h4.seen_calls()
+    whole = torch.arange(64.0)
+    col = whole[:8]
+    whole.untyped_storage().resize_(0)
+    with pytest.raises(orc.DispatchError) as info:
+        await getattr(h4, call)(Batch.from_dict({"x": torch.arange(8), "w": col}))
+    msg = str(info.value)
+    for part in ("group 'h4'", f"endpoint '{call}'", "Batch column 'w'", "freed or shrunk", "clone()"):
+        assert part in msg, (part, msg)
+    assert await h4.seen_calls() == before
+
+
 class _Ragged(orc.Worker):
     @endpoint(D.shard())
     def respond(self, batch: Batch) -> Batch:
