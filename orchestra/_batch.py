@@ -13,6 +13,7 @@ import ctypes
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -91,7 +92,8 @@ def _as_object_array(values: Any, name: str) -> np.ndarray:
         if values.ndim == 0:
             raise ValueError(f"column {name!r}: a 0-d array has no rows; pass one value per row")
         return values
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+    if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not hasattr(values, "__len__"):  # (a dict's keys,
+        # a set's members in no fixed order, are no rows)
         raise TypeError(f"column {name!r}: expected one value per row (a list or numpy array), got "
                         f"{type(values).__name__}; put per-batch values in meta=...")
     arr = np.empty(len(values), dtype=object)
@@ -369,6 +371,15 @@ def _name(key: str | tuple[str, ...]) -> str:
     return ".".join(key) if isinstance(key, tuple) else key
 
 
+def _joined_kind(a: np.ndarray, b: np.ndarray) -> str | None:
+    """The kind of the dtype numpy would join two columns in; None when it cannot join them (structured columns of
+    other fields, ...)."""
+    try:
+        return np.result_type(a, b).kind
+    except TypeError:  # (numpy's DTypePromotionError is one)
+        return None
+
+
 def _names(leaves: Mapping[Any, Any]) -> list[str]:
     return sorted(_name(k) for k in leaves)
 
@@ -393,7 +404,7 @@ def _same(a: Any, b: Any) -> bool:
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.dtype != b.dtype or a.shape != b.shape:
             return False
         if a.dtype != object:
-            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fcmM"))  # (mM: NaT is its own equal)
         return all(_same(x, y) for x, y in zip(a.flat, b.flat))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
@@ -651,6 +662,9 @@ class Batch:
                 idx = idx.nonzero().flatten()
             elif idx.is_floating_point() and idx.numel():
                 raise TypeError(f"row positions must be integers, got {idx.dtype}")
+            if idx.dtype == torch.uint64 and idx.numel() and int(idx.numpy().max()) >= len(self):
+                # (to int64 it would wrap to a negative position, which picks a row from the end)
+                raise IndexError(f"row position {int(idx.numpy().max())} is out of range for {len(self)} rows")
             idx = idx.to(torch.long)
             pad = self._pad and self._pad_picked(idx)
             np_idx = idx.numpy()
@@ -748,6 +762,11 @@ class Batch:
                                      f"{names[i0]}'s of shape {mine_a.shape[1:]}; make them one row shape")
                 if a.dtype == mine_a.dtype:
                     continue
+                if a.dtype.kind in "mM" or mine_a.dtype.kind in "mM":
+                    raise ValueError(f"Batch.concat: column {k!r} of {names[i]} is {a.dtype}, {names[i0]}'s is "
+                                     f"{mine_a.dtype}; time columns join only their own dtype and unit (numpy "
+                                     f"converts to the finer unit, and a value beyond its range wraps around without "
+                                     f"an error): convert both to one unit first, e.g. .astype('datetime64[s]')")
                 if object in (a.dtype, mine_a.dtype):
                     odd = _odd_element(a, mine_a)
                     if odd is not None:
@@ -755,7 +774,7 @@ class Batch:
                                          f"{mine_a.dtype}, and the object column holds {odd[0]!r:.40} "
                                          f"({type(odd[0]).__name__}), not a value of the other's kind: make them one "
                                          f"kind (an object column of any values concatenates with another)")
-                elif not a.dtype.kind == mine_a.dtype.kind == np.result_type(a, mine_a).kind:
+                elif not a.dtype.kind == mine_a.dtype.kind == _joined_kind(a, mine_a):
                     raise ValueError(f"Batch.concat: column {k!r} of {names[i]} is {a.dtype}, {names[i0]}'s is "
                                      f"{mine_a.dtype}; make them one kind (strings of any width, integers, floats: "
                                      f"a wider dtype of the same kind is taken, another kind would be converted)")
@@ -850,10 +869,15 @@ class Batch:
 
     def to(self, device: str | torch.device) -> Batch:
         """Tensor columns moved to ``device``."""
-        return Batch(self._td.to(device), self._nt, self.meta, _pad=self._pad, _validate=False)
+        td = self._td.to(device)
+        if td is self._td:  # (TensorDict hands itself back on its own device: the result's columns are its own)
+            td = td.copy()
+        return Batch(td, self._nt, self.meta, _pad=self._pad, _validate=False)
 
     def iter_slices(self, rows: int) -> Iterator[Batch]:
         """Consecutive pieces of at most ``rows`` rows (micro-batches)."""
+        if rows < 1:
+            raise ValueError(f"iter_slices({rows}): a piece has at least 1 row")
         for start in range(0, len(self), rows):
             yield self.slice(start, min(start + rows, len(self)))
 

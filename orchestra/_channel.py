@@ -70,7 +70,8 @@ from . import _backend, _replies
 from ._errors import WorkerDiedError, WorkerError
 from ._frame import loads_frame
 
-__all__ = ["Channel", "ChannelReply", "call_number", "connect", "recv_frame", "send_frame", "enabled", "threshold"]
+__all__ = ["Channel", "ChannelReply", "FrameReader", "call_number", "connect", "recv_frame", "send_frame", "enabled",
+           "threshold"]
 
 log = logging.getLogger("orchestra")
 
@@ -140,6 +141,37 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     if head is None:
         return None
     return _recv_exact(sock, _LEN.unpack(head)[0])
+
+
+class FrameReader:
+    """The frames of a blocking socket, in order (the rank's side): what one ``recv`` brings is cut into as many
+    frames as it holds, so a small frame costs one system call, not one for its length and one for its body."""
+
+    def __init__(self, sock: socket.socket, chunk: int = 1 << 16) -> None:
+        self.sock, self.chunk = sock, chunk
+        self.buf = bytearray()
+
+    def frame(self) -> bytes | None:
+        """The next frame's body; None at the end of the stream (also when it ends inside a frame)."""
+        buf = self.buf
+        while True:
+            have = len(buf)
+            if have >= _LEN.size:
+                end = _LEN.size + _LEN.unpack_from(buf)[0]
+                if have >= end:
+                    with memoryview(buf) as view:
+                        body = bytes(view[_LEN.size:end])
+                    del buf[:end]
+                    return body
+                want = end - have
+            else:
+                want = _LEN.size - have
+            data = self.sock.recv(max(want, self.chunk))
+            if not data:
+                return None
+            if not buf and len(data) >= _LEN.size and len(data) == _LEN.size + _LEN.unpack_from(data)[0]:
+                return data[_LEN.size:]  # (the usual case: exactly one frame, taken without the buffer)
+            buf += data
 
 
 def connect(address: str | tuple[str, int], secret: bytes, rank: int) -> socket.socket:

@@ -525,8 +525,9 @@ class Host:
             # a rank that cannot connect fails this call: the controller then fails the calls sent meanwhile (to no
             # rank: it writes none until every rank joined) and releases the others
             sock = _channel.connect(address, secret, self.rank)
+            frames = _channel.FrameReader(sock)
             while True:
-                body = _channel.recv_frame(sock)
+                body = frames.frame()
                 if body is None:
                     return served
                 got_frame = True

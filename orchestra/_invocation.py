@@ -878,7 +878,9 @@ class Invocation:
         """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
         self.looked_at()
         try:
-            await self.wait_submitted()
+            submitted = self.submitted
+            if self.error is not None or not submitted.done() or submitted.exception() is not None:
+                await self.wait_submitted()  # (which raises the call's error; a call sent at once skips it)
             while True:
                 if self.error is not None:
                     raise self.error
@@ -966,18 +968,14 @@ class Invocation:
                 out.append([_as_output(v, s.rank) for v in values])
         return out
 
-    async def _received(self) -> list[list[Output]]:
-        """Per collected slot, its outputs as received (waiting for every rank to finish): never handed out."""
-        await self.wait()
-        return [[_as_output(o.result(), s.rank) for o in s.outputs] for s in self.slots if s.collected]
-
     async def result(self) -> Any:
         """The materialized value, a private copy for each await: writing into it changes nothing another reader
         (or a later await) sees. The first await uses the replies as they arrived; a later one fetches them again
         from the backend (a fresh deserialization), as any other reader would."""
         if not self._awaited:
             self._awaited = True
-            per_slot = await self._received()
+            await self.wait()  # then per collected slot, its outputs as received (never handed out as they are)
+            per_slot = [[_as_output(o.result(), s.rank) for o in s.outputs] for s in self.slots if s.collected]
         else:
             per_slot = await self._fetched_again()
         infos = [p for outs in per_slot for o in outs if o.is_batch for p in o.parts]

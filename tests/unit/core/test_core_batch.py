@@ -809,3 +809,74 @@ def test_a_column_whose_storage_does_not_hold_it_is_refused_naming_it_not_sent_a
     fine = Batch.from_dict({"x": torch.arange(float(rows + 8))[4:4 + rows]})  # a view inside its storage travels
     assert torch.equal(pickle.loads(pickle.dumps(fine))["x"], fine["x"])
     fine._check_tensors()
+
+
+def test_to_its_own_device_gives_a_batch_of_its_own_not_the_same_columns():
+    """``to()`` onto the device a batch is on shared its TensorDict with the original (TensorDict hands itself back):
+    deleting or replacing a column of the result did it to the original too."""
+    b = Batch.from_dict({"x": torch.arange(3), "s": ["a", "b", "c"]}).to("cpu")
+    c = b.to("cpu")
+    c["s"] = torch.zeros(3)
+    del c["x"]
+    assert b.keys() == ["x", "s"] and b["s"].tolist() == ["a", "b", "c"] and torch.equal(b["x"], torch.arange(3))
+    assert c.keys() == ["s"]
+
+
+@pytest.mark.parametrize("kind", ["datetime64", "timedelta64"])
+def test_concat_refuses_time_columns_of_other_units_rather_than_overflow_them(kind):
+    """numpy joins datetime64[D] and [ns] as [ns], and a value beyond ns's range wraps: year 2300 became 1715, a
+    positive duration negative, without an error."""
+    if kind == "datetime64":
+        a = Batch.from_dict({"t": np.array(["2300-01-01"], dtype="datetime64[D]")})
+        b = Batch.from_dict({"t": np.array(["2020-01-01"], dtype="datetime64[ns]")})
+    else:
+        a = Batch.from_dict({"t": np.array([200_000], dtype="timedelta64[D]")})
+        b = Batch.from_dict({"t": np.array([1], dtype="timedelta64[ns]")})
+    with pytest.raises(ValueError, match="column 't'.*unit"):
+        Batch.concat([a, b])
+    same = Batch.concat([a, a])["t"]  # one unit: joined as it is
+    assert same.dtype == a["t"].dtype and (same == np.concatenate([a["t"], a["t"]])).all()
+
+
+@pytest.mark.parametrize("given", [{"apple": 1, "pear": 2}, {"apple", "pear"}], ids=["dict", "set"])
+def test_the_constructor_refuses_a_dict_or_set_as_a_column_as_assignment_does(given):
+    """A dict's keys (or a set's members, in no fixed order) became the column's rows, silently; ``b[k] = ...``
+    refused the same value."""
+    with pytest.raises(TypeError, match="column 'gt'"):
+        Batch({"x": torch.arange(2)}, non_tensors={"gt": given})
+    with pytest.raises(TypeError, match="column 'gt'"):
+        Batch.from_dict({"x": torch.arange(2), "gt": given})
+
+
+@pytest.mark.parametrize("index", [np.array([2**64 - 1], dtype=np.uint64), torch.tensor([2**64 - 5], dtype=torch.uint64),
+                                   np.array([2**63], dtype=np.uint64)], ids=["numpy", "torch", "2**63"])
+def test_an_unsigned_row_position_past_the_rows_is_refused_not_wrapped_to_a_negative_one(index):
+    """A uint64 position converted to int64 wrapped: 2**64 - 1 picked the last row, 2**64 - 5 the first."""
+    b = Batch.from_dict({"x": torch.arange(5), "s": list("abcde")})
+    with pytest.raises(IndexError):
+        b[index]
+    assert b[np.array([4], dtype=np.uint64)]["s"].tolist() == ["e"]
+
+
+def test_iter_slices_refuses_a_row_count_below_one():
+    """``iter_slices(-1)`` gave no slices (every row dropped) and ``iter_slices(0)`` range()'s own words."""
+    b = Batch.from_dict({"x": torch.arange(5)})
+    for rows in (0, -1):
+        with pytest.raises(ValueError, match="iter_slices.*at least 1"):
+            list(b.iter_slices(rows))
+
+
+def test_a_batch_with_nat_equals_its_clone_and_its_round_trip():
+    b = Batch.from_dict({"t": np.array(["2020-01-01", "NaT"], dtype="datetime64[ns]"),
+                         "d": np.array([1, "NaT"], dtype="timedelta64[s]")})
+    assert b == b.clone() and b == pickle.loads(pickle.dumps(b))
+    assert b != Batch.from_dict({"t": np.array(["2020-01-01", "2020-01-02"], dtype="datetime64[ns]"),
+                                 "d": np.array([1, "NaT"], dtype="timedelta64[s]")})
+
+
+def test_concat_of_columns_numpy_cannot_join_names_the_column():
+    """numpy's own error (``DTypePromotionError: field names ...``) named no column."""
+    a = Batch.from_dict({"st": np.array([(1, 2.0)], dtype=[("x", "i4"), ("y", "f8")])})
+    b = Batch.from_dict({"st": np.array([(1,)], dtype=[("z", "i4")])})
+    with pytest.raises(ValueError, match="column 'st'"):
+        Batch.concat([a, b])
