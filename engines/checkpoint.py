@@ -24,6 +24,7 @@ well-formed checkpoint can hold any weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -230,6 +231,15 @@ def save_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
     os.makedirs(directory, exist_ok=True)
     entries, scalars = _flatten(model_sd, optim_sd)
     groups = [_jsonable_group(g) for g in optim_sd.get("param_groups", [])]  # fails on every rank, before any write
+    try:
+        if rank == 0:  # a checkpoint saved here before stops being one before any of its files is overwritten:
+            # a save that dies halfway leaves no index (refused), never the old one over new shards and state
+            for name in (INDEX, STATE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+    except Exception as e:  # noqa: BLE001 - every rank raises together (below), this one naming its cause
+        _agree_written(e, directory, device)
+    _agree_written(None, directory, device)  # (also the barrier: no rank writes before the index is gone)
     stored: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
     local: dict[str, dict[str, Any]] = {}
     for key, t in entries.items():

@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         # held from before the checks to the end of the run (its Runner shares this hold): a second run into `out`
         # fails here, before it removes (--overwrite) or reads (--resume) anything of the run that is writing there
         with lock_output_dir(out, resume=args.resume):
-            # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load
-            resume_from = prepare_output_dir(out, resume=args.resume, overwrite=args.overwrite)
+            # before torch and Ray are even imported: refuse to clobber a run, check what --resume will load. What
+            # --overwrite removes, it removes once the config's checks on the built task passed (the Runner's, at
+            # its start): a typo in the command must not cost the earlier run
+            resume_from = None if args.overwrite else prepare_output_dir(out, resume=args.resume, overwrite=False)
             from .runner import run
 
-            history = run(cfg, resume_from=resume_from, progress=not args.no_progress)
+            history = run(cfg, resume_from=resume_from, overwrite=args.overwrite, progress=not args.no_progress)
     except (CheckpointError, ConfigError) as e:  # ConfigError: a check on the built task (pipelines.taskspec)
         print(f"orchestra train: {e}", file=sys.stderr)
         return 2

@@ -328,3 +328,29 @@ def test_the_running_optimizers_implementation_flags_stay(tmp_path):
     load_sharded(d, model_sd, optim_sd, device=CPU, verify=True)
     assert optim_sd["param_groups"][0]["foreach"] is None
     assert optim_sd["param_groups"][0]["capturable"] is False
+
+
+@pytest.mark.parametrize("dies_at", ["engine_state.json", "index.json"])
+def test_a_save_into_a_checkpoint_that_dies_halfway_leaves_no_checkpoint_not_the_old_index_over_new_files(
+        w_ckpt, monkeypatch, dies_at):
+    """The old index.json stayed while new shards and a new engine_state.json were written: a save that died
+    between them left a directory that loaded without error — the old weights with the new step count."""
+    import engines.checkpoint as ck
+
+    write = ck.write_json_atomic
+
+    def dying(path, *a, **kw):
+        if Path(path).name == dies_at:
+            raise OSError("the process died here")
+        return write(path, *a, **kw)
+
+    monkeypatch.setattr(ck, "write_json_atomic", dying)
+    with pytest.raises(CheckpointError):
+        save_sharded(w_ckpt, {"w": torch.full((4,), 5.0)}, NO_OPTIM, device=CPU, engine_state={"global_step": 9})
+    monkeypatch.setattr(ck, "write_json_atomic", write)
+    with pytest.raises(CheckpointError, match="index.json"):
+        _load(w_ckpt, w=torch.zeros(4))
+    save_sharded(w_ckpt, {"w": torch.full((4,), 5.0)}, NO_OPTIM, device=CPU, engine_state={"global_step": 9})
+    out = torch.zeros(4)
+    _load(w_ckpt, w=out)  # a save that completes makes it a checkpoint again
+    assert out.tolist() == [5.0] * 4

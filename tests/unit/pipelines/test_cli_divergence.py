@@ -9,7 +9,7 @@ from pipelines.health import TrainingDivergedError
 
 
 def test_divergence_prints_one_line_and_exits_non_zero(tmp_path, monkeypatch, capsys):
-    def diverge(cfg, resume_from=None, progress=True):
+    def diverge(cfg, resume_from=None, overwrite=False, progress=True):
         raise TrainingDivergedError("training diverged at step 4: actor/grad_norm=nan (non-finite for 3 consecutive "
                                     "steps, runner.max_bad_steps=3)", 4, "actor/grad_norm")
 

@@ -101,6 +101,24 @@ def test_a_second_cli_run_into_a_running_runs_output_dir_fails_at_once_and_remov
         cli_main(_train(out, "--overwrite"))
 
 
+@pytest.mark.parametrize("bad", ["data.prompts_per_step=100000", "resources.device=cuda:7"])
+def test_overwrite_with_a_config_the_checks_refuse_removes_nothing_of_the_earlier_run(tmp_path, no_ray, capsys, bad):
+    """--overwrite removed the earlier run's checkpoints and metrics, then the run was refused for a typo in the
+    command (the config's checks came after the removal): the earlier run was lost and nothing started."""
+    out = tmp_path / "run"
+    _committed(out)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    assert cli_main(["train", f"runner.output_dir={out}", "runner.total_steps=3", bad, "--no-progress",
+                     "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orchestra train: ") and bad.split("=")[0] in err and "removed" not in err
+    assert (out / "checkpoints" / "step_000001" / "runner.json").is_file()
+    assert (out / "metrics.jsonl").read_text().count("step") == 2
+    with pytest.raises(RayStarted):  # a config the checks pass: removed, then the run starts
+        cli_main(_train(out, "--overwrite"))
+    assert not (out / "checkpoints" / "step_000001").exists() and not (out / "metrics.jsonl").exists()
+
+
 def test_the_refusal_names_the_holder_and_a_crashed_holder_frees_the_directory(tmp_path):
     out = tmp_path / "run"
     with _holder(_RUN_HOLDER, out) as proc:
