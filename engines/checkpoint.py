@@ -322,6 +322,42 @@ def _agree(error: BaseException | None, directory: str, device: torch.device) ->
         agreed(error)
 
 
+# The settings of a model's config that change what the same weights compute: a checkpoint of a model that differs
+# in one of them has tensors of the same names and shapes, and would load into this one without any other sign.
+_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rope_theta", "rope_scaling",
+                 "rope_parameters", "layer_types",
+                 "rms_norm_eps", "layer_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias",
+                 "use_sliding_window", "sliding_window", "num_labels", "partial_rotary_factor")
+
+
+def model_record(model: torch.nn.Module, kind: str) -> dict[str, Any]:
+    """What a checkpoint records of its model beyond its tensors: its kind ("causal_lm", "value") and the settings
+    of its config (a transformers model's ``config``) that change what the same weights compute (``_ARCHITECTURE``)."""
+    cfg = getattr(model, "config", None)
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    return json.loads(json.dumps({"kind": kind, "config": {k: values[k] for k in _ARCHITECTURE if k in values}},
+                                 default=str))  # (as it reads back: a tuple as a list)
+
+
+def _check_model(spath: str, saved: Any, running: Mapping[str, Any] | None) -> None:
+    """Refuse a checkpoint whose model record (``model_record``) differs from the running model's in its kind or in
+    a setting both record; a checkpoint written before the record existed is checked by its tensors alone."""
+    if running is None or saved is None:
+        return
+    _expect(isinstance(saved, dict) and isinstance(saved.get("config"), dict), spath,
+            "'model' must be an object holding a 'config' object")
+    diffs = [f"kind {saved.get('kind')!r}, this engine's {running['kind']!r}"] if saved.get("kind") != running["kind"] \
+        else []
+    mine = running["config"]
+    diffs += [f"{k} {saved['config'][k]!r}, this engine's {mine[k]!r}" for k in _ARCHITECTURE
+              if k in saved["config"] and k in mine and saved["config"][k] != mine[k]]
+    if diffs:
+        raise CheckpointError(f"{spath}: the checkpoint holds another model than this engine's, whose tensors have "
+                              f"the same names and shapes ({'; '.join(diffs)}): loaded, its weights would compute "
+                              f"something else. Build the model with the checkpoint's settings to load it")
+
+
 def _expect(cond: bool, path: str, what: str) -> None:
     if not cond:
         raise CheckpointError(f"{path}: {what}; the file is corrupt or was not written by this version of orchestra")
@@ -538,12 +574,14 @@ def _boxes(local_offset: list[int], local_shape: list[int], shards: list[Mapping
 
 
 def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any],
-                 *, device: torch.device, verify: bool = True) -> dict[str, Any]:
+                 *, device: torch.device, verify: bool = True,
+                 model: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Fill ``model_sd``/``optim_sd`` (templates from ``get_state_dict``, this rank's sharding) in place from
     a :func:`save_sharded` directory written by any number of ranks; returns the saved engine state. Collective.
 
     Every check (JSON, index vs model, the shards' tiling, sizes and sha256 when ``verify``, safetensors headers,
-    the kinds of the saved param-group values, this rank's RNG state) runs before any tensor of the templates is
+    the kinds of the saved param-group values, this rank's RNG state, and — given ``model``, the running model's
+    :func:`model_record` — that the checkpoint's model is this one) runs before any tensor of the templates is
     written, and on every rank; a failure raises :class:`CheckpointError`, and any failure there on one rank fails
     every rank.
     """
@@ -560,6 +598,7 @@ def load_sharded(directory: str | os.PathLike[str], model_sd: Mapping[str, Any],
         index = read_json(os.path.join(directory, INDEX))
         state = read_json(os.path.join(directory, STATE))
         _check_index(directory, index, state, entries, scalars, optim_sd)
+        _check_model(os.path.join(directory, STATE), state.get("model"), model)
         rng = _rng_to_restore(os.path.join(directory, STATE), state, rank, world, device)
     except Exception as e:  # any rank's failure, of any type, fails every rank here (none waits in a collective)
         _agree(e, directory, device)

@@ -1078,7 +1078,7 @@ class FSDPEngine:
         that cannot write its part raises ``CheckpointError`` on every rank, and the engine stays usable."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from engines.checkpoint import CheckpointError, save_sharded
+        from engines.checkpoint import CheckpointError, model_record, save_sharded
 
         self._check_ready("save")
         # a rank that cannot write its part raises CheckpointError on every rank, and the engine goes on
@@ -1086,7 +1086,8 @@ class FSDPEngine:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             save_sharded(directory, model_sd, optim_sd, device=self.device,
                          engine_state={"global_step": self.global_step, "lr": self.lr, "model_kind": self.model_kind,
-                                       "config": asdict(self.config)})
+                                       "config": asdict(self.config),
+                                       "model": model_record(self.model, self.model_kind)})
 
     def load(self, directory: str | os.PathLike, *, verify: bool = True) -> None:
         """Restore model, optimizer, step (hence the LR schedule) and, with the same DP size, RNG from
@@ -1097,14 +1098,15 @@ class FSDPEngine:
         before the engine changes. Collective."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from engines.checkpoint import CheckpointError, load_sharded
+        from engines.checkpoint import CheckpointError, load_sharded, model_record
 
         self._check_ready("load")
         # the checks agree across ranks (all load or none does); a failure after them, with this rank's shards half
         # overwritten, aborts: no rank may train on with a model that is part checkpoint, part old weights
         with self._collective("load", deterministic=(CheckpointError,)):
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify)
+            state = load_sharded(directory, model_sd, optim_sd, device=self.device, verify=verify,
+                                 model=model_record(self.model, self.model_kind))
             set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             self.global_step = int(state["global_step"])
             _warn_schedule_change(state.get("config"), self.config, directory, self._rank)

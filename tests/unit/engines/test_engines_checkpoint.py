@@ -81,6 +81,22 @@ def test_one_rank_round_trip_restores_model_optimizer_and_schedule(tmp_path):
     _assert_snapshots_equal(engine_snapshot(a), engine_snapshot(b))
 
 
+@pytest.mark.parametrize("other", [{"num_attention_heads": 8, "num_key_value_heads": 4}, {"rope_theta": 1e5},
+                                   {"hidden_act": "gelu"}, {"rms_norm_eps": 1e-3}], ids=str)
+def test_a_checkpoint_of_a_model_with_other_settings_but_the_same_shapes_is_refused(tmp_path, other):
+    """Only the tensors' names, shapes and dtypes were compared: a model of 8 heads loaded a 4-head model's weights
+    (the same shapes) without a word, and computed other logits with them."""
+    _trained_engine(0).save(tmp_path / "ckpt")
+    eng = FSDPEngine(lambda: build_causal_lm(tiny_qwen2_config(VOCAB, **other), seed=9), CFG)
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="another model") as e:
+        eng.load(tmp_path / "ckpt")
+    for k, v in other.items():
+        assert k in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in eng.model.state_dict().items())  # nothing was loaded
+    FSDPEngine(model_factory(9), CFG).load(tmp_path / "ckpt")  # the same settings load
+
+
 def test_loading_under_another_lr_schedule_says_which_fields_differ(tmp_path, caplog):
     import dataclasses
 
