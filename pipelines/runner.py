@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -225,6 +226,8 @@ class Runner:
         """Refuse a resume this config cannot continue, naming what to change: nothing left to run, or prompts
         sampled another way than the checkpoint's (batch size, data, seed)."""
         d = self._resume_from
+        if isinstance(state, dict):
+            _check_runner_state(d / "runner.json", state)
         step = state.get("step") if isinstance(state, dict) else None
         total = self.cfg.runner.total_steps
         if isinstance(step, int) and step + 1 >= total:
@@ -734,16 +737,47 @@ def _rng_state() -> dict[str, Any]:
             "numpy_gauss": [int(has_gauss), float(cached)], "torch": torch.get_rng_state().tolist()}
 
 
-def _set_rng_state(s: dict[str, Any]) -> None:
-    """Restore what :func:`_rng_state` saved. A state from before the cached Gaussian was kept (no
-    ``numpy_gauss``) resumes with none cached, as such checkpoints always did."""
+def _natural(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _check_runner_state(path: Path, state: dict[str, Any]) -> None:
+    """Refuse a ``runner.json`` whose values are not what the runner writes, naming the field, before anything
+    starts: the manifest's sha256 covers the bytes, not that they make sense (a NaN or negative KL coefficient, a
+    negative step, a version that is a string would be taken as they are)."""
+    def bad(field: str, value: Any, want: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {field} is {value!r:.80}, not {want}; it was not written by this runner")
+
+    for field in ("step", "actor_version"):
+        if field in state and not _natural(state[field]):
+            raise bad(field, state[field], "a whole number >= 0")
+    if "kl_ctl" in state:
+        kl = state["kl_ctl"]
+        coef = kl.get("coef") if isinstance(kl, dict) else None
+        if type(coef) not in (int, float) or not math.isfinite(coef) or coef < 0:
+            raise bad("kl_ctl", kl, "an object whose coef is a finite number >= 0")
+    if "rng" in state:
+        try:  # applied to generators of its own: each part must be a state its generator takes
+            _set_rng_state(state["rng"], random.Random(), np.random.RandomState(), torch.Generator())
+        except (KeyError, TypeError, ValueError, SyntaxError, RuntimeError, MemoryError, RecursionError) as e:
+            raise bad("rng", state["rng"], f"the random states the runner saves ({type(e).__name__}: {e})") from None
+
+
+def _set_rng_state(s: dict[str, Any], py: Any = random, npr: Any = np.random, gen: Any = None) -> None:
+    """Restore what :func:`_rng_state` saved (into the process's generators, or the ones given: a check's own). A
+    state from before the cached Gaussian was kept (no ``numpy_gauss``) resumes with none cached, as such checkpoints
+    always did."""
     import ast
 
-    random.setstate(ast.literal_eval(s["python"]))
+    py.setstate(ast.literal_eval(s["python"]))
     has_gauss, cached = s.get("numpy_gauss", (0, 0.0))
-    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), int(s["numpy_pos"]), int(has_gauss),
-                         float(cached)))
-    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
+    npr.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), int(s["numpy_pos"]), int(has_gauss),
+                   float(cached)))
+    state = torch.tensor(s["torch"], dtype=torch.uint8)
+    if gen is None:
+        torch.set_rng_state(state)
+    else:
+        gen.set_state(state)
 
 
 def _progress(total: int, start: int, desc: str = "train") -> Any:

@@ -74,3 +74,29 @@ async def test_a_resume_reads_runner_json_once(tmp_path, monkeypatch, caplog):
     assert [p for p in reads if p.name == "runner.json"] == [saved / "runner.json"]
     assert second.start_step == 1  # restored from the state read in run()
     assert len(_changed(caplog)) == 1 and "runner.total_steps: 1 -> 3" in _changed(caplog)[0]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("step", -4), ("step", 4.0), ("step", True), ("actor_version", "3"), ("actor_version", -1),
+    ("kl_ctl", {"coef": float("nan")}), ("kl_ctl", {"coef": -7.0}), ("kl_ctl", {}), ("kl_ctl", 3),
+    ("rng", {"python": "not a state"}), ("rng", 5),
+])
+async def test_a_runner_json_whose_values_are_not_the_runners_is_refused_before_anything_starts(
+        tmp_path, monkeypatch, field, value):
+    """runner.json's values were taken as written (engine_state.json's are checked): a NaN or negative KL
+    coefficient, a negative or float step, a string actor version loaded and the run went on with them; a missing
+    coef or a malformed RNG state failed with a raw KeyError / ValueError."""
+    cfg = ["algorithm.kl_target=0.1", "algorithm.kl_coef=0.05"]
+    first = Runner(_cfg(tmp_path, "runner.total_steps=2", *cfg), progress=False)
+    first.cluster = FakeCluster()
+    first.kl_ctl = runner_mod.make_kl_controller(first.cfg)
+    saved = await first.save(0)
+    state = json.loads((saved / "runner.json").read_text())
+    state[field] = value
+    monkeypatch.setattr(ckpt, "read_json", lambda path: state if path.name == "runner.json" else {})
+    started = []
+    monkeypatch.setattr(runner_mod, "build_cluster", lambda cfg, task: started.append(1) or FakeCluster())
+    second = Runner(_cfg(tmp_path, "runner.total_steps=9", *cfg), progress=False, resume_from=saved)
+    with pytest.raises(ckpt.CheckpointError, match=rf"runner.json.*{field}"):
+        await second.run()
+    assert not started  # refused before the cluster was built
