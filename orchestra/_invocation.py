@@ -51,9 +51,11 @@ log = logging.getLogger("orchestra")
 class Slot:
     """The outputs of one executing rank, in order; grows while a streaming endpoint yields."""
 
-    def __init__(self, rank: int, collected: bool, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, rank: int, collected: bool, on_change: Callable[[], None] | None = None,
+                 on_fail: Callable[[], None] | None = None) -> None:
         self.rank, self.collected = rank, collected
-        self._on_change = on_change
+        self._on_change = on_change  # after any output or the end is done (a failure: ``on_fail`` first)
+        self._on_fail = on_fail
         self.refs: list[ray.ObjectRef] = []
         self.outputs: list[asyncio.Future] = []  # each resolves to an Output (or a plain value)
         self.done = asyncio.get_running_loop().create_future()
@@ -79,6 +81,8 @@ class Slot:
         # retrieved here: a forwarded, never-awaited failure must not log "never retrieved"
         if not f.cancelled() and f.exception() is not None:
             self.failed = True
+            if self._on_fail is not None:
+                self._on_fail()
         if self._on_change is not None:
             self._on_change()
 
@@ -90,6 +94,8 @@ class Slot:
                 self.done.set_exception(error)
                 self.done.exception()  # retrieved here; errors surface through wait()
                 self.failed = True
+                if self._on_fail is not None:
+                    self._on_fail()
         self._notify()
         if self._on_change is not None:
             self._on_change()
@@ -184,6 +190,7 @@ class Invocation:
         self._waiting_for: Any = "its turn to be sent"  # what a call not sent yet waits for: a text, or a data
         # argument whose inputs it is describing (named when its timeout error is made: ``_waiting_text``)
         self._inputs_gone = False  # it finished well and let its inputs go (``_let_inputs_go``)
+        self._wakes: list[asyncio.Future] = []  # the waits under way (``_wait_some``): woken by ``_wake``
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -283,7 +290,14 @@ class Invocation:
         self._check_done()
 
     def _slot(self, rank: int, collected: bool) -> Slot:
-        return Slot(rank, collected, self._check_done)
+        return Slot(rank, collected, self._check_done, self._wake)
+
+    def _wake(self) -> None:
+        """Wake the waits under way (``_wait_some``): every rank finished, one failed, or the call ended early."""
+        wakes, self._wakes = self._wakes, []
+        for w in wakes:
+            if not w.done():
+                w.set_result(True)
 
     def _check_done(self) -> None:
         """Leave the group's calls in flight once every rank finished (the first moment nothing is left to end).
@@ -295,6 +309,8 @@ class Invocation:
             i += 1
         self._scan = i
         if i == len(slots):
+            if self._wakes:
+                self._wake()
             if self._apart_dependents and not self._apart_judged:
                 self._judge_columns()
             self.shared.live.discard(self)
@@ -918,23 +934,13 @@ class Invocation:
         return self._ended
 
     async def _wait_some(self, pending: set[asyncio.Future]) -> bool:
-        """Until every future of ``pending`` is done, one of them fails, or the call is ended early (a sibling
-        rank died, shutdown, cancel: this wakes even while a rank still blocks, e.g. in a collective whose peer
-        is gone). False when the deadline passed first. ``asyncio.wait(FIRST_EXCEPTION)`` plus the early end."""
+        """Until every future of ``pending`` (outputs and ends of the call's slots) is done, one of them fails, or
+        the call is ended early (a sibling rank died, shutdown, cancel: this wakes even while a rank still blocks,
+        e.g. in a collective whose peer is gone). False when the deadline passed first. ``asyncio.wait``
+        (FIRST_EXCEPTION) plus the early end, told by the call's own hooks instead of a callback on each future:
+        ``_check_done`` once every slot finished, a slot's ``on_fail``, ``_end`` (``_wake``)."""
         waiter = self.loop.create_future()
-        ended = self.ended()
-        left = len(pending)
-
-        def on_done(f: asyncio.Future) -> None:
-            nonlocal left
-            if f is not ended:
-                left -= 1
-            if not waiter.done() and (f is ended or left == 0 or (not f.cancelled() and f.exception() is not None)):
-                waiter.set_result(True)
-
-        for f in pending:
-            f.add_done_callback(on_done)
-        ended.add_done_callback(on_done)
+        self._wakes.append(waiter)
         remaining = self.remaining()
         timer = None if remaining is None else self.loop.call_later(
             remaining, lambda: waiter.done() or waiter.set_result(False))
@@ -944,9 +950,8 @@ class Invocation:
         finally:
             if timer is not None:
                 timer.cancel()
-            for f in pending:
-                f.remove_done_callback(on_done)
-            ended.remove_done_callback(on_done)
+            if waiter in self._wakes:  # (not woken: cancelled, or the deadline passed)
+                self._wakes.remove(waiter)
 
     async def outputs(self) -> list[list[Output]]:
         """Per collected slot, its output headers (waiting for every rank to finish), fetched again from the
@@ -1045,6 +1050,7 @@ class Invocation:
 
     def _end(self) -> None:
         self._stop_deadline()
+        self._wake()
         if not self._looked and not isinstance(self.error, (CallCancelledError, GroupClosedError)):
             self.shared.note_unseen(self)  # a deadline, a death, a failed send: nobody has seen it yet
         if self._ended is not None and not self._ended.done():

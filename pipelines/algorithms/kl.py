@@ -25,6 +25,14 @@ KL_KINDS: tuple[str, ...] = get_args(KLKind)
 _MAX_LOG_RATIO = 20.0
 
 
+def k3_of(log_r: Tensor) -> Tensor:
+    """``exp(x) - 1 - x`` of a log ratio ``x``, >= 0 and accurate to its last digits: as written, float32 loses them
+    all for small ``x`` (the policy near the reference) and goes negative; ``expm1(x) - x`` keeps them down to
+    ``|x|`` ~ 1e-2, below which its series ``x²/2 + x³/6 + x⁴/24`` does (exact to ~1e-8 relative there)."""
+    series = log_r.square() * (0.5 + log_r * (1.0 / 6.0 + log_r / 24.0))
+    return torch.where(log_r.abs() < 1e-2, series, torch.expm1(log_r) - log_r)
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k1") -> Tensor:
     """Per-token KL estimate ``[B, R]`` of the given ``kind`` (see the module docstring)."""
     d = logp - ref_logp
@@ -35,8 +43,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k1") -> Tensor:
     if kind == "k2":
         return 0.5 * d.square()
     if kind == "k3":
-        log_r = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.exp(log_r) - 1.0 - log_r
+        return k3_of((-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_KINDS)}")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .kl import k3_of
 from .masked import AggMode, aggregate, masked_mean
 
 # exp(20) ~ 5e8: keeps the ratio and its gradient finite for tokens whose log-prob moved wildly.
@@ -52,7 +53,7 @@ def _ratio_metrics(ratio: Tensor, log_ratio: Tensor, clipped: Tensor, mask: Tens
     """``clipfrac``, ``approx_kl`` (k3 of KL(old || new)) and ``ratio_mean`` over the valid tokens."""
     with torch.no_grad():
         return {"clipfrac": masked_mean(clipped.to(ratio.dtype), mask),
-                "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
+                "approx_kl": masked_mean(k3_of(log_ratio), mask),
                 "ratio_mean": masked_mean(ratio, mask)}
 
 
@@ -94,7 +95,7 @@ def policy_loss(
         metrics = {
             "clipfrac": masked_mean((clipped > unclipped).to(loss_mat.dtype), response_mask),
             "clipfrac_dual": masked_mean(dual_active.to(loss_mat.dtype), response_mask),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, response_mask),
+            "approx_kl": masked_mean(k3_of(log_ratio), response_mask),
             "ratio_mean": masked_mean(ratio, response_mask),
         }
     return loss, metrics
