@@ -882,14 +882,16 @@ class Host:
         totals = [sum(p.rows for p in parts) for parts in part_lists]
         if len(set(totals)) > 1:
             raise ValueError(f"the futures joined with | have different row counts {totals}; a union needs "
-                             f"row-aligned inputs")
+                             f"row-aligned inputs (read part by part, under stream(), each part of one must hold "
+                             f"the rows of the other's part: yield the same parts, or drop stream=True)")
         n = totals[0]
         start, stop, pad = row_range(n, arg.layout)
         # no rows at all in a pad call: every rank gets none, as from a Batch of none (there is no row to repeat)
         empty_ok = arg.layout.allow_empty or (arg.layout.pad and n == 0)
-        if arg.layout.kind == "balanced" and stop <= start and not empty_ok:
-            raise ValueError(f"this rank's shard of {n} rows is empty; pass at least {arg.layout.count} rows, or use "
-                             f"shard(pad=True) / shard(allow_empty=True)")
+        if arg.layout.kind == "balanced" and n < arg.layout.count and not (empty_ok or arg.layout.pad):
+            # every rank alike (each sees n), not only those whose share is empty: none runs the endpoint
+            raise ValueError(f"{n} rows cannot be split into {arg.layout.count} shards without leaving some empty; "
+                             f"pass at least {arg.layout.count} rows, or use shard(pad=True) / shard(allow_empty=True)")
         for parts in part_lists:  # the rule the controller applies when it has the headers: every rank alike
             refusal = padded_again(n, arg.layout, sum(p.pad for p in parts))
             if refusal is not None:

@@ -472,9 +472,12 @@ class Invocation:
             else:
                 slot_lists.append(await c.forwardables(hurry))
                 _check_joinable(plan, c)
-        # part i -> rank i only for one producer split the same way; a union routes by rows (each source is
-        # read by global row range), since its producers may have split their rows differently
-        if len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch):
+        # part i -> rank i only for one producer split the same way, read alone; a union routes by rows (each source
+        # is read by global row range), since its producers may have split their rows differently; so do a call's
+        # data arguments when it has several: each is split balanced, so every rank reads the same rows of each
+        # (one read aligned would pair its upstream rank's rows with another share of the others')
+        if (len(comps) == 1 and not spec.pad and len(slot_lists[0]) == D and not isinstance(comps[0], Batch)
+                and len(plan.data_args()) == 1):
             if not comps[0].outputs_here():
                 self._read_apart.append(comps[0])
                 comps[0]._apart_watch(self)

@@ -422,7 +422,7 @@ class _OnlyRanks(Dispatch):
                                "use broadcast() | only_ranks(...)")
         bad = [r for r in self.ranks if not 0 <= r < plan.world_size]
         if bad:
-            raise _error(plan, f"only_ranks{self.ranks}: rank(s) {bad} do not exist in a group of {plan.world_size}")
+            raise _error(plan, f"{self!r}: rank(s) {bad} do not exist in a group of {plan.world_size}")
         added = [r for r in self.ranks if r not in plan.ranks]  # an earlier transform chose fewer ranks: narrow it
         if added:
             raise _error(plan, f"{self!r}: rank(s) {added} would run although an earlier transform "
@@ -441,7 +441,8 @@ def only_ranks(*ranks: int) -> Dispatch:
         raise ValueError("only_ranks() needs at least one rank: a call on no rank would run nowhere")
     twice = sorted({r for r in ranks if ranks.count(r) > 1})
     if twice:
-        raise ValueError(f"only_ranks{ranks}: rank(s) {twice} more than once; name each rank once")
+        raise ValueError(f"only_ranks({', '.join(map(str, ranks))}): rank(s) {twice} more than once; name each rank "
+                         f"once")
     return _OnlyRanks(ranks)
 
 
