@@ -282,6 +282,15 @@ def _copied(x: Any) -> Any:
         return x
 
 
+def _meta_copied(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``meta``; when a value cannot be copied (a lock, a handle), each value copied on its own and
+    that one kept as it is, as an object column keeps such a row (``_copied``)."""
+    try:
+        return copy.deepcopy(meta)
+    except (TypeError, copy.Error):
+        return {k: _copied(v) for k, v in meta.items()}
+
+
 _KINDS = {torch.bool: "bool", torch.uint8: "uint",
           **dict.fromkeys((torch.int8, torch.int16, torch.int32, torch.int64), "int"),
           **dict.fromkeys((torch.float16, torch.bfloat16, torch.float32, torch.float64), "float"),
@@ -791,7 +800,7 @@ class Batch:
         td = TensorDict({k: _cat([b._td.get(k) for b in parts]) for k in leaves}, batch_size=[n],
                         device=first._td.device)
         nt = {k: _own(np.concatenate([b._nt[k] for b in parts])) for k in first._nt}
-        return Batch(td, nt, copy.deepcopy(meta), _pad=pad, _validate=False)
+        return Batch(td, nt, _meta_copied(meta), _pad=pad, _validate=False)
 
     def select(self, *keys: str) -> Batch:
         """A batch with only the named columns (views)."""
@@ -864,7 +873,7 @@ class Batch:
     def clone(self) -> Batch:
         """A private, writable copy of every column and of meta, down to the objects in object columns (a row's
         dict written by its reader is not another reader's row)."""
-        return Batch(self._td.clone(), {k: _own(v.copy()) for k, v in self._nt.items()}, copy.deepcopy(self.meta),
+        return Batch(self._td.clone(), {k: _own(v.copy()) for k, v in self._nt.items()}, _meta_copied(self.meta),
                      _pad=self._pad, _validate=False)
 
     def to(self, device: str | torch.device) -> Batch:

@@ -880,3 +880,15 @@ def test_concat_of_columns_numpy_cannot_join_names_the_column():
     b = Batch.from_dict({"st": np.array([(1,)], dtype=[("z", "i4")])})
     with pytest.raises(ValueError, match="column 'st'"):
         Batch.concat([a, b])
+
+
+def test_clone_and_concat_keep_a_meta_value_that_cannot_be_copied_as_an_object_column_does():
+    """A lock in meta made clone() and concat raise deepcopy's "cannot pickle '_thread.lock' object", naming nothing;
+    the same lock in an object column is kept as it is. Now meta does the same, and copies the rest."""
+    import threading
+
+    lock, d = threading.Lock(), {"a": [1]}
+    b = Batch.from_dict({"x": torch.arange(2)}, meta={"lock": lock, "d": d})
+    for out in (b.clone(), Batch.concat([b, b])):
+        assert out.meta["lock"] is lock
+        assert out.meta["d"] == d and out.meta["d"] is not d and out.meta["d"]["a"] is not d["a"]
