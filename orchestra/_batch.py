@@ -812,7 +812,11 @@ class Batch:
                      _pad=self._pad, _validate=False)
 
     def exclude(self, *keys: str) -> Batch:
-        """A batch without the named columns (views)."""
+        """A batch without the named columns (views); a name the batch lacks is refused, as ``select`` refuses one
+        (a misspelt name kept the column it meant to drop, silently)."""
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise KeyError(f"exclude: no column(s) {missing}; the batch has {sorted(self.keys())}")
         keep = [k for k in self.keys() if k not in keys]
         return self.select(*keep)
 

@@ -892,3 +892,11 @@ def test_clone_and_concat_keep_a_meta_value_that_cannot_be_copied_as_an_object_c
     for out in (b.clone(), Batch.concat([b, b])):
         assert out.meta["lock"] is lock
         assert out.meta["d"] == d and out.meta["d"] is not d and out.meta["d"]["a"] is not d["a"]
+
+
+def test_exclude_refuses_a_name_the_batch_lacks_as_select_does():
+    """``exclude("advantage")`` on a batch with ``advantages`` kept the column it meant to drop, silently."""
+    b = Batch.from_dict({"advantages": torch.zeros(2), "x": torch.arange(2)})
+    with pytest.raises(KeyError, match="exclude: no column.*advantage"):
+        b.exclude("advantage")
+    assert b.exclude("advantages").keys() == ["x"]
