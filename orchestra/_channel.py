@@ -62,7 +62,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 import ray
 
@@ -70,8 +70,7 @@ from . import _backend, _replies
 from ._errors import WorkerDiedError, WorkerError
 from ._frame import loads_frame
 
-__all__ = ["Channel", "ChannelReply", "FrameReader", "call_number", "connect", "recv_frame", "send_frame", "enabled",
-           "threshold"]
+__all__ = ["Channel", "ChannelReply", "call_number", "connect", "recv_frame", "send_frame", "enabled", "threshold"]
 
 log = logging.getLogger("orchestra")
 
@@ -124,54 +123,28 @@ def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
+def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
+    """``n`` bytes of ``stream``; None at its end (also inside them). A buffered stream gives them in one read, a raw
+    one (``buffering=0``: no read-ahead) in as many as the socket needs."""
+    data = stream.read(n)
+    if data is None or len(data) == n:
+        return data
+    got = bytearray(data)
+    while len(got) < n:
+        more = stream.read(n - len(got))
+        if not more:
             return None
-        got += k
-    return bytes(buf)
+        got += more
+    return bytes(got)
 
 
-def recv_frame(sock: socket.socket) -> bytes | None:
-    """Read one frame (blocking socket; the rank's side); None at the end of the stream."""
-    head = _recv_exact(sock, _LEN.size)
+def recv_frame(stream: BinaryIO) -> bytes | None:
+    """Read one frame from the file of a blocking socket (``sock.makefile("rb")``: the rank's side, whose buffer cuts
+    what one ``recv`` brings into frames, so a small frame costs one system call); None at the end of the stream."""
+    head = _read_exact(stream, _LEN.size)
     if head is None:
         return None
-    return _recv_exact(sock, _LEN.unpack(head)[0])
-
-
-class FrameReader:
-    """The frames of a blocking socket, in order (the rank's side): what one ``recv`` brings is cut into as many
-    frames as it holds, so a small frame costs one system call, not one for its length and one for its body."""
-
-    def __init__(self, sock: socket.socket, chunk: int = 1 << 16) -> None:
-        self.sock, self.chunk = sock, chunk
-        self.buf = bytearray()
-
-    def frame(self) -> bytes | None:
-        """The next frame's body; None at the end of the stream (also when it ends inside a frame)."""
-        buf = self.buf
-        while True:
-            have = len(buf)
-            if have >= _LEN.size:
-                end = _LEN.size + _LEN.unpack_from(buf)[0]
-                if have >= end:
-                    with memoryview(buf) as view:
-                        body = bytes(view[_LEN.size:end])
-                    del buf[:end]
-                    return body
-                want = end - have
-            else:
-                want = _LEN.size - have
-            data = self.sock.recv(max(want, self.chunk))
-            if not data:
-                return None
-            if not buf and len(data) >= _LEN.size and len(data) == _LEN.size + _LEN.unpack_from(data)[0]:
-                return data[_LEN.size:]  # (the usual case: exactly one frame, taken without the buffer)
-            buf += data
+    return _read_exact(stream, _LEN.unpack(head)[0])
 
 
 def connect(address: str | tuple[str, int], secret: bytes, rank: int) -> socket.socket:

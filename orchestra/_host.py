@@ -519,15 +519,15 @@ class Host:
         its reply (or error) is written back as one frame."""
         served = 0
         session = self.sessions.session(path)
-        sock = None
+        sock = frames = None
         got_frame = False
         try:
             # a rank that cannot connect fails this call: the controller then fails the calls sent meanwhile (to no
             # rank: it writes none until every rank joined) and releases the others
             sock = _channel.connect(address, secret, self.rank)
-            frames = _channel.FrameReader(sock)
+            frames = sock.makefile("rb")  # (its buffer: a small frame read in one recv)
             while True:
-                body = frames.frame()
+                body = _channel.recv_frame(frames)
                 if body is None:
                     return served
                 got_frame = True
@@ -544,6 +544,8 @@ class Host:
                     return served
                 served += 1
         finally:
+            if frames is not None:
+                frames.close()  # (first: the socket's descriptor is closed once no file of it is open)
             if sock is not None:
                 sock.close()
             if got_frame:

@@ -897,9 +897,7 @@ class Invocation:
         """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
         self.looked_at()
         try:
-            submitted = self.submitted
-            if self.error is not None or not submitted.done() or submitted.exception() is not None:
-                await self.wait_submitted()  # (which raises the call's error; a call sent at once skips it)
+            await self.wait_submitted()
             while True:
                 if self.error is not None:
                     raise self.error

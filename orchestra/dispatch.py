@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._batch import Batch
@@ -58,15 +58,8 @@ class Plan:
     collectors: tuple[int, ...] | None = None  # without shard: the ranks whose results count (None: all)
 
     def with_(self, **changes: Any) -> Plan:
-        """A copy with some fields changed (``dataclasses.replace``'s result, without its per-field constructor
-        call: a plan is copied on every call's path)."""
-        unknown = changes.keys() - _PLAN_FIELDS
-        if unknown:
-            raise TypeError(f"Plan has no field(s) {sorted(unknown)}")
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
-        return new
+        """A copy with some fields changed."""
+        return replace(self, **changes)
 
     def without_data(self, placeholder: Any) -> Plan:
         """A copy whose Batch and DataFuture arguments are ``placeholder``: what a finished call keeps of its plan
@@ -75,7 +68,7 @@ class Plan:
             return (tuple(placeholder if _is_data(a) else a for a in args),
                     {k: placeholder if _is_data(v) else v for k, v in kwargs.items()})
         args, kwargs = drop(self.args, self.kwargs)
-        return self.with_(args=args, kwargs=kwargs, per_rank={r: drop(*ak) for r, ak in self.per_rank.items()})
+        return replace(self, args=args, kwargs=kwargs, per_rank={r: drop(*ak) for r, ak in self.per_rank.items()})
 
     def data_args(self) -> list[Any]:
         """The Batch and DataFuture arguments of the call (in positional, then keyword order)."""
@@ -83,9 +76,6 @@ class Plan:
 
     def where(self) -> str:
         return f"group {self.group.name!r}, endpoint {self.endpoint!r}"
-
-
-_PLAN_FIELDS = frozenset(f.name for f in fields(Plan))
 
 
 def _is_data(x: Any) -> bool:
@@ -272,7 +262,6 @@ def scatter() -> Dispatch:
 class _Shard(Dispatch):
     def __init__(self, mesh: str | None, pad: bool, allow_empty: bool) -> None:
         self.mesh, self.pad, self.allow_empty = mesh, pad, allow_empty
-        self._specs: dict[int, ShardSpec] = {}  # world size -> the spec without a mesh (plain data: made once)
 
     def check(self, plan: Plan) -> Plan:
         if not plan.data_args():
@@ -283,11 +272,8 @@ class _Shard(Dispatch):
                                f"over a group (a pool) of just those ranks, or drop only_ranks()")
         spec = None
         if self.mesh is None:
-            spec = self._specs.get(plan.world_size)
-            if spec is None or (spec.pad, spec.allow_empty) != (self.pad, self.allow_empty):
-                spec = self._specs[plan.world_size] = ShardSpec(
-                    tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)), self.pad,
-                    self.allow_empty)
+            spec = ShardSpec(tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)),
+                             self.pad, self.allow_empty)
         else:
             cached = plan.group.cached_mesh(self.mesh)
             if cached is not None:
@@ -441,8 +427,7 @@ def only_ranks(*ranks: int) -> Dispatch:
         raise ValueError("only_ranks() needs at least one rank: a call on no rank would run nowhere")
     twice = sorted({r for r in ranks if ranks.count(r) > 1})
     if twice:
-        raise ValueError(f"only_ranks({', '.join(map(str, ranks))}): rank(s) {twice} more than once; name each rank "
-                         f"once")
+        raise ValueError(f"only_ranks{ranks}: rank(s) {twice} more than once; name each rank once")
     return _OnlyRanks(ranks)
 
 

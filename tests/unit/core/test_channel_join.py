@@ -80,10 +80,16 @@ def _done(value):
     return SimpleNamespace(future=lambda: fut)
 
 
+def _recv(sock: socket.socket) -> bytes | None:
+    """One frame of ``sock`` (None at its end), read through a raw file of it: no byte past the frame is taken."""
+    with sock.makefile("rb", buffering=0) as f:
+        return _channel.recv_frame(f)
+
+
 def _rank_side(address, secret: bytes, rank: int) -> tuple[socket.socket, bytes | None]:
     """Join as ``rank`` and read the first frame (None: the controller shut its side first)."""
     sock = _channel.connect(address, secret, rank)
-    return sock, _channel.recv_frame(sock)
+    return sock, _recv(sock)
 
 
 def _reply(sock: socket.socket, frame: bytes) -> None:
@@ -153,7 +159,7 @@ async def test_no_frame_is_written_until_every_rank_joined_and_a_rank_that_canno
         assert not ch.joined
         hosts[1].serve_channel.fut.set_exception(ConnectionRefusedError("rank 1 cannot reach the socket"))
         # rank 0 sees its socket shut without any frame: its loop returns before the Ray calls run
-        assert await anyio.to_thread.run_sync(_channel.recv_frame, sock0) is None
+        assert await anyio.to_thread.run_sync(_recv, sock0) is None
         sock0.close()
         for r in (0, 1):  # under the channel's session: a reader that asked a rank for one gets its outcome
             assert hosts[r].resent == [(ch.key, call[r].call_id) for call in replies]
@@ -210,7 +216,7 @@ async def test_ranks_on_other_nodes_join_over_tcp_on_the_nodes_own_address():
         with pytest.raises(ConnectionRefusedError):  # everyone is in: the port is closed
             socket.create_connection(remote, timeout=5).close()
         ch.release()
-        assert await anyio.to_thread.run_sync(_channel.recv_frame, s1) is None  # the rank's loop would return
+        assert await anyio.to_thread.run_sync(_recv, s1) is None  # the rank's loop would return
         s0.close()
         s1.close()
     finally:
@@ -232,7 +238,7 @@ async def test_a_rank_found_gone_while_a_call_is_sent_fails_its_part_only_and_th
         socks[1].close()  # rank 1's process is gone; the controller has not read its end yet
         replies = [_call(ch, r) for r in range(3)]  # one call to every rank, sent with no turn of the loop between
         for r in (0, 2):  # the ranks after the lost one got their frame: the call did not run on rank 0 alone
-            frame = await anyio.to_thread.run_sync(_channel.recv_frame, socks[r])
+            frame = await anyio.to_thread.run_sync(_recv, socks[r])
             assert frame is not None and pickle.loads(frame)[0] == replies[r].call_id
             _reply(socks[r], frame)
         with anyio.fail_after(30):
@@ -242,7 +248,7 @@ async def test_a_rank_found_gone_while_a_call_is_sent_fails_its_part_only_and_th
                 await replies[1].out
         assert not ch.open  # no new call takes the channel; the live ranks' loops return after their frames
         for r in (0, 2):
-            assert await anyio.to_thread.run_sync(_channel.recv_frame, socks[r]) is None
+            assert await anyio.to_thread.run_sync(_recv, socks[r]) is None
     finally:
         for s in socks:
             s.close()
@@ -263,7 +269,7 @@ async def test_a_rank_found_gone_while_the_queued_frames_go_out_does_not_cost_th
         socks[0].shutdown(socket.SHUT_RD)
         socks.append(await anyio.to_thread.run_sync(_channel.connect, address, secret, 2))
         for r in (1, 2):
-            frame = await anyio.to_thread.run_sync(_channel.recv_frame, socks[r])
+            frame = await anyio.to_thread.run_sync(_recv, socks[r])
             assert frame is not None and pickle.loads(frame)[0] == replies[r].call_id
             _reply(socks[r], frame)
         with anyio.fail_after(30):

@@ -162,8 +162,6 @@ def test_only_ranks_refusals_name_it_as_it_is_written():
     """They read ``only_ranks(9,)`` (the tuple's repr), not what the call wrote."""
     with pytest.raises(DispatchError, match=r"only_ranks\(9\): rank\(s\) \[9\]"):
         D.only_ranks(9).check(plan())
-    with pytest.raises(ValueError, match=r"only_ranks\(1, 1\): rank\(s\) \[1\] more than once"):
-        D.only_ranks(1, 1)
 
 
 def test_only_ranks_runs_its_ranks_in_rank_order():

@@ -41,6 +41,11 @@ class _Pairs(Worker):
         return len(b)
 
     @endpoint(D.shard())
+    def head_twice(self, b: Batch) -> Batch:  # the rank that holds row 0 returns its rows twice
+        ids = b["id"]
+        return Batch.from_dict({"id": torch.cat([ids, ids]) if int(ids[0]) == 0 else ids})
+
+    @endpoint(D.shard())
     def evens(self, b: Batch) -> Batch:
         return Batch.from_dict({"id": b["id"][b["id"] % 2 == 0]})
 
@@ -84,6 +89,8 @@ async def test_a_balanced_read_of_fewer_rows_than_shards_is_refused_by_every_ran
 
 async def test_one_forwarded_future_alone_is_still_read_aligned(g):
     """The aligned read (each rank its upstream rank's rows, starting as soon as that rank is done) stays for a call
-    that reads one future: its rows are not paired with another argument's."""
+    that reads one future: its rows are not paired with another argument's. ``head_twice`` returns 4, 2, 2, 2 rows;
+    a balanced read would give 3, 3, 2, 2."""
     ids = Batch.from_dict({"id": torch.arange(8)})
-    assert await g.count(g.logp(ids)) == [2, 2, 2, 2]
+    assert await g.count(g.head_twice(ids)) == [4, 2, 2, 2]
+    assert await g.count(await g.head_twice(ids)) == [3, 3, 2, 2]

@@ -101,14 +101,14 @@ def test_a_second_cli_run_into_a_running_runs_output_dir_fails_at_once_and_remov
         cli_main(_train(out, "--overwrite"))
 
 
-@pytest.mark.parametrize("bad", ["data.prompts_per_step=100000", "resources.device=cuda:7"])
+@pytest.mark.parametrize("bad", ["data.prompts_per_step=100000", "resources.device=cuda resources.backend=local"])
 def test_overwrite_with_a_config_the_checks_refuse_removes_nothing_of_the_earlier_run(tmp_path, no_ray, capsys, bad):
     """--overwrite removed the earlier run's checkpoints and metrics, then the run was refused for a typo in the
     command (the config's checks came after the removal): the earlier run was lost and nothing started."""
     out = tmp_path / "run"
     _committed(out)
     (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
-    assert cli_main(["train", f"runner.output_dir={out}", "runner.total_steps=3", bad, "--no-progress",
+    assert cli_main(["train", f"runner.output_dir={out}", "runner.total_steps=3", *bad.split(), "--no-progress",
                      "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("orchestra train: ") and bad.split("=")[0] in err and "removed" not in err
