@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--help-config", action="store_true", help="list every config key (section.key) with its type, "
                    "default and description, and exit")
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)  # the file and overrides may follow the flags: `train JOB.yaml --resume k=v`
+    if extra and (args.command != "train" or any(a.startswith("-") for a in extra)):
+        p.parse_args(argv)  # argparse's own error (exit 2) for what it does not know
 
     from .config import ConfigError, config_help, load_config
 
@@ -69,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
-    config, overrides = args.config, list(args.overrides)
+    config, *overrides = [*([args.config] if args.config is not None else []), *args.overrides, *extra] or [None]
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
+    misplaced = [o for o in overrides if "=" not in o]
+    if misplaced:  # e.g. `train k=v JOB.yaml`: the file would be read as an override
+        print(f"orchestra train: {misplaced[0]!r} is not a section.key=value override; the config file comes first: "
+              f"orchestra train {misplaced[0]} [section.key=value ...] [flags]", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:

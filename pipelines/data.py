@@ -83,7 +83,8 @@ def load_prompts(
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
-            raise ImportError(f"reading {path} needs pyarrow: pip install 'orchestra-rl[data]'") from e
+            raise ImportError(f"reading {path} needs pyarrow: pip install 'orchestra-rl[data]'",
+                              name="pyarrow") from e
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             records.append(_check_record(row, f"{path}:row {i}", prompt_key, required_keys))
             if check is not None:

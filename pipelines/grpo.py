@@ -59,16 +59,13 @@ async def critic_free_update(ctx: StepContext, rollouts: DataFuture, scores: Dat
     kl_in_reward = alg.kl_coef > 0 and alg.kl_in == "reward"  # the config allows it for reinforce_pp only
     opts: dict[str, Any] = {"stream": True} if streamed else {}
 
-    def stage(name: str, fut: DataFuture) -> DataFuture:
-        return ctx.stage(name, fut) if streamed else fut
-
-    old = stage("old_log_prob", c.actor.compute_log_prob.options(**opts)(rollouts))
+    old = ctx.stage("old_log_prob", c.actor.compute_log_prob.options(**opts)(rollouts))
     ref = None
     if alg.kl_coef > 0:
-        ref = stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**opts)(rollouts))
+        ref = ctx.stage("ref_log_prob", c.actor.compute_ref_log_prob.options(**opts)(rollouts))
     lengths, extra = None, {}
     if alg.overlong_buffer is not None:  # DAPO: shape the scores by response length (config: per-sequence only)
-        lengths = stage("lengths", c.advantage.response_lengths.options(**opts)(rollouts))
+        lengths = ctx.stage("lengths", c.advantage.response_lengths.options(**opts)(rollouts))
     greedy = greedy_lengths = None
     if estimator == "remax":  # the baseline: the reward of the greedy response to each prompt
         if ctx.greedy is None:
@@ -82,7 +79,7 @@ async def critic_free_update(ctx: StepContext, rollouts: DataFuture, scores: Dat
         raise ValueError("critic_free_update: filler rows need a per-sequence estimator; adv_estimator "
                          "'reinforce_pp' computes token-level advantages on the workers (the DAPO config refuses it)")
     if estimator == "reinforce_pp":  # token-level: computed next to the rows, then whitened over the batch
-        adv = stage("returns", c.advantage.reinforce_pp.options(**opts)(
+        adv = ctx.stage("returns", c.advantage.reinforce_pp.options(**opts)(
             union(rollouts, scores, old, ref), gamma=alg.gamma, kl_coef=beta if kl_in_reward else 0.0,
             kl_estimator=alg.kl_reward_estimator))
         s = (await _get(scores))["scores"]

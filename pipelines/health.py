@@ -3,12 +3,15 @@ skipped. Without this a diverged run "finishes" with NaN metrics and exit status
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["NonFiniteGuard", "TrainingDivergedError"]
+
+log = logging.getLogger("orchestra")
 
 ROLES = ("actor", "critic")
 WATCHED = ("loss", "grad_norm")
@@ -31,6 +34,9 @@ class NonFiniteGuard:
     - ``<role>/loss`` or ``<role>/grad_norm`` has been non-finite for ``max_bad_steps`` consecutive steps, or
     - every optimizer update of a role in one step was skipped (``<role>/skipped == <role>/optimizer_steps``:
       the engine skips an update whose gradient is not finite, so nothing was learned this step).
+
+    What it tolerates it says: a warning for each non-finite step short of ``max_bad_steps`` and for each step some
+    of whose updates were skipped, and :meth:`at_end` one when the run ends inside a run of non-finite steps.
     """
 
     max_bad_steps: int = 3
@@ -56,6 +62,11 @@ class NonFiniteGuard:
         for role in ROLES:
             updates = metrics.get(f"{role}/optimizer_steps", 0.0)
             skipped = metrics.get(f"{role}/skipped", 0.0)
+            if 0 < skipped < updates:
+                log.warning("step %d: %d of %d %s updates were skipped because the gradient was not finite (%s/loss="
+                            "%s, %s/grad_norm=%s); the step learned from the others", step, int(skipped),
+                            int(updates), role, role, metrics.get(f"{role}/loss"), role,
+                            metrics.get(f"{role}/grad_norm"))
             if updates > 0 and skipped >= updates:
                 raise TrainingDivergedError(
                     f"training diverged at step {step}: all {int(updates)} {role} updates were skipped because "
@@ -69,9 +80,23 @@ class NonFiniteGuard:
             self.bad_run = 0
             return
         self.bad_run += 1
+        if self.bad_run < self.max_bad_steps:
+            log.warning("step %d: %s not finite (%d of runner.max_bad_steps=%d consecutive non-finite steps before "
+                        "the run stops)", step, ", ".join(f"{k}={v}" for k, v in bad), self.bad_run,
+                        self.max_bad_steps)
         if self.bad_run >= self.max_bad_steps:
             key, value = bad[0]
             raise TrainingDivergedError(
                 f"training diverged at step {step}: {key}={value} (non-finite for {self.bad_run} consecutive steps, "
                 f"runner.max_bad_steps={self.max_bad_steps}); lower the learning rate or check the inputs",
                 step, key)
+
+    def at_end(self, last_step: int) -> None:
+        """The run ended after ``last_step``: warn when its last steps were non-finite (tolerated, short of
+        ``max_bad_steps``), so a run whose final metrics are NaN does not end as if nothing had happened."""
+        if self.bad_run:
+            log.warning("the run ended after %d consecutive non-finite steps (steps %d-%d; runner.max_bad_steps=%d "
+                        "stops a run at that many): %s, and a checkpoint of a later step holds the weights those "
+                        "steps left", self.bad_run, last_step - self.bad_run + 1, last_step, self.max_bad_steps,
+                        f"its last finite step is {last_step - self.bad_run}" if last_step >= self.bad_run else
+                        "no step of it was finite")

@@ -14,7 +14,8 @@ __all__ = ["join"]
 async def join(*aws: Awaitable[Any]) -> list[Any]:
     """Await every one of ``aws`` at once and return their results in order. The first failure ends the others:
     they are cancelled (a DataFuture's await cancelled cancels its call) and waited for, then that failure is
-    raised as it is (not in a group). ``asyncio.gather`` would leave them running, owned by nobody."""
+    raised as it is (not in a group); any other that failed meanwhile is named in a note on it.
+    ``asyncio.gather`` would leave them running, owned by nobody."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     if not tasks:
         return []
@@ -27,7 +28,10 @@ async def join(*aws: Awaitable[Any]) -> list[Any]:
         if pending:
             with anyio.CancelScope(shield=True):  # cancelled ones end within a loop turn or two
                 await asyncio.wait(pending)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+    failed = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if failed:  # the first raised; every other one said on it (each retrieved: none is lost to the garbage collector)
+        first = failed[0]
+        for other in failed[1:]:
+            first.add_note(f"(join: another awaitable failed too: {type(other).__name__}: {other})")
+        raise first
     return [t.result() for t in tasks]

@@ -203,6 +203,7 @@ class Runner:
                     await self._train(sink)
                 finally:
                     sink.close()
+                self.guard.at_end(cfg.runner.total_steps - 1)  # a run that ends on tolerated NaN steps says so
                 if cfg.runner.plot and not cfg.runner.metrics:
                     log.warning("runner.plot: no reward.png, since runner.metrics=false wrote no metrics.jsonl to draw")
                 elif cfg.runner.plot:
@@ -451,11 +452,15 @@ class Runner:
                 pending = self._launch(step + 1)  # generated with the current weights while this step updates
             ctx = StepContext(self.cluster, cfg, step, self.tracer, kl_ctl=self.kl_ctl, prompts=cur.prompts,
                               greedy=cur.greedy, sample_more=functools.partial(self._sample_more, step))
-            async with ctx:  # the step owns its stage watchers: none outlives it, even when it fails
-                with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
-                    metrics = await self.step_fn(ctx, cur.rollouts)
-                    self.actor_version += 1
-                    await self._sync_rollout()
+            try:
+                async with ctx:  # the step owns its stage watchers: none outlives it, even when it fails
+                    with self.tracer.span(f"step {step}", step=step) if self.tracer else contextlib.nullcontext():
+                        metrics = await self.step_fn(ctx, cur.rollouts)
+                        self.actor_version += 1
+                        await self._sync_rollout()
+            except Exception as e:  # the error names its group, rank and endpoint; this says which step it ended
+                e.add_note(f"(raised in step {step} of the {cfg.algorithm.name} run in {self.out}; steps count from 0)")
+                raise
             rec = self._record(step, cur, metrics, ctx)
             sink.write(rec)
             self.history.append(rec)
@@ -501,9 +506,16 @@ class Runner:
                      "holds only %d, and a round never holds a prompt twice", step, limit, count, limit)
             count = limit
         rnd = self._extra_rounds.get(step, 0) + 1
+        rounds = self.cfg.algorithm.dynamic_sampling_max_rounds
+        if rnd > rounds:
+            raise ValueError(f"step {step}: extra sampling round {rnd}, but algorithm.dynamic_sampling_max_rounds is "
+                             f"{rounds}: a step takes at most that many extra rounds (raise it to take more)")
         self._extra_rounds = {step: rnd}
         recs = self.sampler.take(count)
-        prompts = prompt_batch(recs, self.tok, uid_offset=step * self.cfg.data.prompts_per_step)
+        # uids no other round of any step uses (a uid names one prompt): the steps' first rounds take
+        # [0, total_steps x prompts_per_step); each extra round its own block of an epoch's size above them
+        first = self.cfg.runner.total_steps * self.cfg.data.prompts_per_step
+        prompts = prompt_batch(recs, self.tok, uid_offset=first + (step * rounds + rnd - 1) * limit)
         return self.cluster.rollout.generate(prompts, micro_batches=min(self.cfg.runner.micro_batches_per_step,
                                                                         len(recs)), seed=self.cfg.rollout.seed,
                                              call=(step, _SAMPLED, rnd))
@@ -654,6 +666,10 @@ def _build_task(cfg: Config) -> TaskSpec:
             raise
         raise ConfigError(f"data.train_path: {e}; fix the file or point data.train_path at another",
                           "data.train_path") from e
+    except ImportError as e:  # a parquet file without pyarrow (data.load_prompts): an install to make, not a bug
+        if not cfg.data.train_path or e.name != "pyarrow":
+            raise
+        raise ConfigError(f"data.train_path: {e}, or convert the file to .jsonl", "data.train_path") from e
 
 
 def _check_records(cfg: Config, task: TaskSpec) -> None:

@@ -160,6 +160,15 @@ def _answer_check(spec: TaskSpec) -> Callable[[dict, str, str], None]:
             shown = repr(answer)
         shown = shown if len(shown) <= 80 else f"{shown[:80]}... ({len(shown)} characters)"
         fix = "fix or remove the row" if key == "data.train_path" else f"fix task {spec.name!r}'s prompt generator"
+        if not isinstance(record["prompt"], str):  # a chat (data.load_prompts takes one): this task's tokenizer cannot
+            raise ConfigError(
+                f"{key}: {where}: the prompt is a {type(record['prompt']).__name__} (a chat of role/content messages"
+                f"), but task {spec.name!r} tokenizes plain text: write the prompt as one string (a chat template "
+                f"applied already), or {fix}", key)
+        if isinstance(answer, str) and not answer.strip():  # a lost answer, as null is: an empty response matches it
+            raise ConfigError(
+                f"{key}: {where}: answer {shown} is blank: the task's reward would pay a response that ends at once "
+                f"(or holds only spaces) as solved; {accepted}, not blank: {fix}", key)
         if isinstance(answer, bool) or not isinstance(answer, str | int):
             kind = "" if answer is None else f" ({_ANSWER_TYPES.get(type(answer), f'a {type(answer).__name__}')})"
             raise ConfigError(

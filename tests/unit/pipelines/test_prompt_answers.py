@@ -72,7 +72,7 @@ def test_a_bad_answer_in_parquet_names_the_row(tmp_path):
         get_task(_cfg("digits", f))
 
 
-@pytest.mark.parametrize("answer, text", [(8, "8"), (-12, "-12"), ("8", "8"), ("", "")])
+@pytest.mark.parametrize("answer, text", [(8, "8"), (-12, "-12"), ("8", "8")])
 def test_integer_and_encodable_string_answers_are_taken(tmp_path, answer, text):
     from engines.tokenizer import CharTokenizer
     from pipelines.taskspec import prompt_batch
@@ -110,3 +110,43 @@ def test_the_cli_exits_2_naming_the_row(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"orchestra train: data.train_path: {f}:line 2: answer null ")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("task", ["digits", "addition"])
+@pytest.mark.parametrize("answer", ["", " ", "\t"])
+def test_a_blank_answer_is_refused_as_null_is(tmp_path, task, answer):
+    # a lost answer written as "" (not null) was taken, and the response that stops at once was paid as solved
+    f = _jsonl(tmp_path, _rows(answer))
+    with pytest.raises(ConfigError) as e:
+        get_task(_cfg(task, f))
+    msg = str(e.value)
+    assert msg.startswith(f"data.train_path: {f}:line 3: answer {json.dumps(answer)} is blank")
+    assert e.value.path == "data.train_path"
+
+
+@pytest.mark.parametrize("task", ["digits", "addition"])
+def test_a_chat_prompt_is_refused_naming_its_row_not_a_bare_type_error(tmp_path, task):
+    # load_prompts takes chats (a list of role/content messages); these tasks' tokenizers take text: it was a
+    # TypeError ("unhashable type: 'dict'") from the tokenizer, naming no file or row
+    rows = _rows("8")
+    rows[1] = {"prompt": [{"role": "user", "content": "3+5="}], "answer": "8"}
+    f = _jsonl(tmp_path, rows)
+    with pytest.raises(ConfigError) as e:
+        get_task(_cfg(task, f))
+    msg = str(e.value)
+    assert msg.startswith(f"data.train_path: {f}:line 3: the prompt is a list (a chat of role/content messages)")
+    assert "write the prompt as one string" in msg
+
+
+def test_a_parquet_file_without_pyarrow_is_a_config_error_exit_2(tmp_path, monkeypatch, capsys):
+    import sys
+
+    f = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(_rows("8")), f)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    monkeypatch.chdir(tmp_path)
+    code = cli_main(["train", f"data.train_path={f}", *LOCAL_TINY, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"orchestra train: data.train_path: reading {f} needs pyarrow")
