@@ -16,6 +16,10 @@ micro-batch loop the engine all-reduces the unit count ``N`` of the whole *globa
 by ``dp_size`` to undo FSDP's gradient averaging over ranks. ``sum_m (n_m / N) mean_m`` is the
 mean over the global mini-batch, so the gradient is that of the whole mini-batch's loss,
 independent of ``micro_batch_size`` and of the DP size, for token- and sequence-level means alike.
+A micro-batch with ``n_m = 0`` (every response masked out) weighs 0 exactly: ``loss_fn`` is not called for it
+(unless a ``metric_scales`` unit of it is > 0, for the metrics; its loss is then not backpropagated), so a mean over
+no unit (0/0 = NaN) cannot poison the step; it still runs the same forward and a zero backward, for FSDP's
+collectives. A step whose gradient norm is not finite is skipped (``skipped=1``) with a WARNING on rank 0.
 The reported ``loss`` and every loss_fn metric are the same weighted means, except that a metric named in the
 loss object's ``metric_scales`` (``{name: "tokens" | "sequences" | "rows"}``) is weighted by those units: a
 token-mean metric such as a clip fraction or the entropy stays the mean over the mini-batch's tokens under a
@@ -65,6 +69,7 @@ import contextlib
 import datetime
 import logging
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -140,7 +145,9 @@ class EngineConfig:
         as for min_lr_ratio outside [0, 1], total_steps < 1 and a NaN grad_clip).
     lr_schedule: "constant" or "cosine" (to ``min_lr_ratio * lr`` at step index ``total_steps``: one past the
         last of ``total_steps`` steps, which runs slightly above it), both
-        after a linear warmup of ``warmup_steps`` (step s uses ``lr * (s + 1) / warmup_steps``).
+        after a linear warmup of ``warmup_steps`` (step s uses ``lr * (s + 1) / warmup_steps``). Step counts
+        (warmup_steps, total_steps, schedule_start) and micro-batch sizes must be integers, and a cosine schedule
+        needs total_steps > warmup_steps (ValueError otherwise).
     schedule_start: optimizer steps taken before the schedule starts (a warm start's, each given its own
         ``lr`` in ``train_step``): step ``schedule_start`` is the schedule's step 0.
     grad_clip: max global grad norm; None or <= 0 disables clipping (the norm is still reported).
@@ -149,7 +156,12 @@ class EngineConfig:
         (None: same as ``micro_batch_size``).
     loss_scale: "tokens", "sequences" or "rows": the units a plain loss function averages over, for
         weighting micro-batches (module docstring); a loss object's own ``loss_scale`` wins.
-    seed: seeds torch's RNG when the engine is built (model factory, dropout).
+    seed: seeds torch's global RNG when the engine is built (before the model factory runs) and so dropout and
+        whatever else draws from it. It does not set the initial weights of a model from the engines' builders:
+        ``engines.models.build_causal_lm`` / ``build_value_model`` / ``build_reward_model`` seed their init with their
+        own ``seed`` argument (default 0) in a forked RNG, so pass the seed to the builder inside the factory (e.g.
+        ``lambda: build_causal_lm(cfg, seed=s)``). A factory that draws from the global RNG (``from_config``) does
+        follow this seed.
     mixed_precision: bf16 params / fp32 gradient reduction; None means on for CUDA, off on CPU.
     reshard_after_forward: FSDP2 option (True frees gathered params after each forward).
     accumulate_without_sync: skip the gradient reduce-scatter on all but the last micro-batch
@@ -195,15 +207,23 @@ class EngineConfig:
             raise bad("lr", "a finite number > 0")
         if not (number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
             raise bad("min_lr_ratio", "in [0, 1] (the end of the cosine schedule as a fraction of lr)")
-        if self.total_steps is not None and self.total_steps < 1:
-            raise bad("total_steps", ">= 1 or None")
+        def integer(x: Any) -> bool:
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        if self.total_steps is not None and not (integer(self.total_steps) and self.total_steps >= 1):
+            raise bad("total_steps", "an integer >= 1 or None")
         if self.lr_schedule == "cosine" and self.total_steps is None:
             raise ValueError("EngineConfig: lr_schedule='cosine' needs total_steps > 0 (the step where lr reaches "
                              "min_lr_ratio*lr)")
-        if self.warmup_steps < 0:
-            raise bad("warmup_steps", ">= 0")
-        if self.schedule_start < 0:
-            raise bad("schedule_start", ">= 0")
+        if not (integer(self.warmup_steps) and self.warmup_steps >= 0):
+            raise bad("warmup_steps", "an integer >= 0 (optimizer steps)")
+        if not (integer(self.schedule_start) and self.schedule_start >= 0):
+            raise bad("schedule_start", "an integer >= 0 (optimizer steps)")
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"EngineConfig: total_steps ({self.total_steps}) must be greater than warmup_steps "
+                             f"({self.warmup_steps}) with lr_schedule='cosine': the decay runs from the end of the "
+                             f"warmup to total_steps, so it would never run (the LR would drop from lr to "
+                             f"min_lr_ratio*lr at once); raise total_steps or lower warmup_steps")
         if not (number(self.weight_decay) and self.weight_decay >= 0):
             raise bad("weight_decay", "a finite number >= 0")
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
@@ -216,10 +236,11 @@ class EngineConfig:
             raise bad("grad_clip", "a number (<= 0 or None: no clipping)")
         if self.loss_scale not in LOSS_SCALES:
             raise bad("loss_scale", f"one of {', '.join(LOSS_SCALES)}")
-        if self.micro_batch_size < 1:
-            raise bad("micro_batch_size", ">= 1")
-        if self.forward_micro_batch_size is not None and self.forward_micro_batch_size < 1:
-            raise bad("forward_micro_batch_size", ">= 1 or None")
+        if not (integer(self.micro_batch_size) and self.micro_batch_size >= 1):
+            raise bad("micro_batch_size", "an integer >= 1 (rows)")
+        if self.forward_micro_batch_size is not None and not (integer(self.forward_micro_batch_size)
+                                                               and self.forward_micro_batch_size >= 1):
+            raise bad("forward_micro_batch_size", "an integer >= 1 or None (rows)")
 
 
 def lr_factor(config: EngineConfig, step: int) -> float:
@@ -449,9 +470,12 @@ def _train_batch_problem(batch: Mapping[str, Any], data: Mapping[str, torch.Tens
     if problem is not None:
         return problem
     try:
-        model_inputs(data, "train_step")
+        _, attention_mask, R = model_inputs(data, "train_step")
     except (KeyError, ValueError) as e:
         return _Problem(type(e), f"{e.args[0] if e.args else e} (rank {rank})")
+    problem = _prompt_problem(attention_mask, R, "train_step", rank)
+    if problem is not None:
+        return problem
     if "response_mask" not in data:
         return _Problem(KeyError, f"train_step: batch needs 'response_mask' [rows, response_len] (rank {rank} got "
                                   f"keys {sorted(data)})")
@@ -482,6 +506,30 @@ def _train_batch_problem(batch: Mapping[str, Any], data: Mapping[str, torch.Tens
         if not v.is_floating_point():
             return _Problem(ValueError, f"train_step: column {name!r} has dtype {v.dtype} on rank {rank}; {who} "
                                         f"needs a floating-point tensor ({purpose}); cast it with .float()")
+    return None
+
+
+def _prompt_problem(attention_mask: torch.Tensor, R: int, what: str, rank: int) -> _Problem | None:
+    """Prompts must be LEFT-padded with at least one real token (as ``RolloutEngine.generate`` requires): the
+    engine reads the response's first log-prob / value at the last prompt column, so a right-padded prompt or a row
+    without a prompt token gives wrong numbers silently. None when every row is fine, else the first bad row."""
+    prompt_mask = attention_mask[:, :-R]
+    if prompt_mask.shape[0] == 0:
+        return None
+    empty = (prompt_mask != 0).sum(-1) == 0
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten().tolist()
+        return _Problem(ValueError, f"{what}: row {rows[0]} (rank {rank}; {len(rows)} such row(s): {rows[:5]}) has no "
+                                    f"real prompt token (attention_mask is 0 over all {prompt_mask.shape[1]} prompt "
+                                    f"columns); every row needs a prompt of at least one token: drop the row or "
+                                    f"give it one (e.g. a BOS token)")
+    right = prompt_mask[:, -1] == 0
+    if bool(right.any()):
+        rows = right.nonzero().flatten().tolist()
+        return _Problem(ValueError, f"{what}: prompts must be LEFT-padded, but row {rows[0]} (rank {rank}; {len(rows)} "
+                                    f"such row(s): {rows[:5]}) has attention_mask 0 in the last prompt column "
+                                    f"(column {prompt_mask.shape[1] - 1}, just before the response); pad prompts on "
+                                    f"the left (tokenizer padding_side='left')")
     return None
 
 
@@ -775,9 +823,12 @@ class FSDPEngine:
         if problem is not None:
             return problem
         try:
-            _, _, R = model_inputs(data, what)
+            _, attention_mask, R = model_inputs(data, what)
         except (KeyError, ValueError) as e:
             return _Problem(type(e), f"{e.args[0] if e.args else e} (rank {self._rank})")
+        problem = _prompt_problem(attention_mask, R, what, self._rank)
+        if problem is not None:
+            return problem
         if "response_mask" in data:
             if tuple(data["response_mask"].shape) != (rows, R):
                 return _Problem(ValueError, f"{what}: column 'response_mask' has shape "
@@ -990,6 +1041,16 @@ class FSDPEngine:
                     dummy = sum(v.sum() for v in outputs.values()) * 0.0
                     dummy.backward()
                     continue
+                main = outputs["values"] if self.model_kind == "value" else outputs["log_probs"]
+                w = units[i] / total_units if total_units > 0 else 0.0
+                # a micro-batch with no unit of the loss (nor of any metric) weighs 0: loss_fn is not called (a mean
+                # over no unit is 0/0 = NaN there, and NaN * 0 would poison the whole step's gradient); it still runs
+                # the same backward (a finite zero through the outputs) so every rank issues the same collectives
+                counts_here = units[i] > 0 or any(scale_units[sc][i] > 0 for sc in scales)
+                if not counts_here:
+                    self._agree_on_loss(None, i, data)
+                    (main.sum() * 0.0).backward()
+                    continue
                 failure: BaseException | None = None
                 try:
                     loss, metrics = loss_fn(outputs, mb)
@@ -999,7 +1060,6 @@ class FSDPEngine:
                         raise ValueError("train_step: loss_fn returned a loss that does not depend on the model's "
                                          "outputs (requires_grad is False); build it from the outputs it is given, and "
                                          "do not call train_step under torch.no_grad")
-                    w = units[i] / total_units if total_units > 0 else 0.0
                     clash = sorted(_OWN_RESULTS.intersection(metrics or {}))
                     if clash:  # "loss" was added into the step's loss, the others overwritten by its own results
                         raise ValueError(f"train_step: loss_fn returned metric(s) {clash}, named like train_step's "
@@ -1009,10 +1069,13 @@ class FSDPEngine:
                     failure = e
                 self._agree_on_loss(failure, i, data)  # every rank, before any backward collective
                 # the zero-weighted term makes every rank's backward reach every parameter, so that FSDP's gradient
-                # collectives pair up even where the loss does not depend on the model (a constant zero loss)
-                main = outputs["values"] if self.model_kind == "value" else outputs["log_probs"]
-                (loss * (w * self._world) + main.sum() * 0.0).backward()
-                metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
+                # collectives pair up even where the loss does not depend on the model (a constant zero loss). A
+                # micro-batch with no loss unit (called for another scale's metrics) backprops only that zero term
+                if units[i] > 0:
+                    (loss * (w * self._world) + main.sum() * 0.0).backward()
+                    metric_sums["loss"] = metric_sums.get("loss", 0.0) + w * float(loss.detach().item())
+                else:
+                    (main.sum() * 0.0).backward()
                 for k, fv in values.items():
                     mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]
                     metric_sums[k] = metric_sums.get(k, 0.0) + (mu[i] / mtotal if mtotal > 0 else 0.0) * fv
@@ -1025,7 +1088,15 @@ class FSDPEngine:
                 grad_norm = grad_norm.full_tensor()
             grad_norm_f = float(grad_norm.item())
             skipped = not math.isfinite(grad_norm_f)
-            if not skipped:
+            if skipped:
+                log.log(logging.WARNING if self._rank == 0 else logging.DEBUG,
+                        "train_step: grad_norm=%s is not finite in optimizer step %d (this mini-batch: %d rows, %d "
+                        "response tokens, %d micro-batches); the step is skipped (skipped=1: no update, the LR "
+                        "schedule stays at step %d). A loss_fn that returns NaN/inf for some micro-batch (e.g. a mean "
+                        "over a mask with no token: divide by mask.sum().clamp(min=1)), or too high a learning rate, "
+                        "causes this", grad_norm_f, self.global_step + 1, int(total_rows), int(total_tokens),
+                        int(total_micro), self.global_step)
+            else:
                 self.optimizer.step()
                 self.global_step += 1
             self.optimizer.zero_grad(set_to_none=True)

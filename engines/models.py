@@ -10,7 +10,7 @@ weights around.
 from __future__ import annotations
 
 import copy
-
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 ConfigLike = Mapping[str, Any] | PretrainedConfig | None
+
+log = logging.getLogger("orchestra")
 
 
 def tiny_qwen2_config(vocab_size: int = 256, **overrides: Any) -> Qwen2Config:
@@ -94,6 +96,78 @@ def _check_path(path: str | os.PathLike) -> str:
     return p
 
 
+def _few(keys: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``keys``, comma-separated, with ``...`` when there are more."""
+    return ", ".join(keys[:n]) + (", ..." if len(keys) > n else "")
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A hint when most unused checkpoint keys are missing model keys under one extra prefix (``module.`` from a
+    DDP/FSDP wrapper, ...); "" otherwise."""
+    want = set(missing)
+    for u in unexpected:
+        for m in missing:
+            if u.endswith("." + m):
+                prefix = u[: -len(m)]
+                hits = sum(k.startswith(prefix) and k[len(prefix):] in want for k in unexpected)
+                if hits * 2 >= len(unexpected):
+                    return (f" The checkpoint's keys look like the model's under a {prefix!r} prefix (a wrapped "
+                            f"model's state_dict): strip the prefix from the keys, or save the unwrapped model.")
+                break
+    return ""
+
+
+def _check_loading_info(model: PreTrainedModel, info: Mapping[str, Any], path: str, *, head_model: bool = False,
+                        new_head_level: int = logging.INFO) -> None:
+    """Refuse a checkpoint that does not fill the model: transformers initialises missing weights at random and
+    drops unexpected ones, with only a load report (hidden at TRANSFORMERS_VERBOSITY=error) to say so.
+
+    Tied weights never show up here (transformers resolves them). A ``head_model`` (critic / reward model:
+    ``model.base_model_prefix`` is the backbone) may load a causal-LM checkpoint: the weights outside the backbone
+    that the checkpoint lacks are the head the class adds (initialised from the seed, logged at
+    ``new_head_level``), and the checkpoint's weights outside the backbone (the LM head) are unused (logged at INFO).
+    Everything else missing or unused is refused with a ValueError listing a few keys and the counts.
+    """
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or ()))
+    errors = list(info.get("error_msgs") or ())
+    name = type(model).__name__
+    new_head: list[str] = []
+    unused_head: list[str] = []
+    base = getattr(model, "base_model_prefix", "") or ""
+    if head_model and base:
+        # the weights outside the backbone that the checkpoint lacks are the head this class adds; the checkpoint's
+        # weights outside the backbone are another task's head (the LM head) -- unused, but only if all else fits
+        new_head = [k for k in missing if not k.startswith(base + ".")]
+        missing = [k for k in missing if k not in new_head]
+        if not missing:
+            unused_head = [k for k in unexpected if not k.startswith(base + ".")]
+            unexpected = [k for k in unexpected if k not in unused_head]
+    if missing or unexpected or mismatched or errors:
+        parts = []
+        if missing:
+            parts.append(f"weights the model needs are missing from the checkpoint ({len(missing)}): {_few(missing)}")
+        if unexpected:
+            parts.append(f"weights in the checkpoint are unused by the model ({len(unexpected)}): {_few(unexpected)}")
+        if mismatched:
+            parts.append(f"weights with another shape ({len(mismatched)}): {_few(mismatched)}")
+        if errors:
+            parts.append(f"load errors: {_few([str(e) for e in errors], 3)}")
+        raise ValueError(
+            f"loading {name} from {path!r}: " + "; ".join(parts) + ". They would be initialised at random / dropped "
+            "silently." + _prefix_hint(missing, unexpected) + " Check that the path is a checkpoint of this model "
+            "(a causal LM for the actor, reference and rollout; a causal LM or a value-model checkpoint for the "
+            "critic) saved with save_pretrained from the unwrapped model."
+        )
+    if new_head:
+        log.log(new_head_level, "loading %s from %r: newly initialised from the seed (not in the checkpoint): %s",
+                name, path, ", ".join(new_head))
+    if unused_head:
+        log.info("loading %s from %r: checkpoint weights unused by this model (another head): %s",
+                 name, path, ", ".join(unused_head))
+
+
 # One seeded model build at a time in this process (see _build); reentrant, so a build may build another.
 _SEEDED_BUILD_LOCK = threading.RLock()
 
@@ -107,6 +181,7 @@ def _build(
     path: str | os.PathLike | None,
     attn_implementation: str | None,
     config_updates: Mapping[str, Any] | None = None,
+    new_head_level: int = logging.INFO,
 ) -> PreTrainedModel:
     kw: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
@@ -123,7 +198,9 @@ def _build(
             cfg = resolve_config(config, p)
             for k, v in (config_updates or {}).items():
                 setattr(cfg, k, v)
-            model = auto_cls.from_pretrained(p, config=cfg, local_files_only=True, **kw)
+            model, info = auto_cls.from_pretrained(p, config=cfg, local_files_only=True, output_loading_info=True, **kw)
+            _check_loading_info(model, info, p, head_model=auto_cls is not AutoModelForCausalLM,
+                                new_head_level=new_head_level)
         else:
             cfg = resolve_config(config)
             for k, v in (config_updates or {}).items():
@@ -201,6 +278,7 @@ def build_reward_model(
         path=path,
         attn_implementation=attn_implementation,
         config_updates={"num_labels": 1},
+        new_head_level=logging.WARNING,  # a reward head at random gives random rewards: say so louder
     )
 
 

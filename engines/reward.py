@@ -255,11 +255,11 @@ class RuleRewardEngine:
         """``scores`` [B] (float32) and ``token_level_scores`` [B, R] (score at the last valid response token:
         the last position where response_mask is 1, holes allowed)."""
         texts = self.decode_responses(batch)
-        scores = torch.tensor(self.fn(texts, ground_truths, **self.kw), dtype=torch.float32)
+        who = f"task {self.task!r}: reward {self.name!r}" if self.task else f"reward {self.name!r}"
+        scores = _scores_tensor(self.fn(texts, ground_truths, **self.kw), len(texts), who)
         bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
         if bad:
             i = bad[0]
-            who = f"task {self.task!r}: reward {self.name!r}" if self.task else f"reward {self.name!r}"
             raise ValueError(
                 f"{who} returned {scores[i].item()} for {len(bad)} of {len(texts)} responses (first at row {i}: "
                 f"response {texts[i]!r}, answer {ground_truths[i]!r}); a reward must be a finite float for every "
@@ -269,6 +269,29 @@ class RuleRewardEngine:
         return TensorDict(
             {"scores": scores, "token_level_scores": _place_at_last(scores, mask)}, batch_size=[len(texts)]
         )
+
+
+def _scores_tensor(raw: Any, n: int, who: str) -> torch.Tensor:
+    """A reward function's output as ``[n]`` float32: one number per response (a sequence or a 1-d tensor), else a
+    ValueError naming ``who`` (task and reward), the count expected and what came back."""
+    fix = (f"; a reward function gets the {n} decoded responses and their answers and must return a list of {n} "
+           f"floats, in the same order")
+    if isinstance(raw, torch.Tensor) and raw.dim() == 0:
+        raise ValueError(f"{who} must return one score per response ({n}), got a 0-d tensor ({raw.item()!r})" + fix)
+    try:
+        scores = torch.as_tensor(raw, dtype=torch.float32) if isinstance(raw, torch.Tensor) else (
+            torch.tensor(raw, dtype=torch.float32))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{who} must return one score per response ({n}), got a {type(raw).__name__} that is not "
+                         f"a sequence of numbers ({e})" + fix) from e
+    if scores.dim() == 0:
+        raise ValueError(f"{who} must return one score per response ({n}), got a {type(raw).__name__} "
+                         f"({raw!r})" + fix)
+    if scores.dim() != 1:
+        raise ValueError(f"{who} must return one score per response ({n}), got shape {tuple(scores.shape)}" + fix)
+    if scores.shape[0] != n:
+        raise ValueError(f"{who} must return one score per response ({n}), got {scores.shape[0]} scores" + fix)
+    return scores
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:

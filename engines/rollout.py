@@ -13,6 +13,9 @@ same quantity the trainer's ``compute_log_prob(temperature=...)`` computes (with
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +27,8 @@ from torch import nn
 from engines._data import batch_rows, position_ids_from_mask, tensor_dict
 
 __all__ = ["SamplingParams", "RolloutEngine"]
+
+log = logging.getLogger("orchestra")
 
 
 @dataclass(frozen=True)
@@ -48,16 +53,28 @@ class SamplingParams:
     pad_to_max_new_tokens: bool = False
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        for name, low in (("n", 1), ("max_new_tokens", 1), ("top_k", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                extra = " (0 = off)" if name == "top_k" else ""
+                raise ValueError(f"SamplingParams: {name} must be an integer >= {low}{extra}, got {v!r}")
+        if not _is_real(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature!r}")
+        if not _is_real(self.top_p) or not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams: top_p must be a finite number in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"SamplingParams: seed must be an integer or None, got {self.seed!r}")
+
+
+def _is_int(v: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _as_id_tuple(x: Any) -> tuple[int, ...]:
@@ -87,7 +104,11 @@ def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class RolloutEngine:
     """Sampling engine over a plain causal LM (e.g. ``build_causal_lm(...)`` in bf16 on CUDA).
 
-    ``eos_token_id`` / ``pad_token_id`` default to the model config's; ``micro_batch_size``
+    The stop set ``eos_token_ids`` is ``eos_token_id`` (default: the model config's) followed by every id of the
+    model's ``generation_config.eos_token_id`` (chat models list their end-of-turn ids there, as HF ``generate``
+    stops at all of them), deduplicated in order. ``pad_token_id`` defaults to the model config's, then the
+    generation config's, then the first stop id, then 0. With no stop id at all, responses always run to
+    ``max_new_tokens``: the first ``generate`` that uses the empty set logs a WARNING. ``micro_batch_size``
     bounds the rows (after repeating prompts n times) generated together.
     """
 
@@ -101,11 +122,14 @@ class RolloutEngine:
     ) -> None:
         self.model = model.eval()
         cfg = getattr(model, "config", None)
-        self.eos_token_ids = _as_id_tuple(
-            eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
-        )
+        gen_cfg = getattr(model, "generation_config", None)
+        ids = _as_id_tuple(eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None))
+        self.eos_token_ids = tuple(dict.fromkeys(ids + _as_id_tuple(getattr(gen_cfg, "eos_token_id", None))))
+        self._warned_no_stop = False
         if pad_token_id is None:
             pad_token_id = getattr(cfg, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(gen_cfg, "pad_token_id", None)
         if pad_token_id is None:
             pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.pad_token_id = int(pad_token_id)
@@ -119,36 +143,72 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy weights (a full state dict, or an iterable of (name, tensor) for streaming) into
-        the model, casting to its dtype/device. Returns the number of tensors copied.
+        """Copy weights (a full state dict, or an iterable of (name, tensor)) into the model, casting to its
+        dtype/device. Returns the number of tensors copied.
 
-        Every parameter must be covered, except tied ones (e.g. lm_head tied to the embedding).
+        Every parameter must be covered, except tied ones (e.g. lm_head tied to the embedding). Everything is
+        checked before the first copy (names, shapes, dtypes: a floating-point weight needs a floating-point
+        tensor; another needs one that casts to it safely), so weights that are refused (KeyError for a name the
+        model lacks or a weight not given, ValueError for a shape or dtype, TypeError for a non-tensor) leave the
+        model as it was. An iterable is read whole before copying (its tensors are held until then).
         """
-        items = weights.items() if isinstance(weights, Mapping) else weights
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
         targets = dict(self.model.state_dict(keep_vars=True))
-        loaded: set[str] = set()
         unknown: list[str] = []
         for name, tensor in items:
             t = targets.get(name)
             if t is None:
                 unknown.append(name)
                 continue
-            if t.shape != tensor.shape:
-                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(t.shape)}")
-            t.data.copy_(tensor.to(device=t.device, dtype=t.dtype), non_blocking=True)
-            loaded.add(name)
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"load_weights: {name} is a {type(tensor).__name__}, not a tensor; pass the "
+                                f"trainer's state dict (name -> tensor). Nothing was copied")
+            if tuple(t.shape) != tuple(tensor.shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(t.shape)}; the weights are of another model config. Nothing was copied")
+            castable = (tensor.is_floating_point() if t.is_floating_point()
+                        else torch.can_cast(tensor.dtype, t.dtype))
+            if not castable:
+                raise ValueError(f"load_weights: {name} has dtype {tensor.dtype}, the model's is {t.dtype} (it "
+                                 f"cannot be cast safely); pass the trainer's weights as they are. Nothing was copied")
         if unknown:
-            raise KeyError(f"load_weights: names not in the rollout model: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+            raise KeyError(f"load_weights: names not in the rollout model ({len(unknown)}): {unknown[:5]}"
+                           f"{'...' if len(unknown) > 5 else ''}; the weights are of another model. Nothing was copied")
+        loaded = {name for name, _ in items}
         # parameters shared under several names count as loaded if any alias was
         by_id: dict[int, list[str]] = {}
         for name, t in targets.items():
             by_id.setdefault(id(t), []).append(name)
         missing = [names[0] for names in by_id.values() if not loaded.intersection(names)]
         if missing:
-            raise KeyError(f"load_weights: no weights given for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            raise KeyError(f"load_weights: no weights given for ({len(missing)}) {missing[:5]}"
+                           f"{'...' if len(missing) > 5 else ''}; pass the full state dict. Nothing was copied")
+        for name, tensor in items:
+            t = targets[name]
+            t.data.copy_(tensor.to(device=t.device, dtype=t.dtype), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(loaded)
+
+    def _check_prompt_ids(self, prompts: torch.Tensor) -> None:
+        """Prompt ids must be integers that index the model's embedding (as the trainer requires): float ids would
+        be truncated by ``.long()`` silently, an id >= vocab fails in the embedding (a device assert on CUDA)."""
+        if prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
+            raise ValueError(f"generate: column 'prompts' holds {prompts.dtype} values; token ids must be integers "
+                             f"(torch.long): pass the tokenizer's ids as they are")
+        get = getattr(self.model, "get_input_embeddings", None)
+        emb = get() if callable(get) else None
+        vocab = getattr(emb, "num_embeddings", None)
+        if vocab is None or prompts.numel() == 0:
+            return
+        bad = (prompts < 0) | (prompts >= int(vocab))
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            rows = sorted(set(bad.nonzero()[:, 0].tolist()))
+            raise ValueError(f"generate: column 'prompts' row {row} holds token id {int(prompts[row, col])} outside "
+                             f"the model's vocabulary [0, {int(vocab)}) (column {col}; {int(bad.sum())} such id(s) in "
+                             f"row(s) {rows[:5]}{'...' if len(rows) > 5 else ''}); check the tokenizer matches the "
+                             f"model")
 
     # ------------------------------------------------------------------ sampling
     def _sample(
@@ -241,7 +301,9 @@ class RolloutEngine:
         dev = self.device
         rows = batch_rows(batch)
         data = tensor_dict(batch, dev)
-        prompts = data.pop("prompts").long()
+        prompts = data.pop("prompts")
+        self._check_prompt_ids(prompts)
+        prompts = prompts.long()
         prompt_mask = data.pop("attention_mask", None)
         if prompt_mask is None:
             prompt_mask = torch.ones_like(prompts)
@@ -249,12 +311,29 @@ class RolloutEngine:
             raise ValueError(
                 f"generate: attention_mask {tuple(prompt_mask.shape)} must be the prompt mask, shaped like prompts {tuple(prompts.shape)}"
             )
-        if bool((prompt_mask.sum(-1) == 0).any()):
-            raise ValueError("generate: a prompt has no real token (attention_mask row all 0)")
-        if bool((prompt_mask[:, -1] == 0).any()):
-            raise ValueError("generate: prompts must be LEFT-padded (last column of attention_mask must be 1)")
+        off = (prompt_mask != 0) & (prompt_mask != 1)
+        if bool(off.any()):
+            row, col = (int(i) for i in off.nonzero()[0])
+            raise ValueError(f"generate: attention_mask row {row} holds {prompt_mask[row, col].item()} (column {col}); "
+                             f"it must be 0/1 (1: a real prompt token, 0: left padding)")
+        empty = (prompt_mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"generate: a prompt has no real token (attention_mask row all 0): row {empty[0]} "
+                             f"({len(empty)} such row(s)); drop the row or give it a prompt of at least one token")
+        right = (prompt_mask[:, -1] == 0).nonzero().flatten().tolist()
+        if right:
+            raise ValueError(f"generate: prompts must be LEFT-padded (last column of attention_mask must be 1): row "
+                             f"{right[0]} ({len(right)} such row(s)) is not; pad prompts on the left (tokenizer "
+                             f"padding_side='left')")
         prompt_mask = prompt_mask.long()
         stop_ids = p.stop_token_ids if p.stop_token_ids is not None else self.eos_token_ids
+        if p.stop_token_ids is None and not stop_ids and not self._warned_no_stop:
+            self._warned_no_stop = True
+            log.warning("RolloutEngine: no stop token (no eos_token_id given, none in the model's config or "
+                        "generation_config): every response runs to max_new_tokens, padded with id %d. Pass "
+                        "eos_token_id= to RolloutEngine (a tokenizer with an eos_token_id does it for the workers), "
+                        "set the model config's eos_token_id, or pass SamplingParams(stop_token_ids=...)",
+                        self.pad_token_id)
         stop = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
         gen = generator
         if gen is None and p.seed is not None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engines.rollout import RolloutEngine, SamplingParams
-from engines.workers import _before_pending, _read_state, _write_state, generation_seed, load_tokenizer
+from engines.workers import _base_seed, _before_pending, _read_state, _write_state, generation_seed, load_tokenizer
 from orchestra import Batch, Worker, endpoint
 from orchestra import dispatch as D
 
@@ -73,7 +73,7 @@ class RolloutWorker(Worker):
         call = self._gen_calls if key is None else key
         self._gen_calls += 1
         gen = torch.Generator(device=self.engine.device)
-        gen.manual_seed(generation_seed(self.seed if base is None else base, self.rank, call))
+        gen.manual_seed(generation_seed(_base_seed(base, self.sampling, self.seed), self.rank, call))
         meta = {**batch.meta, "weights_version": self._version}
         for piece in batch.chunk(min(micro_batches, len(batch))):
             out = self.engine.generate(piece.tensors, params, generator=gen)

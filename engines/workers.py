@@ -180,6 +180,15 @@ def _train(engine: FSDPEngine, batch: Batch, loss_fn: LossFn, ppo_epochs: int, m
     return out
 
 
+def _base_seed(call_seed: int | None, sampling: SamplingParams, worker_seed: int) -> int:
+    """The base seed of a worker's generate call: the call's ``seed=`` override, else the worker's
+    ``SamplingParams.seed``, else the worker's own seed (each call then draws from ``generation_seed(base, rank,
+    call)``, a private generator)."""
+    if call_seed is not None:
+        return int(call_seed)
+    return int(sampling.seed) if sampling.seed is not None else int(worker_seed)
+
+
 def _before_pending(gen_calls: int, pending: int) -> int:
     """The generate-call counter as it was before the ``pending`` calls a checkpoint must not count."""
     if not 0 <= int(pending) <= gen_calls:
@@ -325,9 +334,10 @@ class ActorRolloutRefWorker(Worker):
     def generate(self, batch: Batch, micro_batches: int = 1, **sampling_overrides: Any) -> Iterator[Batch]:
         """Sample ``n`` responses per prompt, yielding ``micro_batches`` parts (prompt-major rows, every part padded
         to ``max_new_tokens``); non-tensor columns are repeated ``n`` times; meta gets ``weights_version``.
-        ``seed`` (override): the base seed (default: the worker's); ``call`` (override): the call's key, a sequence
-        of ints >= 0 (the runner's step and round), that seeds it instead of this rank's running count of generate
-        calls, so a call made again (a resume, a stale rollout regenerated) samples what it sampled before."""
+        ``seed`` (override): the base seed (default: the worker's ``SamplingParams.seed``, else the worker's seed);
+        ``call`` (override): the call's key, a sequence of ints >= 0 (the runner's step and round), that seeds it
+        instead of this rank's running count of generate calls, so a call made again (a resume, a stale rollout
+        regenerated) samples what it sampled before."""
         if micro_batches < 1:
             raise ValueError(f"generate: micro_batches must be >= 1, got {micro_batches}")
         if sampling_overrides.get("pad_to_max_new_tokens") is False:
@@ -348,7 +358,7 @@ class ActorRolloutRefWorker(Worker):
         call = self._gen_calls if key is None else key
         self._gen_calls += 1
         gen = torch.Generator(device=self.rollout.device)
-        gen.manual_seed(generation_seed(self.seed if base is None else base, self.actor.dp_rank, call))
+        gen.manual_seed(generation_seed(_base_seed(base, self.sampling, self.seed), self.actor.dp_rank, call))
         meta = {**batch.meta, "weights_version": self._version}
         for piece in batch.chunk(min(micro_batches, len(batch))):
             out = self.rollout.generate(piece.tensors, params, generator=gen)
