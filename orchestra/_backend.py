@@ -363,6 +363,19 @@ def by_name(name: str) -> Backend:
         raise ValueError(f"no orchestra backend {name!r} is running{hint}; running: {sorted(_registry)}") from None
 
 
+_session = [0]  # bumped by orc.shutdown(): a pool made before then belongs to a session that ended
+
+
+def session() -> int:
+    """The number of the session new pools belong to (how many times ``orc.shutdown()`` ended one)."""
+    return _session[0]
+
+
+def end_session() -> None:
+    """``orc.shutdown()``: pools made until now belong to a session that ended (their reservations went with it)."""
+    _session[0] += 1
+
+
 def current() -> Backend:
     """The backend a new pool uses when it names none (the one ``orc.init`` started last)."""
     return _current[0]

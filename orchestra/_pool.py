@@ -13,6 +13,7 @@ import anyio
 
 from . import _backend
 from ._backend import Backend, Slot
+from ._errors import PlacementError
 
 __all__ = ["ResourcePool", "Slot"]
 
@@ -46,6 +47,7 @@ class ResourcePool:
         self.name = name or f"pool{nodes}"
         self.placement_timeout = placement_timeout
         self.backend: Backend = _resolve(backend)
+        self._session = _backend.session()  # the session it reserves in: after orc.shutdown() it is refused
         self._slots: list[Slot] | None = None
         self._pgs: list[Any] = []
         self._lock: asyncio.Lock | None = None
@@ -82,6 +84,10 @@ class ResourcePool:
 
     async def slots(self) -> list[Slot]:
         """Reserve the slots (once) and return one Slot per rank, ordered by node address."""
+        if self._session != _backend.session():  # its backend's cluster (or in-process ranks) ended with it
+            raise PlacementError(f"{self.name}: this ResourcePool was made before orc.shutdown() ended the session "
+                                 f"it reserves in, and what it reserved ended with it; make a new ResourcePool after "
+                                 f"orc.init()")
         if self._slots is not None:
             return self._slots
         if self._lock is None:

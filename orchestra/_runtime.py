@@ -95,13 +95,17 @@ def init(address: str | None = None, *, num_cpus: float | None = None, num_gpus:
             current = LocalBackend(num_cpus=num_cpus, num_gpus=num_gpus)
             _backend.register(current)
             _backend.set_current(current)
+        else:
+            _warn_not_taken(current.resources(), num_cpus, num_gpus, "the in-process backend")
         return _Session(current.resources())
     if backend != "ray":
         raise ValueError(f"orc.init(backend={backend!r}): choose 'ray' (default) or 'local'")
     if _backend.current().name != "ray":  # back from the in-process backend: new pools use Ray
         _backend.set_current(None)
     if ray.is_initialized():
-        return _Session(ray.cluster_resources())
+        resources = ray.cluster_resources()
+        _warn_not_taken(resources, num_cpus, num_gpus, "the Ray cluster", ray_kwargs)
+        return _Session(resources)
     if address == "local":  # Ray's own name for "start a new local cluster" (RAY_ADDRESS=local): ours, on loopback
         address = None
     for k, v in _ENV.items():
@@ -159,6 +163,18 @@ def runs_elsewhere(loop: asyncio.AbstractEventLoop) -> bool:
         return True
 
 
+def _warn_not_taken(resources: dict[str, Any], num_cpus: float | None, num_gpus: int | None, what: str,
+                    ray_kwargs: dict[str, Any] | None = None) -> None:
+    """``init`` again while ``what`` runs: say which of the settings given differ from it and are not taken."""
+    differ = [f"{k}={v!r} (it has {resources.get(r, 0):g})" for k, r, v in (("num_cpus", "CPU", num_cpus),
+                                                                           ("num_gpus", "GPU", num_gpus))
+              if v is not None and float(v) != float(resources.get(r, 0))]
+    differ += [f"{k}=..." for k in (ray_kwargs or {})]
+    if differ:
+        log.warning("orc.init: %s already runs here, so %s is not taken; call orc.shutdown() first to start it "
+                    "with other settings", what, ", ".join(differ))
+
+
 def shutdown() -> None:
     """Close every group (their calls in flight fail with ``GroupClosedError``), then disconnect from (and, if
     ``init`` started it, stop) the Ray cluster; the in-process backend ends too.
@@ -181,6 +197,7 @@ def shutdown() -> None:
             g.close("orchestra was shut down")
             g.forget_pool()
     _groups.clear()
+    _backend.end_session()  # a pool made until now is refused from here on (what it reserved ended here)
     _backend.unregister("local")
     _backend.set_current(None)
     if ray.is_initialized():
