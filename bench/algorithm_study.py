@@ -29,7 +29,7 @@ ALGORITHMS: dict[str, list[str]] = {
     "grpo": ["algorithm.adv_estimator=grpo"],
     "dr_grpo": ["algorithm.adv_estimator=dr_grpo", "actor.loss_agg=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
-    "reinforce_pp": ["algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in=reward"],
+    "reinforce_pp": ["algorithm.adv_estimator=reinforce_pp"],  # (kl_in=reward without a KL term: refused)
     "dapo": ["algorithm.name=dapo", "actor.clip_ratio_high=0.28"],
 }
 WINDOW = 10

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import logging
 import re
 import types
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,22 @@ PolicyLossKind = Literal["ppo", "gspo", "gmpo", "cispo"]
 AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"]
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need >= 2 responses per prompt
 CRITIC_FREE_STEPS = ("grpo", "dapo")  # the steps that take adv_estimator's critic-free estimators
+# how each critic-free estimator scales its advantages (pipelines/grpo.py): none reads algorithm.whiten_advantages
+_ESTIMATOR_SCALING = {
+    "grpo": "GRPO normalizes each prompt's group by definition (minus the group mean, divided by the group std: "
+            "algorithm.norm_adv_by_std=false drops the division)",
+    "dr_grpo": "Dr. GRPO normalizes each prompt's group by definition (minus the group mean, no std) and never "
+               "whitens",
+    "rloo": "RLOO normalizes each prompt's group by definition (minus the mean of the group's other responses) and "
+            "never whitens",
+    "reinforce_pp": "REINFORCE++ whitens its advantages over the batch by definition",
+    "reinforce_pp_baseline": "REINFORCE++-baseline subtracts the group mean and whitens over the batch by definition",
+    "remax": "ReMax subtracts the greedy response's score and never whitens",
+}
+# what to write instead of no value (YAML's ~ / null) for the str keys that take no null
+_NO_VALUE_FIX = {"runner.output_dir": "give a directory path (e.g. outputs/run; ~/runs/x is under your home)"}
+
+log = logging.getLogger("orchestra")
 
 
 class ConfigError(ValueError):
@@ -110,6 +127,10 @@ def _config_error(error: ValidationError, cls: type[_Model], data: Mapping[str, 
         return ConfigError(f"{path}: bad value {shown!r}; expected {_describe_field(info)}", path)
     if e["type"] == "is_instance_of":  # a Config field given something other than its section
         return ConfigError(f"{path}: expected a {base.__name__}", path)
+    if value is None and base is str:  # YAML's ~ / null (in a file or an override): no value
+        fix = _NO_VALUE_FIX.get(path, "give its text (quoted, 'null' is the text null)")
+        return ConfigError(f"{path}: bad value None; YAML reads ~ and null as no value (an empty value too), and "
+                           f"{path} takes a string: {fix}", path)
     if e["type"] == "finite_number":
         expected = "a finite float"
     else:
@@ -171,7 +192,7 @@ class DataConfig(_Model):
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step (each sampled rollout.n times)")
     shuffle: bool = Field(True, description="Shuffle the prompt order every epoch (each drops another remainder past "
                           "the last full batch); false: file order, wrapping around so every record is trained on")
-    seed: int = Field(0, ge=0, description="Seed of the prompt order")
+    seed: int = Field(0, ge=0, description="Seed of the shuffled prompt order (read with shuffle=true only)")
 
 
 class RolloutConfig(_Model):
@@ -244,7 +265,8 @@ class AlgorithmConfig(_Model):
                                                "dapo: grpo, ppo: gae)")
     gamma: Float = Field(1.0, ge=0, le=1, description="Discount of GAE (PPO) and REINFORCE++ returns")
     lam: Float = Field(1.0, ge=0, le=1, description="GAE lambda (PPO)")
-    whiten_advantages: bool = Field(True, description="PPO: whiten the GAE advantages over the batch")
+    whiten_advantages: bool = Field(True, description="PPO: whiten the GAE advantages over the batch (the "
+                                    "critic-free estimators scale their own way: false is refused there)")
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (false: Dr. GRPO style)")
     adv_eps: Float = Field(1e-6, gt=0, description="GRPO: added to the group std")
     kl_coef: Float = Field(0.0, ge=0, description="Weight of the KL to the reference; 0: no KL term, no reference")
@@ -253,8 +275,8 @@ class AlgorithmConfig(_Model):
     kl_in: Literal["loss", "reward"] = Field("loss", description="KL as a loss term (GRPO) or a reward penalty (PPO)")
     kl_target: Float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef toward this k1 KL per token; "
                                     "null: fixed kl_coef")
-    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL: how fast the coefficient moves, in samples "
-                            "(> 0.2 x prompts_per_step x rollout.n)")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL (with kl_target): how fast the coefficient "
+                            "moves, in samples (> 0.2 x prompts_per_step x rollout.n)")
     overlong_buffer: int | None = Field(None, ge=1, description="DAPO overlong penalty on the last this-many tokens "
                                         "of rollout.max_new_tokens; null: off")
     overlong_penalty: Float = Field(1.0, ge=0, description="Score penalty at rollout.max_new_tokens (linear from 0); "
@@ -276,14 +298,17 @@ class RunnerConfig(_Model):
     micro_batches_per_step: int = Field(1, ge=1, description="Stream each step through the stages in parts")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint interval, in steps (the last step is "
                                   "always checkpointed too); 0: no checkpoints")
-    keep_checkpoints: int = Field(3, ge=0, description="Newest checkpoints kept in output_dir/checkpoints; 0: all")
+    keep_checkpoints: int = Field(3, ge=0, description="Newest checkpoints kept in output_dir/checkpoints; 0: all "
+                                  "(with checkpoint_every > 0)")
     max_restarts: int = Field(2, ge=0, description="Restarts from the last good checkpoint on a lost worker; 0: stop")
-    restart_timeout_s: Float = Field(300.0, gt=0, description="Seconds a restart waits for the pools to fit again")
+    restart_timeout_s: Float = Field(300.0, gt=0, description="Seconds a restart waits for the pools to fit again "
+                                     "(with max_restarts > 0)")
     output_dir: str = Field("outputs/run", description="Directory of metrics, checkpoints, config.json and traces")
     metrics: bool = Field(True, description="Write metrics.jsonl in output_dir")
     tensorboard: bool = Field(False, description="Also write TensorBoard events to output_dir/tensorboard "
                               "(needs the tensorboard package: pip install tensorboard)")
-    plot: bool = Field(False, description="PNG curves of the metrics at the end (needs matplotlib)")
+    plot: bool = Field(False, description="reward.png: curves of metrics.jsonl at the end (needs matplotlib and "
+                       "runner.metrics=true)")
     trace: bool = Field(False, description="Perfetto / Chrome timeline trace of every stage")
 
 
@@ -415,6 +440,7 @@ class Config(_Model):
                 f"data.prompt_key: set to {self.data.prompt_key!r}, but data.train_path is null, so the task generates "
                 f"its prompts and no column is read: set data.train_path to the .jsonl/.parquet file whose "
                 f"{self.data.prompt_key!r} column holds the prompts, or remove data.prompt_key", "data.prompt_key")
+        self._check_unread(estimator)
         if alg.overlong_buffer is not None:
             if not critic_free or estimator == "reinforce_pp":
                 raise ConfigError(
@@ -450,6 +476,9 @@ class Config(_Model):
             raise ConfigError("runner.tensorboard: true, but the tensorboard package is not installed "
                               "(torch.utils.tensorboard writes its events with it): pip install tensorboard, or set "
                               "runner.tensorboard=false", "runner.tensorboard")
+        if self.runner.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("runner.plot: true, but the matplotlib package is not installed (reward.png is drawn "
+                              "with it): pip install matplotlib, or set runner.plot=false", "runner.plot")
         if self.data.train_path is not None:
             train = Path(self.data.train_path).expanduser()
             if not train.exists():
@@ -472,6 +501,113 @@ class Config(_Model):
                 f"resources.rollout_workers: bad value {self.resources.rollout_workers}; with placement "
                 f"'colocated' rollout runs in the actor processes, so it must equal "
                 f"resources.actor_workers ({self.resources.actor_workers})", "resources.rollout_workers")
+        self._check_warmup()
+
+    def _check_unread(self, estimator: str) -> None:
+        """Refuse a non-default value of a setting this configuration never reads (the run would behave as if it
+        were not given), naming why and what would make it count. Compared with the field's default, so a saved
+        config (which holds every default) loads."""
+        alg, critic_free = self.algorithm, self.algorithm.name in CRITIC_FREE_STEPS
+
+        def unread(section: _Model, name: str) -> bool:
+            return getattr(section, name) != type(section).model_fields[name].default
+
+        def refuse(section: _Model, name: str, why: str) -> ConfigError:
+            path = f"{section._section}.{name}"
+            return ConfigError(f"{path}: set to {_shown(getattr(section, name))}, but {why}", path)
+
+        step = f"algorithm.name={alg.name}"
+        if critic_free:
+            if unread(alg, "whiten_advantages"):
+                raise refuse(alg, "whiten_advantages", "only PPO reads it (it whitens the GAE advantages over the "
+                             f"batch); with {step} and adv_estimator {estimator!r} it is never read: "
+                             f"{_ESTIMATOR_SCALING[estimator]}: remove algorithm.whiten_advantages (or use "
+                             "algorithm.name=ppo)")
+            for name in CriticConfig.model_fields:
+                if unread(self.critic, name):
+                    raise refuse(self.critic, name, f"{step} has no critic (only PPO trains one), so no critic "
+                                 f"setting is read: remove critic.{name} (or use algorithm.name=ppo)")
+            if unread(alg, "lam"):
+                raise refuse(alg, "lam", f"only PPO's GAE reads it ({step} has no critic and no GAE): remove "
+                             "algorithm.lam (or use algorithm.name=ppo)")
+            if estimator != "reinforce_pp" and unread(alg, "gamma"):
+                raise refuse(alg, "gamma", "it discounts only the token returns of GAE (algorithm.name=ppo) and of "
+                             f"REINFORCE++ (adv_estimator=reinforce_pp); adv_estimator {estimator!r} takes each "
+                             "response's whole score, with no discount: remove algorithm.gamma (or use "
+                             "adv_estimator=reinforce_pp)")
+        if (not critic_free or estimator != "grpo") and unread(alg, "norm_adv_by_std"):
+            why = ("PPO whitens its GAE advantages over the batch instead (algorithm.whiten_advantages)"
+                   if not critic_free else f"with adv_estimator {estimator!r} it is never read: "
+                   f"{_ESTIMATOR_SCALING[estimator]}")
+            raise refuse(alg, "norm_adv_by_std", "only the GRPO estimator (adv_estimator=grpo, algorithm.name=grpo "
+                         f"or dapo) reads it; {why}: remove algorithm.norm_adv_by_std"
+                         + (" (adv_estimator=grpo with norm_adv_by_std=false is Dr. GRPO's advantage)"
+                            if estimator == "dr_grpo" else ""))
+        if not (critic_free and estimator == "grpo" and alg.norm_adv_by_std) and unread(alg, "adv_eps"):
+            why = ("PPO has no groups" if not critic_free else f"adv_estimator {estimator!r} divides by no group std"
+                   if estimator != "grpo" else "algorithm.norm_adv_by_std=false divides by no std")
+            raise refuse(alg, "adv_eps", "it is added only to the group std that adv_estimator=grpo divides by (with "
+                         f"algorithm.norm_adv_by_std=true), and {why}: remove algorithm.adv_eps")
+        if alg.name != "dapo" and unread(alg, "dynamic_sampling_max_rounds"):
+            raise refuse(alg, "dynamic_sampling_max_rounds", f"only DAPO's dynamic sampling reads it ({step} samples "
+                         "each step's prompts once): remove algorithm.dynamic_sampling_max_rounds (or use "
+                         "algorithm.name=dapo)")
+        # the KL: kl_in picks where it goes (when kl_coef > 0), each place its estimator; kl_horizon: kl_target's
+        no_kl = "algorithm.kl_coef is 0 (no KL term)"
+        if alg.kl_coef == 0 and unread(alg, "kl_in"):
+            raise refuse(alg, "kl_in", f"{no_kl}, so no KL goes into the reward: set algorithm.kl_coef > 0, or "
+                         "remove algorithm.kl_in")
+        for name, place, other in (("kl_reward_estimator", "reward", "loss"), ("kl_loss_estimator", "loss", "reward")):
+            if not (alg.kl_coef > 0 and alg.kl_in == place) and unread(alg, name):
+                why = no_kl if alg.kl_coef == 0 else (
+                    f"algorithm.kl_in={other}: the KL is a {'loss term' if other == 'loss' else 'reward penalty'}, "
+                    f"estimated with algorithm.kl_{other}_estimator")
+                raise refuse(alg, name, f"it estimates the KL {'in the reward' if place == 'reward' else 'loss term'} "
+                             f"only (algorithm.kl_in={place}, kl_coef > 0), and {why}: remove algorithm.{name}")
+        if alg.kl_target is None and unread(alg, "kl_horizon"):
+            raise refuse(alg, "kl_horizon", "algorithm.kl_target is null, so the KL coefficient is fixed "
+                         "(algorithm.kl_coef) and no adaptive controller moves it: set algorithm.kl_target (with "
+                         "kl_coef > 0), or remove algorithm.kl_horizon")
+        for section in (self.actor, self.critic):
+            name = section._section
+            if section.lr_schedule == "constant" and unread(section, "min_lr_ratio"):
+                raise refuse(section, "min_lr_ratio", f"{name}.lr_schedule is constant, so the learning rate never "
+                             f"decays toward it: set {name}.lr_schedule=cosine, or remove {name}.min_lr_ratio")
+        if not self.data.shuffle and unread(self.data, "seed"):
+            raise refuse(self.data, "seed", "data.shuffle=false takes the prompts in file order, so no seed is "
+                         "read: set data.shuffle=true, or remove data.seed")
+        r = self.runner
+        if r.max_restarts == 0 and unread(r, "restart_timeout_s"):
+            raise refuse(r, "restart_timeout_s", "runner.max_restarts is 0, so the run never restarts and never "
+                         "waits for the pools to fit again: set runner.max_restarts > 0, or remove "
+                         "runner.restart_timeout_s")
+        if r.checkpoint_every == 0 and unread(r, "keep_checkpoints"):
+            raise refuse(r, "keep_checkpoints", "runner.checkpoint_every is 0, so no checkpoint is written (not even "
+                         "the last step's) and none is pruned: set runner.checkpoint_every > 0, or remove "
+                         "runner.keep_checkpoints")
+        if not r.metrics and r.plot:
+            raise refuse(r, "plot", "runner.metrics=false writes no metrics.jsonl, so reward.png has nothing to be "
+                         "drawn from: set runner.metrics=true, or remove runner.plot")
+
+    def _check_warmup(self) -> None:
+        """A linear warmup as long as the run (the actor's; the critic's with PPO) never lets the learning rate
+        settle at ``lr`` and never starts a cosine decay: a WARNING naming the numbers and the fix. Not refused: the
+        warmup acts as set (a smoke run of an example file for a few steps is a run one means), only cut short."""
+        sections = (self.actor, self.critic) if self.algorithm.name == "ppo" else (self.actor,)
+        for section in sections:
+            name, w = section._section, section.warmup_steps
+            total = _optimizer_steps(self, section)
+            if w == 0 or w < total:
+                continue
+            steps = (f"{total} optimizer steps (runner.total_steps {self.runner.total_steps} x {name}.ppo_epochs "
+                     f"{section.ppo_epochs} x {name}.mini_batches {section.mini_batches})")
+            reach = (f"reaches {name}.lr only on the last one" if w == total
+                     else f"never reaches {name}.lr (the last step runs at {total / w:.0%} of it)")
+            cosine = (f", and {name}.lr_schedule=cosine never starts its decay (nor reaches {name}.min_lr_ratio)"
+                      if section.lr_schedule == "cosine" else "")
+            log.warning("%s.warmup_steps: the warmup of %d optimizer steps is as long as the run's %s, so the learning "
+                        "rate %s%s; set %s.warmup_steps below %d (0: no warmup) to train at %s.lr", name, w, steps,
+                        reach, cosine, name, total, name)
 
 
     def _check_model(self) -> None:
@@ -504,6 +640,20 @@ class Config(_Model):
 _TINY_MODEL_KNOBS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                      "tie_embeddings", "max_seq_len")
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as it is written in a config: ``null``, ``true``/``false``, ``0.05``, ``'cosine'``."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return f"{value:g}" if isinstance(value, float) else repr(value)
+
+
+def _optimizer_steps(cfg: Config, section: ActorConfig | CriticConfig) -> int:
+    """Optimizer steps of the whole run for the actor or the critic (the end of its LR schedule):
+    ``runner.total_steps x ppo_epochs x mini_batches`` (``pipelines.cluster.optimizer_steps`` gives the engines
+    this; kept here too so that checking a config needs no torch)."""
+    return cfg.runner.total_steps * section.ppo_epochs * section.mini_batches
 
 
 def kv_heads(m: ModelConfig) -> int:
@@ -655,6 +805,7 @@ _ConfigLoader.add_implicit_resolver(  # SafeLoader's, less the octal and the bas
 _ConfigLoader.add_implicit_resolver(
     _FLOAT_TAG, re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
                            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+_YAML_NULLS = ("~", "null", "Null", "NULL")  # YAML's plain null scalars (the empty one is refused as a path)
 # what YAML 1.1 reads as octal or base 60: such a string given for an int field gets a hint
 _YAML11_NUMBER = re.compile(r"^[-+]?(?:0[0-9_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
 
@@ -698,12 +849,14 @@ def _load_yaml(text: str, where: str) -> Any:
         loader.dispose()
 
 
-def _string_value(text: str, where: str, nullable: bool) -> str | None:
+def _string_value(text: str, where: str) -> str | None:
     """The value of a ``str`` key's override: the text as typed (surrounding blanks dropped), so ``runs/exp #3``
-    keeps its `` #3`` (YAML would read a comment) and ``007`` its zeros; a quoted text is unquoted as YAML does,
-    and ``null`` is None for a key that takes null."""
+    keeps its `` #3`` (YAML would read a comment) and ``007`` its zeros; a quoted text is unquoted as YAML does.
+    ``~`` and ``null`` are None, as in a file: a key that takes null is cleared, one that does not refuses it (so
+    ``runner.output_dir=~`` is not the home directory, nor ``=null`` a directory ``./null``; quote them for the
+    text)."""
     value = text.strip()
-    if nullable and value in ("null", "Null", "NULL"):
+    if value in _YAML_NULLS:
         return None
     if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
         parsed = _load_yaml(value, where)
@@ -735,7 +888,7 @@ def _parse_override(text: str, raw: dict[str, Any]) -> str:
         raise ConfigError(f"{path}: has type {_describe(annotation)}, not a mapping", path)
     try:
         if tp is str and len(parts) == 2:
-            value = _string_value(value_text, key.strip(), nullable=_optional(annotation)[1])
+            value = _string_value(value_text, key.strip())
         else:
             value = _load_yaml(value_text, key.strip())
     except yaml.YAMLError as e:

@@ -21,7 +21,7 @@ def _numbers(history: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("algorithm", [["algorithm.name=grpo"],
-                                       ["algorithm.name=ppo", "rollout.n=1", "algorithm.kl_in=reward"]])
+                                       ["algorithm.name=ppo", "rollout.n=1"]])
 async def test_a_job_gives_the_same_metrics_in_process_and_on_ray(tmp_path, algorithm):
     runs = {}
     for backend in ("local", "ray"):

@@ -27,8 +27,11 @@ def test_non_finite_floats_are_rejected_naming_the_field(override, value):
 def test_kl_estimators_have_separate_roles_and_defaults():
     alg = load_config(None, []).algorithm
     assert (alg.kl_reward_estimator, alg.kl_loss_estimator) == ("k1", "k3")
-    alg = load_config(None, ["algorithm.kl_reward_estimator=k2", "algorithm.kl_loss_estimator=abs"]).algorithm
-    assert (alg.kl_reward_estimator, alg.kl_loss_estimator) == ("k2", "abs")
+    alg = load_config(None, ["algorithm.kl_coef=0.1", "algorithm.kl_loss_estimator=abs"]).algorithm
+    assert (alg.kl_reward_estimator, alg.kl_loss_estimator) == ("k1", "abs")
+    alg = load_config(None, ["algorithm.name=ppo", "rollout.n=1", "algorithm.kl_coef=0.1", "algorithm.kl_in=reward",
+                             "algorithm.kl_reward_estimator=k2"]).algorithm
+    assert (alg.kl_reward_estimator, alg.kl_loss_estimator) == ("k2", "k3")
 
 
 def test_old_kl_estimator_key_says_what_replaced_it(tmp_path):
@@ -68,8 +71,10 @@ def test_critic_engine_gets_the_critics_own_schedule():
 def test_critic_mini_batches_checked_against_the_step_rows():
     with pytest.raises(ConfigError, match=re.escape("critic.mini_batches: bad value 1000; a step has only 32 rows")):
         load_config(None, ["algorithm.name=ppo", "rollout.n=1", "critic.mini_batches=1000"])
-    assert Config().critic.mini_batches == 1  # GRPO has no critic: its knobs are not checked against rows
-    load_config(None, ["critic.mini_batches=1000"])
+    assert Config().critic.mini_batches == 1  # GRPO has no critic: a critic knob is refused as never read
+    with pytest.raises(ConfigError, match=re.escape("critic.mini_batches: set to 1000, but algorithm.name=grpo has "
+                                                    "no critic")):
+        load_config(None, ["critic.mini_batches=1000"])
 
 
 def test_kl_in_reward_needs_ppo():

@@ -42,7 +42,8 @@ def test_dual_clip_only_with_the_ppo_clip():
 def test_group_estimators_need_groups_and_reinforce_pp_does_not():
     with pytest.raises(ConfigError, match="rollout.n: bad value 1; .*adv_estimator='reinforce_pp_baseline'"):
         load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_pp_baseline"])
-    cfg = load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in=reward"])
+    cfg = load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_pp", "algorithm.kl_in=reward",
+                             "algorithm.kl_coef=0.01"])
     assert (cfg.rollout.n, cfg.algorithm.kl_in) == (1, "reward")
 
 
@@ -94,7 +95,8 @@ def test_overlong_penalty_only_where_it_is_wired_and_within_the_response_budget(
 
 
 _TINY_RUN = ["data.prompts_per_step=8", "rollout.n=4", "actor.micro_batch_size=32", "runner.micro_batches_per_step=2",
-             "runner.total_steps=1", "runner.checkpoint_every=0", "runner.plot=false"]
+             "runner.total_steps=1", "runner.checkpoint_every=0", "runner.plot=false",
+             "actor.warmup_steps=0"]  # the file's 80 warmup steps would outlast the one step
 
 
 @pytest.mark.parametrize("command", DOC_COMMANDS)
@@ -120,7 +122,8 @@ def test_adaptive_kl_horizon_must_keep_the_update_factor_positive():
     assert e.value.path == "algorithm.kl_horizon"
     assert load_config(None, [*job, "algorithm.kl_horizon=7"]).algorithm.kl_horizon == 7
     assert algorithms.min_kl_horizon(32) == 7 and algorithms.min_kl_horizon(35) == 8  # the controller's own bound
-    assert load_config(None, [*job[:2], "algorithm.kl_horizon=4"]).algorithm.kl_horizon == 4  # no controller: unused
+    with pytest.raises(ConfigError, match="algorithm.kl_horizon: set to 4, but algorithm.kl_target is null"):
+        load_config(None, [*job[:2], "algorithm.kl_horizon=4"])  # no controller: never read
 
 
 @pytest.mark.parametrize("key", ["runner.seed", "rollout.seed"])

@@ -1,7 +1,7 @@
 """What `orchestra train` refuses before it starts anything, and what it does not write: a resume with nothing left
 to run, or with prompts sampled another way than the checkpoint's, stops with exit 2 and a message, leaving the
-run's config.json as it was; runner.plot without runner.metrics draws nothing instead of failing after the run
-(or drawing an earlier run's metrics.jsonl)."""
+run's config.json as it was; runner.metrics=false writes no metrics.jsonl (runner.plot with it is refused as never
+read: test_config_unread_settings.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipelines.cli import main as cli_main
 @pytest.mark.slow  # one real (in-process) job, ~4 s
 def test_resumes_this_config_cannot_continue_stop_before_anything_starts(tmp_path, capsys):
     out = [*LOCAL_TINY, "runner.checkpoint_every=1", f"runner.output_dir={tmp_path}"]
-    assert cli_main(["train", *out, "runner.total_steps=1", "runner.metrics=false", "runner.plot=true",
+    assert cli_main(["train", *out, "runner.total_steps=1", "runner.metrics=false",
                      "--no-progress"]) == 0
     assert not (tmp_path / "reward.png").exists() and not (tmp_path / "metrics.jsonl").exists()
     config = (tmp_path / "config.json").read_text()

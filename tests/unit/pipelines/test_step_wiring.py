@@ -93,7 +93,7 @@ async def test_ppo_kl_in_loss_uses_the_loss_estimator():
 
 
 async def test_grpo_kl_loss_uses_the_loss_estimator():
-    calls, _ = await _run(grpo_step, ["algorithm.kl_coef=0.05", "algorithm.kl_reward_estimator=abs"])
+    calls, _ = await _run(grpo_step, ["algorithm.kl_coef=0.05"])
     policy = _kwargs(calls, "actor.update_actor")["loss_fn"]
     assert (policy.kl_coef, policy.kl_estimator) == (0.05, "k3")
 

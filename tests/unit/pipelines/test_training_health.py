@@ -72,7 +72,8 @@ async def test_a_skipped_warm_start_step_stops_the_run(tmp_path):
 
     cfg = load_config(Path(__file__).resolve().parents[3] / "examples" / "study_addition.yaml", [
         "data.prompts_per_step=8", "rollout.n=4", "resources.backend=local", "resources.actor_workers=1",
-        "resources.rollout_workers=1", "runner.total_steps=1", f"runner.output_dir={tmp_path}",
+        "resources.rollout_workers=1", "runner.total_steps=1", "actor.warmup_steps=0",
+        f"runner.output_dir={tmp_path}",
         "task.params={warm_start_steps: 4, warm_start_answers: correct, warm_start_lr: 1.0e+30}"])
     with pytest.raises(TrainingDivergedError, match=r"warm start diverged at its step \d of 4.*warm_start_lr") as e:
         await Runner(cfg, progress=False).run()
