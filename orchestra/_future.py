@@ -105,8 +105,13 @@ class DataFuture:
 
     async def parts(self) -> AsyncIterator[Part]:
         """Yield parts as they finish: each rank's in the order it produced them, ranks interleaved as they arrive
-        (not in row order overall: each Part says its slot and sequence number)."""
+        (not in row order overall: each Part says its slot and sequence number).
+
+        The call counts as seen (``failed_calls_not_awaited``) only once this iteration reaches the end or raises the
+        call's error; one left before its end (``break``) has seen nothing of what came after, and the call is a
+        stream not drained (``WorkerGroup.streams_not_drained``) until something awaits it."""
         inv = self._inv
+        inv.iterating()
         try:
             await inv.wait_submitted()  # cancelled here, before the call is sent: the call is cancelled too
             slots = inv.slots
@@ -127,8 +132,10 @@ class DataFuture:
                 done, _ = await asyncio.wait({*pending, *watchers, inv.ended()}, timeout=inv.remaining(),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if inv.error is not None:
+                    inv.looked_at()
                     raise inv.error
                 if not done:
+                    inv.looked_at()
                     raise inv.fail(inv._timeout_error(inv._running_ranks()))
                 for s in slots:
                     if s.collected and s.done.done() and s.done.exception() is not None:
@@ -141,6 +148,7 @@ class DataFuture:
                     if inv._apart_pending():  # rows read rank by rank upstream: refused by the headers here
                         refusal = inv.apart_refusal_known()  # (and by all of them at the end: inv.wait())
                         if refusal is not None:
+                            inv.looked_at()
                             raise inv.fail(DispatchError(refusal))
                     out = d.result()
                     out = out if isinstance(out, Output) else Output(slot.rank, value=out)
@@ -149,11 +157,17 @@ class DataFuture:
                                         f"a Batch: only rows come as parts; await the future for its values")
                     for p in out.parts:  # rows that rode in the reply: the Part's own copy
                         yield Part(i, seq, slot.rank, p.rows, p.nbytes, out.keys, private_part(p))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the caller ended the iteration, and the call with it
+            inv.iteration_ended()
             if not inv.finished():
                 from ._errors import CallCancelledError
 
                 inv.cancel(CallCancelledError(f"{inv.where()}: the task iterating its parts was cancelled"))
+            raise
+        except GeneratorExit:  # left before its end (``break``): nothing after the last part was seen
+            raise
+        except BaseException:  # the call's error (seen: handed out here), or one of this iteration's own
+            inv.iteration_ended()
             raise
 
     def __aiter__(self) -> AsyncIterator[Part]:

@@ -33,7 +33,7 @@ EXIT_WAIT_S = 30.0  # how long closing a group waits for its killed ranks' proce
 
 def _log_unseen(inv: Any) -> None:
     log.error("group %r, endpoint %r: a call failed and nothing awaited it (nor read its result): %r",
-              inv.group, inv.endpoint, inv.outcome())
+              inv.group, inv.endpoint, inv.outcome_as_awaited())
 
 log = logging.getLogger("orchestra")
 
@@ -113,6 +113,9 @@ class _Shared:
         self.live: weakref.WeakSet = weakref.WeakSet()  # invocations not yet finished
         # invocations that failed and that nothing has awaited (nor read) yet, oldest first, at most UNSEEN_KEPT
         self.unseen: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        # invocations whose parts an iteration began to read and that nothing saw to the end yet (a stream left
+        # with ``break``, or still being read), oldest first, at most UNSEEN_KEPT: see streams_not_drained()
+        self.undrained: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.dead: dict[int, WorkerDiedError] = {}  # rank -> how it died (seen by the watch calls)
         self.death_callbacks: list[Callable[[WorkerDiedError], None]] = []
         # held while a death is recorded and the callbacks to tell it are read, and while a registration reads the
@@ -182,9 +185,10 @@ class _Shared:
         except BaseException as e:
             if self.closed is not None:
                 raise closed_error(self.name, self.closed) from None
-            self.close("its start-up failed")
-            await anyio.to_thread.run_sync(self.finish_close)
-            raise convert_error(e, self.name, "__init__", None) from None
+            err = convert_error(e, self.name, "__init__", None)
+            self.close(f"its start-up failed: {err}")  # what health() and later calls say: which rank, and why
+            await _closing(self.finish_close)
+            raise err from None
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
         self._watch()
@@ -439,7 +443,7 @@ class _Shared:
             # group closed first): what it placed or spawned may be half done, so close the group, not retry
             self.close("its start-up was cancelled when the event loop it began on ended (an asyncio.run() "
                        "that returned before ready()); make the group, and await ready(), in the loop that uses it")
-            await anyio.to_thread.run_sync(self.finish_close)
+            await _closing(self.finish_close)
         if self.closed is not None:
             raise closed_error(self.name, self.closed)
         self.follow_loop()
@@ -459,6 +463,14 @@ class _Shared:
             _, old = self.unseen.popitem(last=False)
             if self.closed is None:  # after the close, every kept one was logged already
                 _log_unseen(old)
+
+    def note_undrained(self, inv: Any) -> None:
+        """An iteration of ``inv``'s parts began (``Invocation.iterating``): kept until the call's outcome is seen
+        (the oldest dropped past ``UNSEEN_KEPT``: for tests, not a record of every stream a program read)."""
+        self.undrained[id(inv)] = inv
+        self.undrained.move_to_end(id(inv))
+        while len(self.undrained) > UNSEEN_KEPT:
+            self.undrained.popitem(last=False)
 
     def close(self, why: str = "shutdown() was called") -> None:
         """Mark closed, cancel start-up and every call in flight; the actors are killed by ``finish_close``."""
@@ -519,6 +531,13 @@ class _Shared:
                 self.pool.backend.kill(h)
             except Exception as e:  # noqa: BLE001 - already dead or Ray gone: nothing left to free
                 log.debug("group %r: kill: %r", self.name, e)
+        stopped = getattr(self.pool.backend, "wait_stopped", None)  # in-process ranks: their lanes' threads
+        if hosts and stopped is not None:
+            running = stopped(hosts, EXIT_WAIT_S)
+            if running:
+                log.warning("group %r: %s still running %.0f s after the group closed: an in-process rank's thread "
+                            "cannot be killed; make the endpoint return when self.cancelled() is True", self.name,
+                            ", ".join(running), EXIT_WAIT_S)
         if hosts and self.processes:
             left = self.pool.backend.wait_exited(self.processes, EXIT_WAIT_S)
             if left:
@@ -529,6 +548,14 @@ class _Shared:
             mine, self._holds_pool_ref = self._holds_pool_ref, False
         if mine:
             self.pool.release_ref(self._pool_era)
+
+
+async def _closing(fn: Callable[[], None]) -> None:
+    """Run the blocking rest of a close (``finish_close``) in a worker thread of its own. It may wait up to
+    ``EXIT_WAIT_S`` for ranks to end, so it must not take one of anyio's default threads (40 per event loop, shared
+    with every other blocking step of the loop's calls): with 40 closes waiting, the 41st close, or the step whose end
+    lets their ranks end, would never start."""
+    await anyio.to_thread.run_sync(fn, limiter=anyio.CapacityLimiter(1))
 
 
 def _off_this_node(node_ids: list[Any]) -> frozenset[int]:
@@ -721,7 +748,8 @@ class WorkerGroup:
         return await self._control("stats", self._role)
 
     async def reset_stats(self) -> None:
-        await self._control("reset_stats")
+        """Zero this role's counters on every rank (a colocated role's are its own: they stay)."""
+        await self._control("reset_stats", self._role)
 
     async def set_tracing(self, enabled: bool = True) -> None:
         """Record a span per call on every rank (and the parts each fetched and produced) for ``orchestra.Tracer``."""
@@ -732,11 +760,13 @@ class WorkerGroup:
         return await self._control("take_events")
 
     def health(self) -> list[dict[str, Any]]:
-        """Per rank, what supervision knows now (no round trip): ``{"rank", "alive", "error"}``. A death is seen
-        within about a second of the process exiting, whatever the controller is awaiting."""
+        """Per rank, what supervision knows now (no round trip): ``{"rank", "ready", "alive", "error"}``. ``ready``:
+        the group started (before ``ready()`` finished a rank is neither alive nor failed: ``error`` is None). A
+        death is seen within about a second of the process exiting, whatever the controller is awaiting."""
         shared = self._shared
         shared.follow_loop()
-        return [{"rank": r, "alive": shared.closed is None and r not in shared.dead and shared.is_ready(),
+        ready = shared.is_ready()
+        return [{"rank": r, "ready": ready, "alive": shared.closed is None and r not in shared.dead and ready,
                  "error": str(shared.dead[r]) if r in shared.dead else shared.closed}
                 for r in range(self.world_size)]
 
@@ -745,7 +775,17 @@ class WorkerGroup:
         nothing awaited, nor read as an input of another call; oldest first (the 64 most recent). For tests that
         check no failure went unnoticed (the ``make_group`` fixture fails a test that leaves one); a group logs these
         when it closes, and still lists them after."""
-        return [f"{inv.group}.{inv.endpoint}: {inv.outcome()!r}" for inv in list(self._shared.unseen.values())]
+        return [f"{inv.group}.{inv.endpoint}: {inv.outcome_as_awaited()!r}"
+                for inv in list(self._shared.unseen.values())]
+
+    def streams_not_drained(self) -> list[str]:
+        """``"group.endpoint"`` of every call of this group (every colocated role's) that finished well, whose parts
+        an iteration (``async for part in fut``) stopped reading before the end (a ``break``, or an iterator left
+        suspended) and that nothing awaited afterwards; oldest first. For tests: a stream still producing is in
+        ``calls_in_flight()``, a failed one in ``failed_calls_not_awaited()``; read to the end, awaited or
+        cancelled, it is not listed."""
+        return [f"{inv.group}.{inv.endpoint}" for inv in list(self._shared.undrained.values())
+                if inv.finished() and inv.outcome() is None]
 
     def death_callback_errors(self) -> list[str]:
         """What this group's ``on_death`` callbacks raised, oldest first: ``"callback (told rank r of 'group' died)
@@ -800,7 +840,7 @@ class WorkerGroup:
         self._shared.follow_loop()
         rest = self._shared.end()
         if rest is not None:
-            await anyio.to_thread.run_sync(rest)
+            await _closing(rest)
 
     async def __aenter__(self) -> WorkerGroup:
         try:

@@ -90,8 +90,11 @@ def _wanted(start: int, stop: int, n: int) -> list[tuple[int, int]]:
 
 
 def _counters() -> dict[str, float]:
-    return {"calls": 0, "parts_in": 0, "rows_in": 0, "rows_used": 0, "bytes_in": 0, "parts_out": 0, "rows_out": 0,
-            "bytes_out": 0, "seconds": 0.0}
+    """One endpoint's counters (``WorkerGroup.stats()``): ``calls`` begun (running ones too; failed and cancelled
+    ones too), of which ``errors`` ended with an error and ``cancelled`` were cancelled; parts/rows/bytes fetched and
+    produced; ``seconds`` spent in the endpoint (a generator's: in its body between yields)."""
+    return {"calls": 0, "errors": 0, "cancelled": 0, "parts_in": 0, "rows_in": 0, "rows_used": 0, "bytes_in": 0,
+            "parts_out": 0, "rows_out": 0, "bytes_out": 0, "seconds": 0.0}
 
 
 COMPUTE = "compute"
@@ -270,46 +273,99 @@ class _CancelledCalls:
 
 
 class _Stats:
-    """Per role, per endpoint counters: the compute lane adds, the control lane reads a consistent snapshot."""
+    """Per role, per endpoint counters. The compute lane counts a call when it begins (``begin``: ``calls``) and adds
+    the rest of what it did when it ends (``commit``), each under the lock; the control lane reads (``snapshot``) and
+    resets (``reset``) under the same lock: a snapshot never holds part of a call's counts. A call running across a
+    reset of its role counts after the reset, whole (its ``calls`` too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_role: dict[str, dict[str, dict[str, float]]] = {}
 
     def counters(self, role: str, name: str) -> dict[str, float]:
-        """The counters of (role, endpoint), created on first use (under the lock: the only structural change)."""
+        """The counters of (role, endpoint), created on first use. Change them only under ``self._lock`` (``begin``
+        and ``commit`` do)."""
         with self._lock:
-            eps = self._by_role.setdefault(role, {})
-            c = eps.get(name)
-            if c is None:
-                c = eps[name] = _counters()
-            return c
+            return self._get(role, name)
+
+    def _get(self, role: str, name: str) -> dict[str, float]:
+        eps = self._by_role.get(role)
+        if eps is None:
+            eps = self._by_role[role] = {}
+        c = eps.get(name)
+        if c is None:
+            c = eps[name] = _counters()
+        return c
+
+    def begin(self, role: str, name: str) -> tuple[collections.defaultdict, dict[str, float]]:
+        """Count a call of (role, endpoint) begun: its tally (what it adds as it runs, kept by the call itself, no
+        lock; a key not touched reads 0, from C: no Python call on the path) and the counters it was counted in (for
+        ``commit``)."""
+        with self._lock:
+            try:
+                c = self._by_role[role][name]
+            except KeyError:
+                c = self._get(role, name)
+            c["calls"] += 1
+        return collections.defaultdict(int), c
+
+    def commit(self, role: str, name: str, tally: dict[str, float], held: dict[str, float],
+               seconds: float) -> dict[str, float]:
+        """Add what a call did (``tally`` and the ``seconds`` it ran) to the counters ``held`` (``begin``'s). Those
+        of a role reset meanwhile were emptied: the call counts in the new ones, its ``calls`` too. Returns the
+        counters it counted in (a stream commits at every part)."""
+        with self._lock:
+            if not held:
+                held = self._get(role, name)
+                held["calls"] += 1
+            if tally:
+                for k, v in tally.items():
+                    held[k] += v
+            held["seconds"] += seconds
+        return held
 
     def snapshot(self, role: str | None = None) -> dict[str, dict[str, float]]:
         with self._lock:
             roles = [role] if role else list(self._by_role)
             return {ep: dict(c) for r in roles for ep, c in self._by_role.get(r, {}).items()}
 
-    def reset(self) -> None:
+    def reset(self, role: str | None = None) -> None:
+        """Forget the counters of ``role`` (None: of every role on this rank). Those dropped are emptied, which tells
+        a call that runs across the reset (``commit``)."""
         with self._lock:
-            self._by_role = {}
+            for r in ([role] if role is not None else list(self._by_role)):
+                for c in self._by_role.pop(r, {}).values():
+                    c.clear()
 
 
 class _Events:
-    """Trace spans recorded by the compute lane and taken by the control lane; none is lost between the two."""
+    """Trace spans recorded by the compute lane and taken by the control lane; none is lost between the two. At most
+    ``maxlen`` are kept between two takes: past it the oldest are dropped, and counted (``take`` reports them)."""
 
     def __init__(self, maxlen: int = 200_000) -> None:
         self._lock = threading.Lock()
         self._items: collections.deque = collections.deque(maxlen=maxlen)
+        self._dropped = 0
 
     def add(self, event: dict) -> None:
         with self._lock:
+            if len(self._items) == self._items.maxlen:
+                self._dropped += 1
             self._items.append(event)
 
     def take(self) -> list[dict]:
+        """The spans added since the last take (the count of dropped ones stays for ``take_counted``)."""
         with self._lock:
             items, self._items = self._items, collections.deque(maxlen=self._items.maxlen)
         return list(items)
+
+    def take_counted(self) -> tuple[list[dict], int]:
+        """The spans added since the last take, and how many were dropped since the last ``take_counted`` (the
+        buffer was full)."""
+        with self._lock:
+            items, self._items = self._items, collections.deque(maxlen=self._items.maxlen)
+            dropped, self._dropped = self._dropped, 0
+        return list(items), dropped
 
 
 def _bound_anywhere() -> socket.socket:
@@ -323,6 +379,15 @@ def _bound_anywhere() -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("::" if dual else "", 0))
     return s
+
+
+_this_process: list[Any] = [None]
+
+
+def process_host() -> Any:
+    """The Host of this process when it is a rank's own process (a Ray actor), else None (the in-process backend
+    keeps one Host per lane thread: ``_local.current_host``)."""
+    return _this_process[0]
 
 
 def _dump_stacks_on_crash() -> None:
@@ -360,6 +425,7 @@ class Host:
         self.runtime = runtime if runtime is not None else RayRuntime()
         if self.runtime.own_process:
             _dump_stacks_on_crash()
+            _this_process[0] = self  # a rank's process holds one Host (process_host)
         self.group, self.rank, self.world_size, self.local_rank = group, rank, world_size, local_rank
         self.placement = placement
         self.roles: dict[str, Worker] = {}
@@ -370,6 +436,8 @@ class Host:
         self._watching = threading.Event()
         self._declared: str | None = None  # why a role declared this rank dead (Worker.declare_dead): none if not
         self._inline_parts = 0  # results stored inline so far (names them for traces)
+        # what names this host's inline parts apart from another group's of the same name (traces key parts by name)
+        self._inline_tag = f"{group}:{rank}:{os.getpid()}.{id(self):x}"
         self._loop: asyncio.AbstractEventLoop | None = None  # compute thread's loop for async endpoints
         self._fast_call: str | None = None  # the id of the fast-path call running now on the compute lane
         self._kept: dict[str, Any] = {}  # fast-path results a frame cannot carry (refs, > 1 MiB), until taken
@@ -492,16 +560,27 @@ class Host:
         return self.stats_.snapshot(role)
 
     @ray.method(concurrency_group=CONTROL)
-    def reset_stats(self) -> None:
-        self.stats_.reset()
+    def reset_stats(self, role: str | None = None) -> None:
+        """Zero the counters of ``role`` (None: of every role hosted here). A call running meanwhile counts after."""
+        self.stats_.reset(role)
 
     @ray.method(concurrency_group=CONTROL)
-    def set_tracing(self, enabled: bool) -> None:
+    def set_tracing(self, enabled: bool) -> float:
+        """Record a span per call (or stop); returns this rank's own wall clock as recording turned on, so that a
+        tracer can tell the spans that started after it by this process's clock, not the controller's."""
+        now = time.time()
         self.tracing = enabled
+        return now
 
     @ray.method(concurrency_group=CONTROL)
-    def take_events(self) -> tuple[int, list[dict]]:
-        """(pid, recorded spans) since the last take; each span names the parts it fetched and produced."""
+    def take_events(self, counted: bool = False) -> tuple[int, list[dict]] | dict[str, Any]:
+        """(pid, recorded spans) since the last take; each span names the parts it fetched and produced (its
+        ``error``: the exception type of a call that failed, ``cancelled``: True for one that was cancelled).
+        ``counted``: ``{"pid", "spans", "dropped"}`` instead, ``dropped`` the spans this rank had to drop since the
+        last counted take (more than ``_Events``' ``maxlen`` between two takes)."""
+        if counted:
+            spans, dropped = self.events.take_counted()
+            return {"pid": os.getpid(), "spans": spans, "dropped": dropped}
         return os.getpid(), self.events.take()
 
     @ray.method(concurrency_group=COMPUTE)
@@ -713,15 +792,19 @@ class Host:
         return _not_a_frame(out, self.rank)
 
     def _call(self, role: str, name: str, args: tuple, kwargs: dict) -> Any:
-        """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is."""
+        """Run endpoint ``name`` of ``role``: a Batch result comes back as an Output header, anything else as is. Its
+        counters are added when it ends (``_Stats.commit``), a failed or cancelled call's too, counted as such; while
+        tracing, so is its span (marked ``error`` / ``cancelled``)."""
+        tally = fetched = None
+        seconds = 0.0
         try:
             args, kwargs = _unframe(args, kwargs)
-            spec, fn, ctx, counters = self._begin(role, name)
+            spec, fn, ctx, tally, held = self._begin(role, name)
             shared = kwargs.pop(SHARED_KWARG, ())
             readers, given = kwargs.pop(STORE_KWARG, ((), None))
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, counters, spec, fetched, shared, given)
+            (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, tally, spec, fetched, shared, given)
             if self.is_cancelled():  # while it waited for a forwarded input: it never reaches the endpoint
                 raise CallCancelled("cancelled while it waited for its inputs; the endpoint did not run")
             rows_in = _rows_in(args, kwargs) if pad else None
@@ -729,7 +812,7 @@ class Host:
             try:
                 result = self._aloop().run_until_complete(fn(*args, **kwargs)) if spec.is_async else fn(*args, **kwargs)
             finally:
-                counters["seconds"] += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
             if self.is_cancelled():  # the caller was told the call ended: no reader may take this result for one
                 raise CallCancelled("cancelled while it ran; its result is discarded")
             if inspect.isgenerator(result) or inspect.isasyncgen(result):  # Ray would keep its first item as the value
@@ -741,52 +824,92 @@ class Host:
                 raise ValueError(f"endpoint returned {got} for an input of {rows_in} rows ({pad} of them padding); "
                                  f"an endpoint with padded input (shard(pad=True) or pad()) must return one row per "
                                  f"input row, so that the padding rows can be dropped")
-            out = self._store(result, pad, counters, span if readers else None, readers)
-            if fetched is not None:
-                self._event(role, name, start, time.time(), fetched, out)
-            return out
-        except WorkerError:
-            raise
+            out = self._store(result, pad, tally, span if readers else None, readers)
         except BaseException as e:
+            if tally is not None:
+                self._ended_badly(e, role, name, tally, held, seconds, fetched, start if fetched is not None else 0.0)
+            if isinstance(e, WorkerError):
+                raise
             raise self._error(e, role, name) from None
+        self.stats_.commit(role, name, tally, held, seconds)
+        if fetched is not None:
+            self._event(role, name, start, time.time(), fetched, out)
+        return out
+
+    def _ended_badly(self, e: BaseException | None, role: str, name: str, tally: dict, held: dict, seconds: float,
+                     fetched: list | None, start: float, span_name: str | None = None) -> None:
+        """Count a call (or a stream's last step) that failed or was cancelled (``errors`` / ``cancelled``; ``e``
+        None: cancelled) with what it did, and record its span while tracing, marked with the error's type or
+        ``cancelled``."""
+        kind = e.exc_type if isinstance(e, WorkerError) else type(e).__name__
+        if e is None or isinstance(e, (CallCancelled, GeneratorExit)) or kind == "CallCancelled" or self.is_cancelled():
+            tally["cancelled"] += 1
+            mark: dict[str, Any] = {"cancelled": True}
+        else:
+            tally["errors"] += 1
+            mark = {"error": kind}
+        self.stats_.commit(role, name, tally, held, seconds)
+        if fetched is not None:
+            self._event(role, span_name or name, start, time.time(), fetched, None, mark)
 
     def _call_stream(self, role: str, name: str, args: tuple, kwargs: dict) -> Iterator[Output]:
-        """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists."""
+        """Run a generator endpoint; each yield becomes one stored output, handed back as soon as it exists. Its
+        ``seconds`` count the time spent in the generator's body (each step to its next yield), not the time it
+        waits at a yield for the consumer; its counters are added at every part."""
+        tally = fetched = None
+        seconds, seq = 0.0, 0
         try:
             args, kwargs = _unframe(args, kwargs)
-            spec, fn, ctx, counters = self._begin(role, name)
+            spec, fn, ctx, tally, held = self._begin(role, name)
             shared = kwargs.pop(SHARED_KWARG, ())
             kwargs.pop(STORE_KWARG, None)  # a stream's parts are cut as they come: no row positions to align to
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
-            (args, kwargs), pad, _ = self._resolve(args, kwargs, resolved, counters, spec, fetched, shared)
+            (args, kwargs), pad, _ = self._resolve(args, kwargs, resolved, tally, spec, fetched, shared)
             if pad:
                 raise ValueError("a streaming endpoint cannot take padded input; drop pad from its dispatch")
+            t0 = time.perf_counter()
             gen = fn(*args, **kwargs)
+            seconds = time.perf_counter() - t0
             loop = self._aloop() if hasattr(gen, "__anext__") else None
             seq = 0
             while not self.is_cancelled():
-                if loop is not None:
-                    try:
-                        item = loop.run_until_complete(gen.__anext__())
-                    except StopAsyncIteration:
-                        break
-                else:
-                    item = next(gen, _DONE)
-                    if item is _DONE:
-                        break
-                out = self._store_output(item, counters)
+                t0 = time.perf_counter()
+                try:
+                    if loop is not None:
+                        try:
+                            item = loop.run_until_complete(gen.__anext__())
+                        except StopAsyncIteration:
+                            break
+                    else:
+                        item = next(gen, _DONE)
+                        if item is _DONE:
+                            break
+                finally:
+                    seconds += time.perf_counter() - t0
+                out = self._store_output(item, tally)
+                held = self.stats_.commit(role, name, tally, held, seconds)
+                tally, seconds = collections.defaultdict(int), 0.0
                 if fetched is not None:  # one span per yielded part
                     now = time.time()
                     self._event(role, f"{name}[{seq}]", start, now, fetched, out)
                     start, fetched, seq = now, [], seq + 1
                 yield self._reply(out, role, name)
-        except (WorkerError, GeneratorExit):  # GeneratorExit: Ray closed the stream (its consumer went away)
-            raise
         except BaseException as e:
+            if tally is not None:
+                self._ended_badly(e, role, name, tally, held, seconds, fetched,
+                                  start if fetched is not None else 0.0, f"{name}[{seq}]")
+            if isinstance(e, (WorkerError, GeneratorExit)):  # GeneratorExit: Ray closed the stream (its consumer
+                raise  # went away)
             raise self._error(e, role, name) from None
+        if self.is_cancelled():  # it stopped between two parts: the stream ends here, as cancelled
+            self._ended_badly(None, role, name, tally, held, seconds, fetched, start, f"{name}[{seq}]")
+        else:
+            self.stats_.commit(role, name, tally, held, seconds)
 
-    def _begin(self, role: str, name: str) -> tuple[EndpointSpec, Any, _Context, dict]:
+    def _begin(self, role: str, name: str) -> tuple[EndpointSpec, Any, _Context, collections.defaultdict, dict]:
+        """Check that the call may run; count it begun: its tally (what it adds as it runs) and the counters it was
+        counted in, for ``_Stats.commit`` when it ends."""
         if self.is_cancelled():
             raise CallCancelled("cancelled before it started")
         if self._declared is not None:  # sent before the controller learned it: it does not run, and it is a death
@@ -798,9 +921,8 @@ class Host:
         spec = self.specs[role].get(name)
         if spec is None:
             raise AttributeError(f"{type(self.roles[role]).__name__} has no endpoint {name!r}")
-        counters = self.stats_.counters(role, name)
-        counters["calls"] += 1
-        return spec, getattr(self.roles[role], name), self.contexts[role], counters
+        tally, held = self.stats_.begin(role, name)
+        return spec, getattr(self.roles[role], name), self.contexts[role], tally, held
 
     def _resolve(self, args: tuple, kwargs: dict, resolved: tuple, counters: dict, spec: EndpointSpec,
                  trace: list | None = None, shared: tuple[int | str, ...] = (),
@@ -1001,7 +1123,7 @@ class Host:
             # a small result rides inside the call's reply (no object of its own, no second fetch by readers)
             if nbytes < INLINE_BYTES:
                 self._inline_parts += 1
-                parts.append(PartInfo(piece, len(piece), size, tag=f"{self.group}:{self.rank}:{self._inline_parts}",
+                parts.append(PartInfo(piece, len(piece), size, tag=f"{self._inline_tag}:{self._inline_parts}",
                                       start=where[0], total=where[1], pad=piece.pad_count))
             else:
                 parts.append(PartInfo(self.runtime.put(piece), len(piece), size, start=where[0], total=where[1],
@@ -1011,11 +1133,15 @@ class Host:
             counters["bytes_out"] += size
         return Output(self.rank, parts=tuple(parts), keys=tuple(result.keys()), schema=result._schema())
 
-    def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any) -> None:
+    def _event(self, role: str, name: str, start: float, end: float, fetched: list, out: Any,
+               mark: dict[str, Any] | None = None) -> None:
+        """Record a call's span (``mark``: ``{"error": type}`` or ``{"cancelled": True}`` for one that ended so)."""
         produced = ([(p.key, p.nbytes, p.rows) for p in out.parts if p.key]
                     if isinstance(out, Output) and out.parts else [])
-        self.events.add({"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched,
-                            "produced": produced})
+        event = {"role": role, "endpoint": name, "start": start, "end": end, "fetched": fetched, "produced": produced}
+        if mark:
+            event.update(mark)
+        self.events.add(event)
 
     def _store_output(self, item: Any, counters: dict) -> Output:
         out = self._store(item, 0, counters)

@@ -186,7 +186,9 @@ class Invocation:
         self._scan = 0  # slots before this index are finished (see _check_done)
         self._deadline_timer: asyncio.TimerHandle | None = None  # ends the call at its deadline (see start)
         self._written: _WriteCheck | None = None  # the caller's Batches as the call was made (see start)
-        self._looked = False  # something awaited this call or read it as an input (see failed_calls_not_awaited)
+        self._looked = False  # its outcome was handed to someone: a wait returned it or raised its error, a call
+        # read it as an input, or the caller ended it (``looked_at``; see failed_calls_not_awaited)
+        self._read = False  # a call that reads this one as an input ran to its end (``read_elsewhere``)
         self._waiting_for: Any = "its turn to be sent"  # what a call not sent yet waits for: a text, or a data
         # argument whose inputs it is describing (named when its timeout error is made: ``_waiting_text``)
         self._inputs_gone = False  # it finished well and let its inputs go (``_let_inputs_go``)
@@ -311,6 +313,7 @@ class Invocation:
         if i == len(slots):
             if self._wakes:
                 self._wake()
+            self._inputs_read()
             if self._apart_dependents and not self._apart_judged:
                 self._judge_columns()
             self.shared.live.discard(self)
@@ -805,8 +808,22 @@ class Invocation:
             todo.extend(inv._apart_dependents)
 
     def read_elsewhere(self) -> bool:
-        """Whether something awaited this call or read it as another call's input (``looked_at``)."""
-        return self._looked
+        """Whether a call that reads this one as an input ran to its end (``read_by_another``): this call has run
+        then, though its own replies may still be on their way (Ray delivers different actors' replies in any
+        order). A wait that merely started on it does not count."""
+        return self._read
+
+    def _inputs_read(self) -> None:
+        """Every rank ran to its end, reading its inputs: each upstream's outcome (its rows, or its failure as this
+        call's) was handed to this call. Not for a call ended early (cancelled, closed, timed out)."""
+        if self.error is None:
+            for u in self.upstreams:
+                u.read_by_another()
+
+    def read_by_another(self) -> None:
+        """A call that reads this one ran to its end: this call's outcome reached it (see ``read_elsewhere``)."""
+        self._read = True
+        self.looked_at()
 
     def unreceived(self) -> list[asyncio.Future]:
         """What the controller still waits for from this call's ranks: its sending, each rank's end and replies.
@@ -853,22 +870,57 @@ class Invocation:
             group=self.group, endpoint=self.endpoint, pending_ranks=running)
 
     async def converted(self, e: BaseException, slot: Slot | None) -> BaseException:
-        """orchestra's error for a failure of ``slot``; an upstream failure becomes the upstream's own error."""
+        """orchestra's error for a failure of ``slot``; an upstream failure becomes the upstream's own error. Every
+        caller raises what this returns: the failure is handed to someone, so the call counts as seen."""
         err = convert_error(e, self.group, self.endpoint, slot.rank if slot else None)
         if isinstance(err, WorkerError) and err.exc_type == UPSTREAM_FAILED:
             for u in self.upstreams:
                 try:
                     await u.wait()
                 except OrchestraError as ue:
-                    return ue
+                    err = ue
+                    break
+        self.looked_at()
         return err
 
     # -- waiting --------------------------------------------------------------------------------------------------
     def looked_at(self) -> None:
-        """Something awaits this call or reads it: its failure, if any, is seen there."""
+        """The call's outcome was handed to someone — a wait returned it or raised its error, a call read it, the
+        caller ended it — so its failure, if any, is seen there. Not called when a wait merely starts: a wait that
+        stops early (a stream left with ``break``) has seen nothing of what comes after."""
         if not self._looked:
             self._looked = True
             self.shared.unseen.pop(id(self), None)
+            self.shared.undrained.pop(id(self), None)
+
+    def iterating(self) -> None:
+        """An iteration of this call's parts started: until it reaches the end or hands out the call's error (or
+        the outcome is seen otherwise), the call is a stream not drained (``WorkerGroup.streams_not_drained``)."""
+        if not self._looked:
+            self.shared.note_undrained(self)
+
+    def iteration_ended(self) -> None:
+        """An iteration of this call's parts ended otherwise than by being left (an error of its own, not the
+        call's): it is no stream left undrained."""
+        self.shared.undrained.pop(id(self), None)
+
+    def outcome_as_awaited(self) -> BaseException | None:
+        """``outcome()`` as ``await`` raises it: a failure of a rank that read a failed upstream is that upstream's
+        own error (naming its group, rank and endpoint), as ``converted`` makes it, found without waiting."""
+        err = self.outcome()
+        inv, seen = self, {id(self)}
+        while isinstance(err, WorkerError) and err.exc_type == UPSTREAM_FAILED:
+            found = None
+            for u in inv.upstreams:
+                ue = u.outcome()
+                if ue is not None and id(u) not in seen:
+                    found = u
+                    break
+            if found is None:
+                break
+            inv, err = found, found.outcome()
+            seen.add(id(inv))
+        return err
 
     def outcome(self) -> BaseException | None:
         """The call's failure once it has one: how it was ended early, else the first failure of a rank."""
@@ -881,21 +933,36 @@ class Invocation:
         return None
 
     async def wait_submitted(self) -> None:
-        self.looked_at()
+        """Until the call was sent to its ranks; raises its failure to be sent (then the call counts as seen)."""
         if self.error is not None:
+            self.looked_at()
             raise self.error
         if not self.submitted.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self.submitted), self.remaining())
             except asyncio.TimeoutError:
+                self.looked_at()
                 raise self.fail(self._timeout_error([])) from None
         exc = self.submitted.exception()
         if exc is not None:
+            self.looked_at()
             raise exc
 
     async def wait(self) -> None:
-        """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks."""
+        """Wait until every rank has finished; raise the first failure at once, cancelling the other ranks. The
+        call counts as seen once this returns or raises its error (``looked_at``); a wait cancelled by its caller
+        ends the call instead (``CallCancelledError``: the caller's own act)."""
+        try:
+            await self._wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self.looked_at()
+            raise
         self.looked_at()
+        self._inputs_read()  # (its slots' own callbacks may not have run yet: ``_check_done`` does it then too)
+
+    async def _wait(self) -> None:
         try:
             await self.wait_submitted()
             while True:
@@ -1036,8 +1103,11 @@ class Invocation:
 
     def cancel(self, error: BaseException | None = None) -> None:
         """End everything this call owns: its tasks, the Ray work of every rank and part, and its slots. A call
-        that already finished is left as it is."""
+        that already finished is left as it is (``fut.cancel()`` of a stream read in part says the caller is done
+        with it: no stream left undrained; a failure it had stays one nobody awaited)."""
         if self.error is not None or (self.submitted.done() and all(s.finished() for s in self.slots)):
+            if error is None:
+                self.iteration_ended()
             return
         if error is None:  # fut.cancel(): the caller knows how it ended
             self.looked_at()

@@ -9,7 +9,8 @@ reach the call); replies, yields and stored objects (``put``) are pickled when p
 reference unpickles a copy of its own. ``kill`` is a process death as the controller sees it: the rank's queued,
 running and later calls fail with ``RankDied`` (a ``WorkerDiedError`` for the caller), its supervision call fails,
 and a running endpoint that polls ``Worker.cancelled()`` stops (a thread cannot be killed: one that never polls
-runs to its end, its result dropped).
+runs to its end, its result dropped). Closing the group waits for the threads to end (``LocalBackend.wait_stopped``,
+as a Ray close waits for the processes to exit), so such an endpoint does not run on past the close.
 
 What differs from Ray on purpose: ranks share one process, so ``os.environ``, the global random generators
 (``torch.manual_seed``, ``numpy.random``, ``random``) and module or class globals are shared by every rank (seed
@@ -27,7 +28,9 @@ import logging
 import os
 import pickle
 import queue
+import re
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -42,7 +45,7 @@ __all__ = ["LocalBackend", "LocalRef"]
 log = logging.getLogger("orchestra")
 
 _ids = itertools.count()
-_thread = threading.local()  # .task: the id of the call the current lane thread runs
+_thread = threading.local()  # .task: the id of the call the current lane thread runs; .host: that lane's Host
 
 
 def _new_id() -> str:
@@ -294,6 +297,16 @@ class LocalActor:
 
     def _submit(self, name: str, lane: str, args: tuple, kwargs: dict, streaming: bool) -> Any:
         task = _new_id()
+        if name == "cancel_calls" and self._dead is None:
+            # marked at once, in the caller's thread: when ``fut.cancel()`` returns, the rank's ``cancelled()`` is
+            # True (a Sequencer wait in the cancelled endpoint gives its position back before any later position
+            # the caller enters can take its turn); Ray's control lane does the same a moment later
+            ref = LocalRef(task)
+            try:
+                ref._set(self._host.cancel_calls(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, as from the control lane
+                _resolve(ref._src, error=TaskFailed(_describe(e), cause=e))
+            return ref
         payload = _dumps((args, kwargs))  # now, as Ray does: a bad argument fails here; later writes do not reach it
         ref = LocalRef(task)
         gen = LocalGenerator(ref) if streaming else None
@@ -311,7 +324,26 @@ class LocalActor:
         if job.gen is not None:
             job.gen._push(_End(error))
 
+    def running(self) -> list[str]:
+        """The endpoints this rank's lanes run now (user code still on a thread, even after the rank was killed:
+        a thread cannot be killed)."""
+        with self._lock:
+            return [_ENDPOINT.sub("", job.name) for lane, job in self._running.items() if lane == "compute"]
+
+    def wait_stopped(self, timeout: float) -> list[str]:
+        """After ``_kill``: wait (blocking, up to ``timeout`` s) until every lane thread has ended; returns the
+        endpoints still running then (empty once stopped). The in-process counterpart of waiting for a killed
+        rank's process to exit."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads):
+            return []
+        return self.running() or ["(its lanes' threads)"]
+
     def _serve(self, lane: str, q: queue.SimpleQueue) -> None:
+        _thread.host = self._host  # what a Sequencer wait inside an endpoint polls for the call's cancellation
         while True:
             job = q.get()
             if job is None:
@@ -391,6 +423,14 @@ class LocalActor:
         self._host._watching.set()  # frees the watch lane's thread
 
 
+_ENDPOINT = re.compile(r"^r\d+_")  # a host method's name: r<role index>_<endpoint> (``_host.method_name``)
+
+
+def current_host() -> Any:
+    """The Host whose lane runs on this thread (an in-process rank), else None."""
+    return getattr(_thread, "host", None)
+
+
 class LocalBackend(Backend):
     """Every rank in this process. ``num_cpus`` (default: this machine's) is what pools reserve from."""
 
@@ -451,6 +491,17 @@ class LocalBackend(Backend):
 
     def kill(self, handle: Any) -> None:
         handle._kill("the rank was killed")
+
+    def wait_stopped(self, handles: list[Any], timeout: float) -> list[str]:
+        """After ``kill``: wait (blocking, up to ``timeout`` s in all) until the killed ranks' threads ended — a
+        thread cannot be killed, so an endpoint that never polls ``Worker.cancelled()`` runs to its end meanwhile;
+        returns ``"group[rank] (endpoint 'name')"`` for each still running then."""
+        deadline = time.monotonic() + timeout
+        left = []
+        for h in handles:
+            for what in h.wait_stopped(max(0.0, deadline - time.monotonic())):
+                left.append(f"{h._name} (endpoint {what!r})" if not what.startswith("(") else f"{h._name} {what}")
+        return left
 
     def put(self, obj: Any) -> LocalRef:
         ref = LocalRef(_new_id())

@@ -21,7 +21,8 @@ def add_put(nbytes: int) -> None:
 
 
 def add_call() -> None:
-    _counts["calls"] += 1
+    with _lock:  # a call made from another thread's event loop, or a reset meanwhile, loses no count
+        _counts["calls"] += 1
 
 
 def controller_stats() -> dict[str, int]:

@@ -370,7 +370,11 @@ class Runner:
         t0 = time.time()
         old = self.cluster
         self.restarts.append({"event": "restart", "step": step, "reason": reason})  # counted even if this fails
-        if self.tracer is not None:  # the spans seen so far; the rebuilt groups get a tracer of their own
+        if self.tracer is not None:  # the spans seen so far, the failed step's on the live ranks too (the dead
+            try:  # rank is marked lost in the trace); the rebuilt groups get a tracer of their own
+                await self.tracer.collect()
+            except Exception as e:  # noqa: BLE001 - the restart goes on with what was collected before
+                log.warning("restart %d: the trace's last spans could not be collected (%s); saving what it has", n, e)
             self.tracer.save(self.out / f"trace.before-restart-{n}.json")
             self.tracer = None
         await old.aclose()

@@ -44,8 +44,9 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--orc-backend", choices=("ray", "local"), default=None,
                     help="where make_group's ranks run: 'ray' (a local Ray cluster; default) or 'local' (the "
                          "in-process backend: every rank in the test process, no Ray; seconds per test file)")
-    group.addoption("--orc-num-cpus", type=float, default=None,
-                    help="logical CPUs of the private local cluster orc_cluster starts (default 4)")
+    group.addoption("--orc-num-cpus", default=None,
+                    help="logical CPUs of the private local cluster orc_cluster starts: a whole number >= 1 "
+                         "(default 4)")
     parser.addini("orc_backend", "default of --orc-backend", default="ray")
     parser.addini("orc_num_cpus", "default of --orc-num-cpus", default="4")
 

@@ -14,13 +14,14 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-import anyio
 import ray
 
 from .. import _backend
 from .._errors import WorkerDiedError
+from .._host import CallCancelled as _CallCancelled
 from .._group import WorkerGroup
 from .._invocation import convert_error
 from .._worker import Worker, endpoint, endpoints_of
@@ -112,6 +113,8 @@ class _Turn:
 
     @staticmethod
     def _check(status: tuple[str, str]) -> None:
+        if status[0] == "cancelled":  # the call this wait runs in was cancelled: it ends, as a cancelled call does
+            raise _CallCancelled(status[1])
         if status[0] != "ok":
             raise SequencerError(status[1])
 
@@ -130,12 +133,22 @@ class _Turn:
 
     def __enter__(self) -> None:
         local, ticket = self.seq._local, uuid.uuid4().hex
+        cancelled = _call_cancelled()
         try:
             if local is not None:
-                status = local.enter(self.pos, self.seq.timeout, ticket)
+                status = local.enter(self.pos, self.seq.timeout, ticket, cancelled)
             else:
                 ref = self._send_enter(ticket)
-                status = _on_host(self.seq, lambda: ray.get(ref))
+                while cancelled is not None and not ray.wait([ref], timeout=_POLL_S)[0]:
+                    if cancelled():  # its call was cancelled: give the position back, end the call
+                        self._give_back_on_host(ticket)
+                        status = self._cancelled_status()
+                        break
+                else:
+                    status = _on_host(self.seq, lambda: ray.get(ref))
+                    if status[0] == "ok" and cancelled is not None and cancelled():  # let in as it was cancelled
+                        self._give_back_on_host(ticket)
+                        status = self._cancelled_status()
         except BaseException:  # interrupted while waiting (e.g. KeyboardInterrupt): the block never runs
             if local is not None:
                 local.give_back(self.pos, ticket)
@@ -153,23 +166,40 @@ class _Turn:
             seq = self.seq
             self._check(_on_host(seq, lambda: ray.get(seq._actor.exit.remote(seq._id, self.pos, err))))
 
+    def _cancelled_status(self) -> tuple[str, str]:
+        return "cancelled", (f"cancelled while it waited for Sequencer position {self.pos}; the position was given "
+                             f"back and the block did not run")
+
     async def __aenter__(self) -> None:
         local, ticket = self.seq._local, uuid.uuid4().hex
+        cancelled = _call_cancelled()  # inside an endpoint: its call's cancellation, polled while waiting
         if local is not None:
             refused = local.arrive(self.pos, ticket)  # taken before the wait starts, so a cancellation can give it back
             if refused:
                 self._check(refused)
-            try:  # a blocking wait: in a worker thread, never on the event loop
-                status = await anyio.to_thread.run_sync(local.wait, self.pos, ticket, self.seq.timeout,
-                                                        abandon_on_cancel=True)
-            except BaseException:  # cancelled before its turn (or as it came): the abandoned thread returns at once
+            try:  # on this loop, no thread: any number of waits may wait at once
+                status = await local.await_turn(self.pos, ticket, self.seq.timeout, cancelled)
+            except BaseException:  # cancelled before its turn (or as it came)
                 local.give_back(self.pos, ticket)
                 raise
         else:
-            ref = self._send_enter(ticket)
+            reply = asyncio.wrap_future(self._send_enter(ticket).future())
             try:
-                status = await _on_host_async(self.seq, ref)
+                while True:
+                    done, _ = await asyncio.wait([reply], timeout=None if cancelled is None else _POLL_S)
+                    if done:
+                        status = await _on_host_async(self.seq, reply)
+                        if status[0] == "ok" and cancelled is not None and cancelled():  # let in as it was cancelled
+                            self._give_back_on_host(ticket)
+                            status = self._cancelled_status()
+                        break
+                    if cancelled():  # its call was cancelled: give the position back, end the call
+                        reply.cancel()
+                        self._give_back_on_host(ticket)
+                        status = self._cancelled_status()
+                        break
             except BaseException:  # cancelled: the actor's wait goes on unless told
+                reply.cancel()
                 self._give_back_on_host(ticket)
                 raise
         self._check(status)
@@ -182,6 +212,20 @@ class _Turn:
         else:
             seq = self.seq
             self._check(await _on_host_async(seq, seq._actor.exit.remote(seq._id, self.pos, err)))
+
+
+_POLL_S = 0.02  # how often a wait inside an endpoint asks whether its call was cancelled
+
+
+def _call_cancelled() -> Callable[[], bool] | None:
+    """How the call running on this thread learns it was cancelled (what ``Worker.cancelled()`` asks), when this
+    thread runs an endpoint: the in-process rank's Host of this lane, or the Ray actor's Host in a worker process.
+    None elsewhere (the test body, a thread of the user's): such a wait is ended by cancelling its task."""
+    from .._host import Host, process_host
+    from .._local import current_host
+
+    host = current_host() or process_host()
+    return host.is_cancelled if isinstance(host, Host) else None
 
 
 def _gave_back(f: Any, pos: int) -> None:

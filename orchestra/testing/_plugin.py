@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -37,16 +38,18 @@ def backend(config: pytest.Config) -> str:
 
 
 def num_cpus(config: pytest.Config) -> float:
-    """``--orc-num-cpus``, else the ``orc_num_cpus`` ini option (default 4): logical CPUs of the private cluster."""
-    value = config.getoption("orc_num_cpus", None)
-    if value is None:
+    """``--orc-num-cpus``, else the ``orc_num_cpus`` ini option (default 4): logical CPUs of the private cluster, a
+    whole number >= 1 (Ray starts a cluster only with a whole CPU count; the in-process backend takes the same, so
+    that a suite means the same on both). Anything else stops the run at start-up, before any test."""
+    raw = config.getoption("orc_num_cpus", None)
+    if raw is None:
         raw = config.getini("orc_num_cpus") or "4"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise pytest.UsageError(f"orc_num_cpus = {raw!r} is not a number") from None
-    if not value > 0:
-        raise pytest.UsageError(f"--orc-num-cpus must be > 0, got {value}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise pytest.UsageError(f"orc_num_cpus = {raw!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 1 and value.is_integer()):
+        raise pytest.UsageError(f"--orc-num-cpus must be a whole number >= 1, got {raw}")
     return value
 
 
@@ -82,7 +85,7 @@ def orc_cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, float]]:
         reusing("Ray cluster", resources, n)
         yield resources
         return
-    session = orc.init(num_cpus=int(n) if float(n).is_integer() else n)
+    session = orc.init(num_cpus=int(n))
     try:
         yield dict(session.resources)
     finally:
@@ -227,6 +230,12 @@ async def replies_of_calls_read(factory: GroupFactory, bound: float = LEAK_WAIT_
         await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
 
+def not_drained(factory: GroupFactory) -> list[str]:
+    """The streams of the groups ``factory`` made and the test left open that finished, but whose parts the test
+    stopped reading before the end (``async for ...: break``) and never awaited after (``streams_not_drained``)."""
+    return [c for g in factory.groups if not g.closed for c in g.streams_not_drained()]
+
+
 def failed_unawaited(factory: GroupFactory) -> list[str]:
     """The calls of the groups ``factory`` made that failed with nothing awaiting them, closed groups included (a
     group keeps them after its close): a test that closes its group itself hides no failure."""
@@ -250,6 +259,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
         if left:
             problems.append(f"calls still in flight when the test ended: {left}; await every call (or cancel it) "
                             f"before the test returns")
+        undrained = not_drained(factory)
+        if undrained:
+            problems.append(f"streams not drained when the test ended: {undrained}; their parts were read only in "
+                            f"part (async for ...: break): read them to the end, or await (or cancel) the future")
         failed = failed_unawaited(factory)
         if failed:
             problems.append(f"calls failed and nothing awaited them: {failed}; await every call (one expected to "
@@ -271,11 +284,17 @@ def callback_errors_message(raised: list[str]) -> str:
 
 async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], bound: float = LEAK_WAIT_S) -> list[str]:
     """Close every group ``factory`` made; return what was left behind: pools still held, orchestra tasks still
-    running (waited for up to ``bound`` s), actors still alive after close (each given ``bound`` s to die).
-    A failing ``aclose()`` raises (after the other groups were closed)."""
+    running (waited for up to ``bound`` s), actors still alive after close (each given ``bound`` s to die; an
+    in-process rank: its threads, still running an endpoint that never polls ``cancelled()``, given ``bound`` s
+    from the start of the close to end). A failing ``aclose()`` raises (after the other groups were closed)."""
+    import anyio
+
     from orchestra import WorkerDiedError
     from orchestra._invocation import convert_error
+    from orchestra._local import LocalActor
 
+    loop = asyncio.get_running_loop()
+    closing = loop.time()
     errors: list[BaseException] = []
     for m in factory.made:
         try:
@@ -298,7 +317,19 @@ async def close_and_check(factory: GroupFactory, before: set[asyncio.Task], boun
             problems.append(f"orchestra tasks still running {bound:g} s after the groups closed: "
                             f"{sorted(t.get_name() for t in pending)}")
 
+    async def stops(group: Any, rank: int, actor: LocalActor) -> str | None:
+        # an in-process rank is gone once its lanes' threads ended (its watch call fails as soon as it is killed)
+        left = max(0.0, bound - (loop.time() - closing))
+        running = await anyio.to_thread.run_sync(actor.wait_stopped, left, limiter=anyio.CapacityLimiter(1))
+        if not running:
+            return None
+        what = ", ".join(w if w.startswith("(") else f"endpoint {w!r}" for w in running)
+        return (f"{group!r} rank {rank}: still running {what} {bound:g} s after the group closed (an in-process "
+                f"rank's thread cannot be killed: make the endpoint return when self.cancelled() is True)")
+
     async def dies(group: Any, rank: int, actor: Any) -> str | None:
+        if isinstance(actor, LocalActor):
+            return await stops(group, rank, actor)
         # the host's watch call never returns while the process lives, and fails once it is dead
         try:
             await asyncio.wait_for(asyncio.wrap_future(actor.watch.remote().future()), bound)

@@ -348,3 +348,24 @@ async def test_orc_shutdown_from_another_thread_is_refused_before_changing_anyth
         assert await g.ping() == [0]
     finally:
         await g.aclose()
+
+
+class BrokenOnRankOne(orc.Worker):
+    """A worker whose construction fails on rank 1 only."""
+
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("rank one's bad config")
+
+
+async def test_health_says_whether_the_group_started_and_which_rank_failed_its_start_up():
+    # before ready() every rank read {"alive": False, "error": None}, as a dead rank's does; after rank 1's start-up
+    # failed every rank read "its start-up failed", naming neither the rank nor the cause
+    g = WorkerGroup(ResourcePool([2], backend="local"), BrokenOnRankOne)
+    assert [(h["ready"], h["alive"], h["error"]) for h in g.health()] == [(False, False, None)] * 2
+    with pytest.raises(orc.WorkerError, match="rank one's bad config"):
+        await g.ready()
+    for h in g.health():
+        assert not h["ready"] and not h["alive"]
+        assert "its start-up failed" in h["error"] and "rank 1" in h["error"] and "rank one's bad config" in h["error"]
+    await g.aclose()

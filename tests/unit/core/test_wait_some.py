@@ -21,7 +21,7 @@ def _bare(loop: asyncio.AbstractEventLoop, deadline_in: float | None, ranks: int
     inv.deadline = None if deadline_in is None else loop.time() + deadline_in
     inv.group, inv.endpoint = "g", "e"
     inv._wakes, inv._scan, inv._deadline_timer = [], 0, None
-    inv._apart_dependents, inv._inputs_gone, inv._looked = [], True, True
+    inv._apart_dependents, inv._inputs_gone, inv._looked, inv._read, inv.upstreams = [], True, True, False, []
     inv.shared = types.SimpleNamespace(live=set(), hosts=[], note_unseen=lambda inv: None)
     inv.submitted = loop.create_future()
     inv.submitted.set_result(None)
