@@ -744,7 +744,8 @@ class WorkerGroup:
         return await self._control("describe")
 
     async def stats(self) -> list[dict[str, dict[str, float]]]:
-        """Per rank, per endpoint of this role: calls, parts/rows/bytes fetched and produced, seconds."""
+        """Per rank, per endpoint of this role: calls (begun), errors, cancelled, parts/rows/bytes fetched and
+        produced, seconds."""
         return await self._control("stats", self._role)
 
     async def reset_stats(self) -> None:

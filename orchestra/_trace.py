@@ -231,13 +231,19 @@ class Tracer:
         spans are kept. Arrows between spans are drawn once every group's spans are in (or later, when a part's
         producer comes in a later collect)."""
         got: list[tuple[int, dict[str, Any]]] = []
-        for g in self._groups:
-            got.extend(await self._collect_group(g))
+        failed: BaseException | None = None
+        for g in self._groups:  # a group that cannot be collected costs its own spans only: the others are added
+            try:
+                got.extend(await self._collect_group(g))
+            except Exception as e:  # noqa: BLE001 - raised below, once the other groups' spans are in
+                failed = failed or e
         got.sort(key=lambda ps: ps[1]["start"])
         for pid, sp in got:
             self._add_span(pid, sp)
         for pid, sp in got:
             self._link(pid, sp)
+        if failed is not None:
+            raise failed
         return len(got)
 
     async def _collect_group(self, g: Any) -> list[tuple[int, dict[str, Any]]]:

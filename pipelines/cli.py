@@ -75,9 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
     misplaced = [o for o in overrides if "=" not in o]
-    if misplaced:  # e.g. `train k=v JOB.yaml`: the file would be read as an override
-        print(f"orchestra train: {misplaced[0]!r} is not a section.key=value override; the config file comes first: "
-              f"orchestra train {misplaced[0]} [section.key=value ...] [flags]", file=sys.stderr)
+    if misplaced:
+        o = misplaced[0]
+        if o.endswith((".yaml", ".yml")):  # e.g. `train k=v JOB.yaml`: the file would be read as an override
+            why = (f"a config file comes first, and one only: orchestra train {o} [section.key=value ...] [flags]"
+                   + (f" (given after {config})" if config is not None else ""))
+        else:  # e.g. `train JOB.yaml actor.lr`
+            why = f"an override is section.key=value: write {o}=VALUE"
+        print(f"orchestra train: {o!r} is not a section.key=value override; {why}", file=sys.stderr)
         return 2
     try:
         cfg = load_config(config, overrides)

@@ -51,6 +51,15 @@ _NO_VALUE_FIX = {"runner.output_dir": "give a directory path (e.g. outputs/run; 
 log = logging.getLogger("orchestra")
 
 
+def _override_text(value: Any) -> str:
+    """``value`` as an override writes it (``null``, ``false``, ``0.95``, ``loss``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 class ConfigError(ValueError):
     """A bad configuration; ``path`` is the offending key path (e.g. ``"actor.lr"``), if any."""
 
@@ -514,7 +523,9 @@ class Config(_Model):
 
         def refuse(section: _Model, name: str, why: str) -> ConfigError:
             path = f"{section._section}.{name}"
-            return ConfigError(f"{path}: set to {_shown(getattr(section, name))}, but {why}", path)
+            default = type(section).model_fields[name].default
+            return ConfigError(f"{path}: set to {_shown(getattr(section, name))}, but {why} (to remove one the config "
+                               f"file sets, give its default as an override: {path}={_override_text(default)})", path)
 
         step = f"algorithm.name={alg.name}"
         if critic_free:

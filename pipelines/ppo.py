@@ -33,9 +33,10 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
     adv = ctx.stage("gae", c.advantage.gae.options(**stream)(
         union(rollouts, scores, old, ref, values), gamma=alg.gamma, lam=alg.lam,
         kl_coef=beta if kl_in_reward else 0.0, kl_estimator=alg.kl_reward_estimator))
-    # the advantages' moments: logged as adv/mean, adv/std whether or not the loss whitens with them
-    moments = whitening(await c.advantage.moments(union(rollouts, adv)))
-    mean, std = moments if alg.whiten_advantages else (0.0, 1.0)
+    # the advantages' moments: logged as adv/mean, adv/std whether or not the loss whitens with them (without
+    # whitening, awaited only after the updates: nothing waits for them)
+    moments_fut = c.advantage.moments(union(rollouts, adv))
+    mean, std = whitening(await moments_fut) if alg.whiten_advantages else (0.0, 1.0)
 
     policy = PolicyLoss(clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                         dual_clip_c=cfg.actor.dual_clip_c, agg=cfg.actor.loss_agg,
@@ -52,5 +53,6 @@ async def ppo_step(ctx: StepContext, rollouts: DataFuture) -> dict[str, float]:
                                                           mini_batches=cfg.critic.mini_batches)))
     s = (await scores)["scores"]
     kl_metrics = await adapt_kl(ctx, rollouts, old, ref, rows=len(s))
+    moments = whitening(await moments_fut)
     return {**ctx.score_metrics(s), "adv/mean": moments[0], "adv/std": moments[1],
             **actor_m, **critic_m, **kl_metrics}

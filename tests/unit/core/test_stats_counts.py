@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 
+import anyio
 import pytest
 import torch
 
@@ -19,7 +20,23 @@ from orchestra._host import _Stats
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
 
+HELD, RELEASE = threading.Event(), threading.Event()  # a call of ``hold`` began / may return
+
+
+def _began() -> None:
+    """Block (off the loop) until a ``hold`` call began on its rank; a hang is a failure, not a threshold."""
+    assert HELD.wait(60), "the hold call never began"
+
+
 class Counted(Worker):
+    @endpoint(D.broadcast())
+    def hold(self) -> int:
+        """Says it began (``HELD``), then runs until its call is cancelled or ``RELEASE`` is set."""
+        HELD.set()
+        while not self.cancelled() and not RELEASE.is_set():
+            time.sleep(0.002)
+        return self.rank
+
     @endpoint(D.broadcast())
     def slow(self, s: float = 0.0) -> int:
         time.sleep(s)
@@ -54,17 +71,19 @@ async def test_failed_and_cancelled_calls_are_counted_apart_from_the_calls_that_
     try:
         with pytest.raises(orc.WorkerError):
             await g.boom()
-        fut = g.slow(0.3)
-        await asyncio.sleep(0.1)
+        HELD.clear()
+        RELEASE.clear()
+        fut = g.hold()
+        await anyio.to_thread.run_sync(_began)
         fut.cancel()
         with pytest.raises(orc.CallCancelledError):
             await fut
-        await asyncio.sleep(0.35)  # the cancelled call ends on the rank
-        await g.slow()
+        RELEASE.set()
+        await g.hold()  # (the rank's lane runs it after the cancelled call ended)
         st = (await g.stats())[0]
         assert (st["boom"]["calls"], st["boom"]["errors"], st["boom"]["cancelled"]) == (1, 1, 0)
         assert st["boom"]["seconds"] > 0.01  # the time it ran, as before
-        assert (st["slow"]["calls"], st["slow"]["errors"], st["slow"]["cancelled"]) == (2, 0, 1)
+        assert (st["hold"]["calls"], st["hold"]["errors"], st["hold"]["cancelled"]) == (2, 0, 1)
     finally:
         await g.aclose()
 
@@ -119,13 +138,15 @@ async def test_a_call_running_across_a_reset_is_counted_after_it():
     g = WorkerGroup(_pool(1), Counted, group_name="across")
     await g.ready()
     try:
-        await g.slow()
-        fut = g.slow(0.3)
-        await asyncio.sleep(0.1)
+        HELD.clear()
+        RELEASE.clear()
+        fut = g.hold()
+        await anyio.to_thread.run_sync(_began)  # it runs: the reset comes while it holds its counters
         await g.reset_stats()
+        RELEASE.set()
         await fut
-        st = (await g.stats())[0]["slow"]
-        assert st["calls"] == 1 and st["seconds"] > 0.25 and st["errors"] == 0
+        st = (await g.stats())[0]["hold"]
+        assert st["calls"] == 1 and st["seconds"] > 0 and st["errors"] == 0
     finally:
         await g.aclose()
 

@@ -11,6 +11,7 @@ import time
 import types
 from typing import Any
 
+import anyio
 import pytest
 
 import orchestra as orc
@@ -98,11 +99,14 @@ async def test_a_collect_after_a_declared_death_keeps_every_span_the_ranks_hande
             await g.die_on(1, "cuda ECC error")
         except orc.WorkerDiedError:  # the controller may see the declared death before the call's replies
             pass
-        await asyncio.sleep(0.2)  # supervision has seen the declaration
-        assert 1 in g._shared.dead
+        with anyio.fail_after(30):  # until supervision has seen the declaration (a hang, not a threshold)
+            while 1 not in g._shared.dead:
+                await asyncio.sleep(0.01)
         added = await tracer.collect()
-        assert added == 4  # slow and die_on, on both ranks: the declared rank still answered
-        assert _spans_by_track(tracer) == {"declared rank 0": 2, "declared rank 1": 2}
+        spans = _spans_by_track(tracer)
+        # slow and die_on on the declared rank, which still answered; rank 0's die_on may have been cancelled by
+        # the failure before it began (no span then)
+        assert spans["declared rank 1"] == 2 and spans["declared rank 0"] in (1, 2) and added == sum(spans.values())
         marks = _marks(tracer)
         assert [t for t, _ in marks] == ["declared rank 1"] and "cuda ECC error" in marks[0][1]["why"]
         left = [r for r in await g._gather("take_events") if not isinstance(r, BaseException)]

@@ -4,8 +4,10 @@ groups were given in; groups of the same name on tracks of their own; failed and
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import anyio
 import pytest
 import torch
 
@@ -16,7 +18,23 @@ from orchestra import dispatch as D
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
 
+HELD, RELEASE = threading.Event(), threading.Event()  # a call of ``hold`` began / may return
+
+
+def _began() -> None:
+    """Block (off the loop) until a ``hold`` call began on its rank; a hang is a failure, not a threshold."""
+    assert HELD.wait(60), "the hold call never began"
+
+
 class Stage(Worker):
+    @endpoint(D.broadcast())
+    def hold(self) -> int:
+        """Says it began (``HELD``), then runs until its call is cancelled or ``RELEASE`` is set."""
+        HELD.set()
+        while not self.cancelled() and not RELEASE.is_set():
+            time.sleep(0.002)
+        return self.rank
+
     @endpoint(D.broadcast())
     def slow(self, s: float = 0.0) -> int:
         time.sleep(s)
@@ -120,19 +138,21 @@ async def test_failed_and_cancelled_calls_are_spans_marked_as_such():
         async with orc.Tracer(g) as tracer:
             with pytest.raises(orc.WorkerError):
                 await g.boom()
-            fut = g.slow(0.3)
-            await asyncio.sleep(0.1)
+            HELD.clear()
+            RELEASE.clear()
+            fut = g.hold()
+            await anyio.to_thread.run_sync(_began)
             fut.cancel()
             with pytest.raises(orc.CallCancelledError):
                 await fut
-            await asyncio.sleep(0.35)  # the cancelled call ends on the rank
-            await g.slow()
+            RELEASE.set()
+            await g.hold()  # (the rank's lane runs it after the cancelled call ended)
         all_spans = [e for e in tracer.events() if e["ph"] == "X"]
         assert len(all_spans) == 3
         boom = [e for e in all_spans if e["name"] == "marked.boom"]
         assert len(boom) == 1 and boom[0]["args"]["error"] == "ValueError"
-        slow = sorted((e for e in all_spans if e["name"] == "marked.slow"), key=lambda e: e["ts"])
-        assert slow[0]["args"].get("cancelled") is True and slow[0]["dur"] >= 250_000
+        slow = sorted((e for e in all_spans if e["name"] == "marked.hold"), key=lambda e: e["ts"])
+        assert slow[0]["args"].get("cancelled") is True and slow[0]["dur"] > 0
         assert "cancelled" not in slow[1]["args"] and "error" not in slow[1]["args"]
     finally:
         await g.aclose()

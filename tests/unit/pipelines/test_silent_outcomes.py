@@ -86,11 +86,29 @@ def test_join_reports_every_failure_of_the_same_turn_not_only_the_first(caplog):
             await task
         return info.value
 
-    with caplog.at_level(logging.ERROR, logger="asyncio"):
+    with caplog.at_level(logging.ERROR):
         err = asyncio.run(main())
-    assert str(err) == "actor failed"
-    assert any("critic failed" in n for n in getattr(err, "__notes__", [])), getattr(err, "__notes__", None)
+    assert str(err) == "actor failed" and not getattr(err, "__notes__", None)  # raised unchanged
+    said = [r.getMessage() for r in caplog.records if r.name == "orchestra"]
+    assert len(said) == 1 and "critic failed" in said[0] and "actor failed" in said[0]
     assert "never retrieved" not in caplog.text
+
+
+def test_join_of_two_readers_of_one_failed_upstream_leaves_its_error_as_it_was(caplog):
+    async def main():
+        shared = RuntimeError("upstream failed")
+
+        async def reader():
+            raise shared
+
+        with pytest.raises(RuntimeError) as info:
+            await join(reader(), reader())
+        return shared, info.value
+
+    with caplog.at_level(logging.ERROR):
+        shared, raised = asyncio.run(main())
+    assert raised is shared and not getattr(shared, "__notes__", None)
+    assert not [r for r in caplog.records if r.name == "orchestra"]
 
 
 def test_each_non_finite_step_the_guard_tolerates_is_a_warning(caplog):
@@ -162,3 +180,11 @@ def test_a_config_file_after_an_override_is_refused_saying_where_it_goes(tmp_pat
     assert cli_main(["train", "runner.total_steps=7", "job.yaml"]) == 2
     err = capsys.readouterr().err
     assert "job.yaml" in err and "first" in err and no_run == []
+
+
+def test_an_override_without_a_value_is_named_as_such(tmp_path, no_run, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("runner:\n  total_steps: 5\n")
+    assert cli_main(["train", "job.yaml", "actor.lr"]) == 2
+    err = capsys.readouterr().err
+    assert "write actor.lr=VALUE" in err and "comes first" not in err and no_run == []
