@@ -1078,7 +1078,10 @@ class FSDPEngine:
                     (main.sum() * 0.0).backward()
                 for k, fv in values.items():
                     mu, mtotal = weights_by_scale[metric_scales.get(k, loss_scale)]
-                    metric_sums[k] = metric_sums.get(k, 0.0) + (mu[i] / mtotal if mtotal > 0 else 0.0) * fv
+                    # a metric over no unit of its scale here (0/0 = NaN) weighs 0: adds 0, not NaN x 0 (the key stays:
+                    # every rank sums the same names)
+                    share = (mu[i] / mtotal if mtotal > 0 else 0.0) * fv if mu[i] > 0 else 0.0
+                    metric_sums[k] = metric_sums.get(k, 0.0) + share
             if cfg.accumulate_without_sync and self._world > 1:
                 self.model.set_requires_gradient_sync(True)
 

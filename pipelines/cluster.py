@@ -13,7 +13,7 @@ from typing import Any
 from orchestra import ResourcePool, WorkerGroup
 
 from .config import (ActorConfig, Config, ConfigError, CriticConfig, kv_heads, model_dir, model_positions,
-                     read_model_config)
+                     optimizer_steps, read_model_config)
 from .join import join
 from .taskspec import TaskSpec, longest_prompt
 from .advantage_worker import AdvantageWorker
@@ -75,11 +75,6 @@ def engine_config(cfg: Config, section: ActorConfig | CriticConfig, total_steps:
                         betas=(0.9, section.beta2), total_steps=total_steps, grad_clip=section.grad_clip,
                         micro_batch_size=section.micro_batch_size, seed=seed, schedule_start=schedule_start,
                         device="cuda" if cfg.resources.device == "cuda" else "cpu")
-
-
-def optimizer_steps(cfg: Config, section: ActorConfig | CriticConfig) -> int:
-    """Optimizer steps of the whole run for the actor or the critic (the end of its LR schedule)."""
-    return cfg.runner.total_steps * section.ppo_epochs * section.mini_batches
 
 
 @dataclass

@@ -607,7 +607,7 @@ class Config(_Model):
         sections = (self.actor, self.critic) if self.algorithm.name == "ppo" else (self.actor,)
         for section in sections:
             name, w = section._section, section.warmup_steps
-            total = _optimizer_steps(self, section)
+            total = optimizer_steps(self, section)
             if w == 0 or w < total:
                 continue
             steps = (f"{total} optimizer steps (runner.total_steps {self.runner.total_steps} x {name}.ppo_epochs "
@@ -660,10 +660,10 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else repr(value)
 
 
-def _optimizer_steps(cfg: Config, section: ActorConfig | CriticConfig) -> int:
-    """Optimizer steps of the whole run for the actor or the critic (the end of its LR schedule):
-    ``runner.total_steps x ppo_epochs x mini_batches`` (``pipelines.cluster.optimizer_steps`` gives the engines
-    this; kept here too so that checking a config needs no torch)."""
+def optimizer_steps(cfg: Config, section: ActorConfig | CriticConfig) -> int:
+    """Optimizer steps of the whole run for the actor or the critic (the end of its LR schedule): ``runner.total_steps
+    x ppo_epochs x mini_batches``. Here, torch-free, for the config's checks; ``pipelines.cluster`` hands it to the
+    engines."""
     return cfg.runner.total_steps * section.ppo_epochs * section.mini_batches
 
 

@@ -54,3 +54,28 @@ def test_a_step_skipped_for_a_non_finite_gradient_logs_a_warning(caplog):
     assert r["skipped"] == 1.0 and r["step"] == 0.0
     (msg,) = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
     assert "grad_norm=nan" in msg and "step 1" in msg and "skipped" in msg and "4 rows" in msg, msg
+
+
+class _TokenMeanWithRowsMetric:
+    """A token-mean loss (NaN over no token) that also reports a per-row metric: a micro-batch without tokens but
+    with rows calls it for that metric; its token-scaled metric there is 0/0."""
+
+    loss_scale = "tokens"
+    metric_scales = {"rows_seen": "rows"}
+
+    def __call__(self, outputs, mb):
+        m = mb["response_mask"].float()
+        lp = outputs["log_probs"]
+        tok_mean = (lp * m).sum() / m.sum()  # NaN where the micro-batch has no token
+        return -tok_mean, {"tok_metric": float(tok_mean.detach()), "rows_seen": float((m.sum(-1) > 0).float().mean())}
+
+
+def test_a_token_metric_of_a_micro_batch_without_tokens_adds_nothing_not_nan():
+    # the micro-batch without a token is called for its per-row metric; its token metric (0/0) was added as NaN x 0
+    b = make_batch(B=4)
+    b["response_mask"][3] = 0
+    results = {mbs: _step(mbs, b, _TokenMeanWithRowsMetric())[0] for mbs in (4, 1)}
+    for mbs, r in results.items():
+        assert r["skipped"] == 0.0 and torch.isfinite(torch.tensor(r["tok_metric"])), (mbs, r)
+        assert r["tok_metric"] == pytest.approx(results[4]["tok_metric"], rel=1e-5), mbs
+        assert r["rows_seen"] == pytest.approx(results[4]["rows_seen"], rel=1e-5), mbs

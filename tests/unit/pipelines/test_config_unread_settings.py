@@ -207,14 +207,11 @@ def test_an_unread_setting_exits_2_before_anything_starts(tmp_path, capsys):
 
 
 # -- the default warmup on a short run: a warning, not an error ---------------------------------------------------
-def test_the_config_counts_the_optimizer_steps_as_the_engines_do():
-    from pipelines.cluster import optimizer_steps
-    from pipelines.config import _optimizer_steps
+def test_the_engines_get_the_optimizer_steps_the_config_checks():
+    import pipelines.cluster
+    import pipelines.config
 
-    cfg = load_config(None, ["algorithm.name=ppo", "rollout.n=1", "runner.total_steps=7", "actor.ppo_epochs=3",
-                             "actor.mini_batches=2", "critic.ppo_epochs=2"])
-    for section in (cfg.actor, cfg.critic):
-        assert _optimizer_steps(cfg, section) == optimizer_steps(cfg, section)
+    assert pipelines.cluster.optimizer_steps is pipelines.config.optimizer_steps  # one count, not two copies
 
 
 WARMUP_AS_LONG_AS_THE_RUN = [
