@@ -169,7 +169,7 @@ def _warn_not_taken(resources: dict[str, Any], num_cpus: float | None, num_gpus:
     differ = [f"{k}={v!r} (it has {resources.get(r, 0):g})" for k, r, v in (("num_cpus", "CPU", num_cpus),
                                                                            ("num_gpus", "GPU", num_gpus))
               if v is not None and float(v) != float(resources.get(r, 0))]
-    differ += [f"{k}=..." for k in (ray_kwargs or {})]
+    differ += [f"{k}={v!r}" for k, v in (ray_kwargs or {}).items()]  # (what Ray was started with is not known here)
     if differ:
         log.warning("orc.init: %s already runs here, so %s is not taken; call orc.shutdown() first to start it "
                     "with other settings", what, ", ".join(differ))
