@@ -282,13 +282,8 @@ class _Stats:
         self._lock = threading.Lock()
         self._by_role: dict[str, dict[str, dict[str, float]]] = {}
 
-    def counters(self, role: str, name: str) -> dict[str, float]:
-        """The counters of (role, endpoint), created on first use. Change them only under ``self._lock`` (``begin``
-        and ``commit`` do)."""
-        with self._lock:
-            return self._get(role, name)
-
     def _get(self, role: str, name: str) -> dict[str, float]:
+        """The counters of (role, endpoint), created on first use; under ``self._lock`` (``begin``, ``commit``)."""
         eps = self._by_role.get(role)
         if eps is None:
             eps = self._by_role[role] = {}

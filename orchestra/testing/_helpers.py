@@ -21,6 +21,7 @@ import ray
 
 from .. import _backend
 from .._errors import WorkerDiedError
+from ._sequencer_state import POLL_S
 from .._host import CallCancelled as _CallCancelled
 from .._group import WorkerGroup
 from .._invocation import convert_error
@@ -139,7 +140,7 @@ class _Turn:
                 status = local.enter(self.pos, self.seq.timeout, ticket, cancelled)
             else:
                 ref = self._send_enter(ticket)
-                while cancelled is not None and not ray.wait([ref], timeout=_POLL_S)[0]:
+                while cancelled is not None and not ray.wait([ref], timeout=POLL_S)[0]:
                     if cancelled():  # its call was cancelled: give the position back, end the call
                         self._give_back_on_host(ticket)
                         status = self._cancelled_status()
@@ -186,7 +187,7 @@ class _Turn:
             reply = asyncio.wrap_future(self._send_enter(ticket).future())
             try:
                 while True:
-                    done, _ = await asyncio.wait([reply], timeout=None if cancelled is None else _POLL_S)
+                    done, _ = await asyncio.wait([reply], timeout=None if cancelled is None else POLL_S)
                     if done:
                         status = await _on_host_async(self.seq, reply)
                         if status[0] == "ok" and cancelled is not None and cancelled():  # let in as it was cancelled
@@ -214,7 +215,6 @@ class _Turn:
             self._check(await _on_host_async(seq, seq._actor.exit.remote(seq._id, self.pos, err)))
 
 
-_POLL_S = 0.02  # how often a wait inside an endpoint asks whether its call was cancelled
 
 
 def _call_cancelled() -> Callable[[], bool] | None:

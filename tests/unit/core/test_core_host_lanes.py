@@ -15,7 +15,7 @@ def test_stats_snapshot_while_the_compute_lane_adds_endpoints():
 
     def compute() -> None:
         for i in range(20_000):
-            stats.counters(f"role{i % 3}", f"ep{i}")["calls"] += 1
+            stats.begin(f"role{i % 3}", f"ep{i}")  # a call begun: counted, under the lock
         stop.set()
 
     def control() -> None:
@@ -61,8 +61,9 @@ def test_no_trace_event_is_lost_between_takes():
 
 def test_reset_starts_counting_again():
     stats = _Stats()
-    stats.counters("r", "a")["calls"] += 2
+    stats.begin("r", "a")
+    stats.begin("r", "a")
     stats.reset()
     assert stats.snapshot() == {}
-    stats.counters("r", "a")["calls"] += 1
+    stats.begin("r", "a")
     assert stats.snapshot("r")["a"]["calls"] == 1

@@ -17,31 +17,13 @@ from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
 from orchestra._host import _Stats
 
+import holding  # noqa: E402
+from holding import Holding  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
 
-HELD, RELEASE = threading.Event(), threading.Event()  # a call of ``hold`` began / may return
-
-
-def _began() -> None:
-    """Block (off the loop) until a ``hold`` call began on its rank; a hang is a failure, not a threshold."""
-    assert HELD.wait(60), "the hold call never began"
-
-
-class Counted(Worker):
-    @endpoint(D.broadcast())
-    def hold(self) -> int:
-        """Says it began (``HELD``), then runs until its call is cancelled or ``RELEASE`` is set."""
-        HELD.set()
-        while not self.cancelled() and not RELEASE.is_set():
-            time.sleep(0.002)
-        return self.rank
-
-    @endpoint(D.broadcast())
-    def slow(self, s: float = 0.0) -> int:
-        time.sleep(s)
-        return self.rank
-
+class Counted(Holding):
     @endpoint(D.broadcast())
     def boom(self) -> int:
         time.sleep(0.02)
@@ -71,14 +53,13 @@ async def test_failed_and_cancelled_calls_are_counted_apart_from_the_calls_that_
     try:
         with pytest.raises(orc.WorkerError):
             await g.boom()
-        HELD.clear()
-        RELEASE.clear()
+        holding.reset()
         fut = g.hold()
-        await anyio.to_thread.run_sync(_began)
+        await anyio.to_thread.run_sync(holding.began)
         fut.cancel()
         with pytest.raises(orc.CallCancelledError):
             await fut
-        RELEASE.set()
+        holding.RELEASE.set()
         await g.hold()  # (the rank's lane runs it after the cancelled call ended)
         st = (await g.stats())[0]
         assert (st["boom"]["calls"], st["boom"]["errors"], st["boom"]["cancelled"]) == (1, 1, 0)
@@ -138,12 +119,11 @@ async def test_a_call_running_across_a_reset_is_counted_after_it():
     g = WorkerGroup(_pool(1), Counted, group_name="across")
     await g.ready()
     try:
-        HELD.clear()
-        RELEASE.clear()
+        holding.reset()
         fut = g.hold()
-        await anyio.to_thread.run_sync(_began)  # it runs: the reset comes while it holds its counters
+        await anyio.to_thread.run_sync(holding.began)  # it runs: the reset comes while it holds its counters
         await g.reset_stats()
-        RELEASE.set()
+        holding.RELEASE.set()
         await fut
         st = (await g.stats())[0]["hold"]
         assert st["calls"] == 1 and st["seconds"] > 0 and st["errors"] == 0

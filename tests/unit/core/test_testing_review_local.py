@@ -15,7 +15,9 @@ adversarial review of the plugin found wrong:
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,11 @@ import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
 from orchestra.testing import Sequencer, SequencerError
+
+_INTEGRATION = Path(__file__).resolve().parents[2] / "integration"
+if str(_INTEGRATION) not in sys.path:
+    sys.path.insert(0, str(_INTEGRATION))
+from testing_review_workers import Reports  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
@@ -36,14 +43,7 @@ class Flag(threading.Event):
     _orc_in_process = True
 
 
-class Streams(Worker):
-    @endpoint(D.shard())
-    def fail_after_first(self, batch: Batch, seq: Sequencer):
-        yield batch.slice(0, 1)
-        with seq(1):  # the test lets it go on once it stopped reading
-            pass
-        raise RuntimeError(f"second part failed on rank {self.rank}")
-
+class Streams(Reports):
     @endpoint(D.shard())
     def held_after_first(self, batch: Batch, seq: Sequencer):
         yield batch.slice(0, 1)
@@ -54,18 +54,6 @@ class Streams(Worker):
     @endpoint(D.shard())
     def pieces(self, batch: Batch, n: int = 4):
         yield from batch.chunk(n)
-
-    @endpoint(D.broadcast())
-    def boom(self) -> None:
-        raise ValueError(f"boom on rank {self.rank}")
-
-    @endpoint(D.broadcast())
-    def take(self, x: object) -> str:
-        return type(x).__name__
-
-    @endpoint(D.broadcast())
-    def noop(self) -> int:
-        return self.rank
 
     @endpoint(D.broadcast())
     def block_until(self, started: Flag, release: Flag) -> str:

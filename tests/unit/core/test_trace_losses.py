@@ -190,3 +190,32 @@ async def test_a_clean_trace_saves_without_a_warning(tmp_path, caplog):
         assert saved["otherData"] == {"lost_ranks": [], "dropped_spans": []}
     finally:
         await g.aclose()
+
+
+async def test_a_group_that_cannot_be_collected_costs_only_its_own_spans():
+    """collect went group by group and stopped at the first that raised: the spans of every group after it stayed
+    out of the trace (they were taken from their ranks, so they were gone)."""
+    a, b = _group(1, "first"), _group(1, "second")
+    await a.ready()
+    await b.ready()
+    try:
+        tracer = orc.Tracer(a, b)
+        await tracer.start()
+        await a.slow()
+        await b.slow()
+        collect_group = tracer._collect_group
+
+        async def failing_for_a(g):
+            if g is a:
+                raise RuntimeError("group 'first' could not be collected")
+            return await collect_group(g)
+
+        tracer._collect_group = failing_for_a
+        with pytest.raises(RuntimeError, match="'first' could not be collected"):
+            await tracer.collect()
+        assert _spans_by_track(tracer) == {"second rank 0": 1}
+        tracer._collect_group = collect_group
+        await tracer.stop()
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -4,7 +4,6 @@ groups were given in; groups of the same name on tracks of their own; failed and
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import anyio
@@ -15,31 +14,13 @@ import orchestra as orc
 from orchestra import Batch, ResourcePool, Worker, WorkerGroup, endpoint
 from orchestra import dispatch as D
 
+import holding  # noqa: E402
+from holding import Holding  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("no_ray")  # conftest: a module that started Ray fails
 
 
-HELD, RELEASE = threading.Event(), threading.Event()  # a call of ``hold`` began / may return
-
-
-def _began() -> None:
-    """Block (off the loop) until a ``hold`` call began on its rank; a hang is a failure, not a threshold."""
-    assert HELD.wait(60), "the hold call never began"
-
-
-class Stage(Worker):
-    @endpoint(D.broadcast())
-    def hold(self) -> int:
-        """Says it began (``HELD``), then runs until its call is cancelled or ``RELEASE`` is set."""
-        HELD.set()
-        while not self.cancelled() and not RELEASE.is_set():
-            time.sleep(0.002)
-        return self.rank
-
-    @endpoint(D.broadcast())
-    def slow(self, s: float = 0.0) -> int:
-        time.sleep(s)
-        return self.rank
-
+class Stage(Holding):
     @endpoint(D.broadcast())
     def boom(self) -> int:
         raise ValueError("boom")
@@ -138,14 +119,13 @@ async def test_failed_and_cancelled_calls_are_spans_marked_as_such():
         async with orc.Tracer(g) as tracer:
             with pytest.raises(orc.WorkerError):
                 await g.boom()
-            HELD.clear()
-            RELEASE.clear()
+            holding.reset()
             fut = g.hold()
-            await anyio.to_thread.run_sync(_began)
+            await anyio.to_thread.run_sync(holding.began)
             fut.cancel()
             with pytest.raises(orc.CallCancelledError):
                 await fut
-            RELEASE.set()
+            holding.RELEASE.set()
             await g.hold()  # (the rank's lane runs it after the cancelled call ended)
         all_spans = [e for e in tracer.events() if e["ph"] == "X"]
         assert len(all_spans) == 3
