@@ -206,7 +206,8 @@ def _small_from_wire(data: bytes, name: str, shape: tuple[int, ...]) -> torch.Te
             raise ValueError(f"a Batch column on the wire holds no bytes for its shape {tuple(shape)}")
         return torch.empty(shape, dtype=dtype)
     t = torch.frombuffer(bytearray(data), dtype=dtype)
-    return t if len(shape) == 1 and len(t) == shape[0] else t.view(shape)  # (a row of one element: as it is)
+    # (a row of one element: as it is; ``shape[0]`` of the tensor, not ``len``, which is a Python call in torch)
+    return t if len(shape) == 1 and t.shape[0] == shape[0] else t.view(shape)
 
 
 _READ_ONLY_SPENT = False  # torch's one read-only warning of this process was spent by a conversion here, silenced
@@ -443,12 +444,26 @@ def _cut_by_column(td: TensorDict) -> bool:
 
 
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
-    columns = {k: _small_from_wire(*w) if len(w) == 3 else _tensor_from_wire(*w) for k, w in tensors.items()}
     # flat columns of n rows each, as __reduce__ wrote them: made without the constructor's checks of what holds
-    # (a Batch is rebuilt on every call's path, on the rank and in the controller)
-    td = (_NEW_UNSAFE(columns, batch_size=torch.Size([n]), nested=False) if _NEW_UNSAFE is not None and _flat(columns)
+    # (a Batch is rebuilt on every call's path, on the rank and in the controller); every value is a plain dense
+    # tensor made here, so only the names say whether a column was nested (a tuple key). (One loop, no
+    # comprehension: each Python frame a call runs costs it a few µs on a rank woken cold.)
+    columns = {}
+    flat = _NEW_UNSAFE is not None
+    for k, w in tensors.items():
+        columns[k] = _small_from_wire(*w) if len(w) == 3 else _tensor_from_wire(*w)
+        if type(k) is not str:
+            flat = False
+    td = (_NEW_UNSAFE(columns, batch_size=torch.Size((n,)), nested=False) if flat
           else TensorDict(columns, batch_size=[n]))
-    return Batch(td, non_tensors, meta, _pad=pad, _validate=False)
+    # as Batch(td, non_tensors, meta, _pad=pad, _validate=False) makes it, without the checks a TensorDict of
+    # one row dimension made just above passes
+    b = Batch.__new__(Batch)
+    b._td = td
+    b._nt = dict(non_tensors) if non_tensors else {}
+    b.meta = dict(meta) if meta else {}
+    b._pad = pad
+    return b
 
 
 class Batch:
@@ -533,15 +548,16 @@ class Batch:
 
     # -- basic protocol -------------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return int(self._td.batch_size[0])
+        return self._td.batch_size[0]  # (an int: torch.Size holds ints)
 
     def __getitem__(self, key: str | slice | Sequence[int] | torch.Tensor) -> Any:
         if isinstance(key, str):
             if key in self._nt:
                 return self._nt[key]
-            if key not in self._td.keys():
-                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}")
-            return self._td.get(key)
+            try:
+                return self._td[key]  # (a column at the top level: what ``get`` gives, with fewer Python calls)
+            except KeyError:
+                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}") from None
         return self._rows(key)
 
     def __setitem__(self, key: str, value: Any) -> None:
@@ -593,16 +609,18 @@ class Batch:
     @property
     def nbytes(self) -> int:
         """Bytes held by tensor columns and numeric non-tensor columns (object columns count 8 bytes a row)."""
-        return self._tensor_bytes() + sum(a.nbytes for a in self._nt.values())
-
-    def _tensor_bytes(self) -> int:
-        """Bytes of the tensor columns: summed over the top level when every column there is a plain dense tensor
-        (the usual case, and cheaper than walking the leaves: this runs on every call's path), else over every leaf."""
+        # tensor columns summed over the top level when every column there is a plain dense tensor (the usual case,
+        # and cheaper than walking the leaves: this runs on every call's path, on both sides), else over every leaf
         total = 0
         for t in self._td.values():
             if type(t) is not torch.Tensor or t.is_nested:  # nesting of any kind: every leaf, as it always was
-                return sum(x.numel() * x.element_size() for x in self._td.values(include_nested=True, leaves_only=True))
+                total = sum(x.numel() * x.element_size() for x in self._td.values(include_nested=True,
+                                                                                   leaves_only=True))
+                break
             total += t.numel() * t.element_size()
+        if self._nt:
+            for a in self._nt.values():
+                total += a.nbytes
         return total
 
     def _schema(self) -> tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...]]:

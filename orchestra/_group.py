@@ -574,6 +574,14 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _runs_here(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is the event loop running in this thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def _refuse_off_its_loop(shared: Any, what: str, fix: str) -> None:
     """Refuse ``what`` (RuntimeError, nothing changed) while the group's event loop runs in another thread: its
     calls and supervision live there, and are touched from that thread only."""
@@ -943,13 +951,14 @@ class _Endpoint:
         shared = g._shared
         if shared.closed is not None:
             raise closed_error(g.name, shared.closed)
-        _refuse_off_its_loop(shared, f"group {g.name!r}, endpoint {spec.name!r}: called",
-                             "Two loops' calls would race for its call order. Make the call on that loop: "
-                             "asyncio.run_coroutine_threadsafe(<coroutine awaiting the call>, loop)")
-        shared.follow_loop()
-        death = shared.first_death()
-        if death is not None:
-            rank, err = death
+        # the usual call, on the loop supervision already follows with nothing owed: neither check has work to do
+        if shared._watch_loop is None or shared._draining or shared._owed or not _runs_here(shared._watch_loop):
+            _refuse_off_its_loop(shared, f"group {g.name!r}, endpoint {spec.name!r}: called",
+                                 "Two loops' calls would race for its call order. Make the call on that loop: "
+                                 "asyncio.run_coroutine_threadsafe(<coroutine awaiting the call>, loop)")
+            shared.follow_loop()
+        if shared.dead:
+            rank, err = shared.first_death()
             raise WorkerDiedError(f"{err.message} (noticed before this call was sent; nothing was sent)",
                                   group=g.name, rank=rank, endpoint=spec.name, exc_type=err.exc_type)
         shape = (len(args), tuple(kwargs))
@@ -961,8 +970,9 @@ class _Endpoint:
             except TypeError as e:
                 raise DispatchError(f"group {g.name!r}, endpoint {spec.name!r}: {e}; signature is "
                                     f"{spec.name}{spec.signature}") from None
-        plan = Plan(group=g, endpoint=spec.name, world_size=g.world_size, ranks=tuple(range(g.world_size)),
-                    args=args, kwargs=kwargs)
+        world = g.world_size
+        plan = Plan(group=g, endpoint=spec.name, world_size=world, ranks=tuple(range(world)), args=args,
+                    kwargs=kwargs)
         plan = spec.dispatch.check(plan)
         if self.stream and not plan.stream:
             plan = stream_transform().check(plan)

@@ -13,7 +13,6 @@ import asyncio
 import collections
 import dataclasses
 import faulthandler
-import inspect
 import logging
 import os
 import pickle
@@ -21,6 +20,7 @@ import socket
 import threading
 import time
 import traceback
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +105,7 @@ CONCURRENCY_GROUPS = {COMPUTE: 1, CONTROL: 1, WATCH: 1, FORWARD: 4}
 
 
 _DONE = object()
+_GENERATORS = (types.GeneratorType, types.AsyncGeneratorType)  # what inspect.isgenerator / isasyncgen test, in one
 
 
 def _is_value(o: Any) -> bool:
@@ -145,6 +146,14 @@ def _own_batches(v: Any) -> Any:
     if type(v) is dict:
         return {k: _own_batches(x) for k, x in v.items()}
     return v
+
+
+def _require(spec: EndpointSpec, batch: Batch) -> None:
+    """Raise KeyError naming the columns endpoint ``spec`` requires that ``batch`` lacks."""
+    missing = [k for k in spec.requires if k not in batch]
+    if missing:
+        raise KeyError(f"input is missing column(s) {missing} that endpoint {spec.name!r} requires; it has "
+                       f"{sorted(batch.keys())}")
 
 
 def _rows_in(args: tuple, kwargs: dict) -> int:
@@ -252,24 +261,24 @@ class _CancelledCalls:
 
     def __init__(self, keep: int = 100_000) -> None:
         self._lock = threading.Lock()
-        self._ids: set[int] = set()
+        self.ids: set[str] = set()  # read without the lock (a set's membership test is atomic)
         self._order: collections.deque = collections.deque()
         self._keep = keep
 
     def __bool__(self) -> bool:
-        return bool(self._ids)
+        return bool(self.ids)
 
     def add(self, ids: list[str]) -> None:
         with self._lock:
             for i in ids:
-                if i not in self._ids:
-                    self._ids.add(i)
+                if i not in self.ids:
+                    self.ids.add(i)
                     self._order.append(i)
             while len(self._order) > self._keep:
-                self._ids.discard(self._order.popleft())
+                self.ids.discard(self._order.popleft())
 
     def __contains__(self, call_id: object) -> bool:
-        return call_id in self._ids
+        return call_id in self.ids
 
 
 class _Stats:
@@ -545,7 +554,7 @@ class Host:
         """Whether the call running now on the compute lane was cancelled (by the controller, by its Ray task id,
         or through Ray). Free while nothing was ever cancelled on this rank."""
         if self._fast_call is not None:  # a fast-path call: cancelled only by its own id (no Ray task of its own)
-            return bool(self.cancelled_calls) and self._fast_call in self.cancelled_calls
+            return self._fast_call in self.cancelled_calls.ids
         if self.cancelled_calls and self.runtime.task_id() in self.cancelled_calls:
             return True
         return self.runtime.runtime_cancelled()
@@ -797,6 +806,8 @@ class Host:
             spec, fn, ctx, tally, held = self._begin(role, name)
             shared = kwargs.pop(SHARED_KWARG, ())
             readers, given = kwargs.pop(STORE_KWARG, ((), None))
+            if given is not None:  # (start, rows, total): see _invocation._per_rank_calls
+                given = Span(*given)
             args, resolved = _split_refs(args, kwargs)
             start, fetched = time.time(), ([] if self.tracing else None)
             (args, kwargs), pad, span = self._resolve(args, kwargs, resolved, tally, spec, fetched, shared, given)
@@ -810,7 +821,7 @@ class Host:
                 seconds = time.perf_counter() - t0
             if self.is_cancelled():  # the caller was told the call ended: no reader may take this result for one
                 raise CallCancelled("cancelled while it ran; its result is discarded")
-            if inspect.isgenerator(result) or inspect.isasyncgen(result):  # Ray would keep its first item as the value
+            if isinstance(result, _GENERATORS):  # Ray would keep its first item as the value
                 raise TypeError(f"the endpoint returned a generator object ({type(result).__name__}), which is not a "
                                 f"value; to stream parts, write the endpoint itself as a generator (yield in its "
                                 f"body), or return list(...) to return every item")
@@ -928,6 +939,17 @@ class Host:
         ranks of a mesh replica all read, a caller's own ref that Ray resolves to the stored object — copied
         before the endpoint may write into them (the others are this rank's alone: no copy); ``given``: where a
         controller-made shard's rows sit (the controller split the batch)."""
+        if not shared and len(args) + len(kwargs) == 1:  # one argument, this rank's own: the usual shard call
+            a = args[0] if args else next(iter(kwargs.values()))
+            if type(a) is Batch:  # a controller-made shard, passed as is: counted, nothing to resolve or copy
+                n = len(a)
+                counters["parts_in"] += 1
+                counters["rows_in"] += n
+                counters["rows_used"] += n
+                counters["bytes_in"] += a.nbytes
+                if spec.requires:
+                    _require(spec, a)
+                return (args, kwargs), 0, given
         if not shared and not any(isinstance(a, (DataArg, Batch)) for a in (*args, *kwargs.values())):
             return (args, kwargs), 0, None
         pads: list[int] = []
@@ -956,10 +978,7 @@ class Host:
             if not isinstance(batch, Batch):  # a forwarded plain value (e.g. a state dict from rank 0)
                 return batch
             if spec.requires:
-                missing = [k for k in spec.requires if k not in batch]
-                if missing:
-                    raise KeyError(f"input is missing column(s) {missing} that endpoint {spec.name!r} requires; "
-                                   f"it has {sorted(batch.keys())}")
+                _require(spec, batch)
             return batch
 
         new_args = tuple([one(i, a) for i, a in enumerate(args)])

@@ -1520,8 +1520,10 @@ def _per_rank_calls(plan: Plan, described: dict[int, Any],
             new_kwargs[SHARED_KWARG] = interned.setdefault(key, key)
         if spec is not None and readers:
             span = given[0] if given and all(g == given[0] for g in given) else None
-            # one object per distinct value: ranks given the same arguments (a mesh replica) still share one pickle
-            new_kwargs[STORE_KWARG] = store.setdefault(span, (readers, span))
+            # one object per distinct value: ranks given the same arguments (a mesh replica) still share one pickle;
+            # the span as a plain tuple (a dataclass costs a rank more to unpickle than the rest of the frame)
+            new_kwargs[STORE_KWARG] = store.setdefault(
+                span, (readers, None if span is None else (span.start, span.rows, span.total)))
         out[r] = (new_args, new_kwargs, b.refs)
     return out
 

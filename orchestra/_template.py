@@ -9,13 +9,14 @@ endpoint, a template from the second call in a row of one shape (``shape_of``): 
 those of the same call with random bytes for its columns, which show where each rank's column bytes lie. It is kept
 only when writing the call's own bytes there gives back its frames exactly, byte for byte. A later call of that
 shape writes its column bytes into the template: the frames it would have pickled, without splitting or pickling
-(byte for byte but for pickle's back-references to a string object already in the frame: a column named like a
-field of ``Span``, or like the keyword the Batch is passed by, may be written out where pickling would refer back
-to it, or the reverse; it unpickles to the same).
+(byte for byte but for pickle's back-references to a string object already in the frame: a column named like the
+keyword the Batch is passed by may be written out where pickling would refer back to it, or the reverse; it
+unpickles to the same).
 
 What a frame holds besides column bytes is all in the shape: endpoint, executing ranks, argument name, shard spec,
 the reader sizes a shard call tells each rank, row count, each column's name, dtype and row shape, and the
-reductions a custom serializer could change (``Batch``'s, ``Span``'s; no numpy array is in such a frame). A call
+reduction a custom serializer could change (``Batch``'s; no numpy array is in such a frame, and a shard's Span
+travels as a plain tuple). A call
 that differs in any of them (another row count, a ``meta`` or non-tensor column, another argument) is made the
 usual way, and so is one with a column that is not contiguous (each shard of it is copied on its own) or that
 cannot travel (its error comes from there). Only one concrete Batch argument of flat tensor columns is templated.
@@ -34,7 +35,6 @@ from tensordict import TensorDict
 
 from . import _frame
 from ._batch import SMALL_COLUMN_BYTES, Batch, _memory_of, _wire_array, balanced_sizes
-from ._wire import Span
 from .dispatch import Plan
 
 __all__ = ["FrameTemplate", "Templates", "shape_of"]
@@ -50,7 +50,7 @@ Frames = dict[int, tuple[bytes, list, tuple]]  # rank -> (frame, refs lifted out
 
 def shape_of(plan: Plan, readers: tuple[int, ...], base: Mapping[type, Any]) -> tuple | None:
     """What the frames of ``plan`` depend on besides its columns' bytes (``readers``: the reader sizes its ranks are
-    told; ``base``: the reductions registered now, ``_frame.reductions()`` or ``_frame.registered()``), or None
+    told; ``base``: the reductions registered now, ``_frame.reductions()`` or ``_frame.registered_for(Batch)``), or None
     when no template can make them: the call must be a shard call whose one argument is a concrete Batch of at most
     ``MAX_COLUMNS`` flat tensor columns, each shard's column inside the pickle (``SMALL_COLUMN_BYTES``: a larger one
     is a numpy array there, whose reductions a serializer could change), without non-tensor columns, meta or
@@ -77,7 +77,7 @@ def shape_of(plan: Plan, readers: tuple[int, ...], base: Mapping[type, Any]) -> 
             return None
         columns.append((k, v.dtype, row))
     return (plan.endpoint, plan.ranks, tuple(plan.kwargs), spec, readers, rows, tuple(columns),
-            base.get(Batch), base.get(Span))
+            base.get(Batch))
 
 
 def _batch_of(plan: Plan) -> Batch:
@@ -218,7 +218,7 @@ class Templates:
     def frames(self, role: str, plan: Plan, readers: tuple[int, ...]) -> tuple[tuple | None, Frames | None]:
         """(the call's shape, its frames made from its endpoint's template), the frames None when no template of
         this shape is known; a column that cannot travel leaves them to the usual path, which says why."""
-        shape = shape_of(plan, readers, _frame.registered())
+        shape = shape_of(plan, readers, _frame.registered_for(Batch))
         if shape is None:
             return None, None
         seen = self._by_endpoint.get((role, plan.endpoint))

@@ -19,7 +19,8 @@ __all__ = ["PartInfo", "Output", "Source", "DataArg", "Layout", "Span", "row_ran
 
 REFS_KWARG = "_orc_refs"  # the keyword under which a call's upstream header refs travel (fetched by the worker)
 SHARED_KWARG = "_orc_shared"  # the arguments (positions, keyword names) other readers share: each rank copies them
-STORE_KWARG = "_orc_store"  # a shard call's (reader DP sizes, Span of a controller-made shard or None): see reader_cuts
+# a shard call's (reader DP sizes, a controller-made shard's Span as (start, rows, total), or None)
+STORE_KWARG = "_orc_store"
 FRAME_KWARG = "_orc_frame"  # a Ray call's arguments for one rank, pickled into one frame (see _frame)
 FRAME_REFS_KWARG = "_orc_frame_refs"  # refs and actor handles lifted out of that frame, in order (Ray tracks them)
 INLINE_BYTES = 64 << 10  # controller-made shards below this travel inside the call instead of via ray.put

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ._batch import Batch
@@ -58,8 +58,16 @@ class Plan:
     collectors: tuple[int, ...] | None = None  # without shard: the ranks whose results count (None: all)
 
     def with_(self, **changes: Any) -> Plan:
-        """A copy with some fields changed."""
-        return replace(self, **changes)
+        """A copy with some fields changed (``dataclasses.replace``'s result, made without its per-field calls:
+        this runs on every call's path; a Plan has no ``__post_init__``)."""
+        unknown = changes.keys() - _PLAN_FIELDS
+        if unknown:
+            raise TypeError(f"Plan has no field(s) {sorted(unknown)}")
+        new = object.__new__(Plan)
+        fields_ = new.__dict__
+        fields_.update(self.__dict__)
+        fields_.update(changes)
+        return new
 
     def without_data(self, placeholder: Any) -> Plan:
         """A copy whose Batch and DataFuture arguments are ``placeholder``: what a finished call keeps of its plan
@@ -68,7 +76,7 @@ class Plan:
             return (tuple(placeholder if _is_data(a) else a for a in args),
                     {k: placeholder if _is_data(v) else v for k, v in kwargs.items()})
         args, kwargs = drop(self.args, self.kwargs)
-        return replace(self, args=args, kwargs=kwargs, per_rank={r: drop(*ak) for r, ak in self.per_rank.items()})
+        return self.with_(args=args, kwargs=kwargs, per_rank={r: drop(*ak) for r, ak in self.per_rank.items()})
 
     def data_args(self) -> list[Any]:
         """The Batch and DataFuture arguments of the call (in positional, then keyword order)."""
@@ -76,6 +84,9 @@ class Plan:
 
     def where(self) -> str:
         return f"group {self.group.name!r}, endpoint {self.endpoint!r}"
+
+
+_PLAN_FIELDS = frozenset(f.name for f in fields(Plan))
 
 
 def _is_data(x: Any) -> bool:
@@ -262,6 +273,7 @@ def scatter() -> Dispatch:
 class _Shard(Dispatch):
     def __init__(self, mesh: str | None, pad: bool, allow_empty: bool) -> None:
         self.mesh, self.pad, self.allow_empty = mesh, pad, allow_empty
+        self._whole: dict[int, ShardSpec] = {}  # world size -> the spec of a shard over every rank (no mesh)
 
     def check(self, plan: Plan) -> Plan:
         if not plan.data_args():
@@ -272,8 +284,11 @@ class _Shard(Dispatch):
                                f"over a group (a pool) of just those ranks, or drop only_ranks()")
         spec = None
         if self.mesh is None:
-            spec = ShardSpec(tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)),
-                             self.pad, self.allow_empty)
+            spec = self._whole.get(plan.world_size)
+            if spec is None:  # (frozen: one per world size, shared by the calls)
+                spec = self._whole[plan.world_size] = ShardSpec(
+                    tuple(range(plan.world_size)), plan.world_size, tuple(range(plan.world_size)), self.pad,
+                    self.allow_empty)
         else:
             cached = plan.group.cached_mesh(self.mesh)
             if cached is not None:

@@ -89,9 +89,9 @@ def test_a_template_makes_the_frames_pickling_would_for_new_column_bytes(case):
         for r, (frame, _, _) in made.items():
             args, kwargs = _frame.loads_frame(frame)
             shard = args[0] if args else kwargs[how["key"]]
-            span = kwargs[STORE_KWARG][1]
+            start, rows, _total = kwargs[STORE_KWARG][1]  # the shard's Span, as a plain tuple
             for k, v in other.tensors.items():
-                want = v.detach().resolve_conj()[span.start:span.start + span.rows]
+                want = v.detach().resolve_conj()[start:start + rows]
                 assert shard[k].dtype == want.dtype and shard[k].shape == want.shape
                 assert shard[k].contiguous().view(torch.uint8).equal(want.contiguous().view(torch.uint8)), (r, k)
 
