@@ -247,8 +247,9 @@ class _Shared:
         each mesh its workers registered at start or it has looked up since (a producer cuts its output's parts
         where such readers' shares start or end)."""
         sizes = set()
-        for g in list(_runtime._groups):
-            if g.closed is None and g.hosts:
+        for ref in list(_runtime._groups.data):  # (the WeakSet's weak references: no iteration guard per call)
+            g = ref()
+            if g is not None and g.closed is None and g.hosts:
                 sizes.add(len(g.hosts))
                 sizes.update(ms[0].dp_size for ms in list(g.meshes.values()) if ms)
                 if g.info:  # meshes a worker registered in its __init__, before any call looked them up
@@ -638,6 +639,7 @@ class WorkerGroup:
         self._shared, self._role, self._cls = shared, role, cls
         self._endpoints = endpoints_of(cls)
         self._callers: dict[str, _Endpoint] = {}
+        self._method_names: dict[str, str] = {}  # endpoint -> its Host method (``_method_name``)
         try:
             asyncio.get_running_loop()
             shared.start()
@@ -877,7 +879,10 @@ class WorkerGroup:
         return f"<WorkerGroup {self.name!r} {self._cls.__name__} x{self.world_size}>"
 
     def _method_name(self, endpoint: str) -> str:
-        return method_name(list(self._shared.roles).index(self._role), endpoint)
+        name = self._method_names.get(endpoint)
+        if name is None:
+            name = self._method_names[endpoint] = method_name(list(self._shared.roles).index(self._role), endpoint)
+        return name
 
     # -- meshes ---------------------------------------------------------------------------------------------------
     def cached_mesh(self, name: str) -> list[MeshInfo] | None:

@@ -204,8 +204,7 @@ class Invocation:
         if self.deadline is not None:  # the deadline covers the whole call, awaited or not
             self._deadline_timer = self.loop.call_at(self.deadline, self._deadline_passed)
         if (shared.is_ready() and gate.is_turn(self._ticket) and not spec.streaming and not plan.stream
-                and not spec.dispatch.needs_split(plan) and not self.upstreams
-                and all(a.nbytes < INLINE_BYTES for a in plan.data_args())):
+                and not spec.dispatch.needs_split(plan) and not self.upstreams and _all_small(plan.data_args())):
             try:
                 self._bind_collect(plan)
                 self._send_now(plan)
@@ -386,8 +385,7 @@ class Invocation:
                          plan.collectors if plan.collectors is not None else plan.ranks)
         if encoded is None:
             encoded = _encode(plan, calls)
-        qualifies = (encoded is not None and not self.spec.streaming
-                     and not any(refs or top for _, refs, top in encoded.values())
+        qualifies = (encoded is not None and not self.spec.streaming and _no_refs(encoded)
                      and self.shared.may_use_fast_path())
         channel = self.shared.fast_channel() if qualifies else None
         if channel is not None:
@@ -1048,6 +1046,9 @@ class Invocation:
         if not self._awaited:
             self._awaited = True
             await self.wait()  # then per collected slot, its outputs as received (never handed out as they are)
+            values = self._plain_values()
+            if values is not None:  # one plain value a rank (a step's metrics): what _join would give, at once
+                return self.collect(values) if self.collect else values
             per_slot = [[_as_output(o.result(), s.rank) for o in s.outputs] for s in self.slots if s.collected]
         else:
             per_slot = await self._fetched_again()
@@ -1060,6 +1061,20 @@ class Invocation:
         else:  # every part rode in its reply (small): joins too small to move
             values = self._join(per_slot, infos, [])
         return self.collect(values) if self.collect else values
+
+    def _plain_values(self) -> list[Any] | None:
+        """Per collected slot, its one output's value as received when every such slot has exactly one and none is
+        rows (an Output); else None. ``rank_value`` gives such a value as it is, and no bytes are materialized."""
+        values = []
+        for s in self.slots:
+            if s.collected:
+                if len(s.outputs) != 1:
+                    return None
+                v = s.outputs[0].result()
+                if isinstance(v, Output):
+                    return None
+                values.append(v)
+        return values
 
     def _join(self, per_slot: list[list[Output]], infos: list[PartInfo], got: list[Any]) -> list[Any]:
         """Per collected slot, its value: Batch parts (``got``: the fetched ones, in order) joined into fresh
@@ -1322,6 +1337,22 @@ class _LetGo:
 
 
 _LET_GO = _LetGo()
+
+
+def _all_small(data: list[Any]) -> bool:
+    """Whether every data argument is smaller than ``INLINE_BYTES`` (a call sent at once: see ``start``)."""
+    for a in data:
+        if a.nbytes >= INLINE_BYTES:
+            return False
+    return True
+
+
+def _no_refs(encoded: dict[int, tuple[bytes | None, list, tuple]]) -> bool:
+    """Whether no rank's frame lifted a ref out, nor takes one as an argument (only Ray may carry those)."""
+    for _, refs, top in encoded.values():
+        if refs or top:
+            return False
+    return True
 
 
 def _row_order(plan: Plan, slots: list[Slot]) -> list[Slot]:

@@ -62,7 +62,7 @@ def shape_of(plan: Plan, readers: tuple[int, ...], base: Mapping[type, Any]) -> 
     if type(b) is not Batch or b._nt or b.meta or b._pad:
         return None
     td = b._td
-    if type(td) is not TensorDict or len(td.keys()) > MAX_COLUMNS or _frame._by_value_modules():
+    if type(td) is not TensorDict or _frame._by_value_modules():
         return None
     rows = td.batch_size[0]
     if spec.pad and rows % spec.dp_size:  # pad()'s filler rows are not the Batch's bytes
@@ -76,6 +76,8 @@ def shape_of(plan: Plan, readers: tuple[int, ...], base: Mapping[type, Any]) -> 
         if most * row.numel() * v.element_size() > SMALL_COLUMN_BYTES:
             return None
         columns.append((k, v.dtype, row))
+        if len(columns) > MAX_COLUMNS:
+            return None
     return (plan.endpoint, plan.ranks, tuple(plan.kwargs), spec, readers, rows, tuple(columns),
             base.get(Batch))
 

@@ -80,7 +80,8 @@ class Plan:
 
     def data_args(self) -> list[Any]:
         """The Batch and DataFuture arguments of the call (in positional, then keyword order)."""
-        return [a for a in (*self.args, *self.kwargs.values()) if _is_data(a)]
+        # (``_is_data`` written out: this runs several times on every call's path)
+        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, Batch) or hasattr(type(a), "_orc_sources")]
 
     def where(self) -> str:
         return f"group {self.group.name!r}, endpoint {self.endpoint!r}"
@@ -578,8 +579,14 @@ def collects_by_shape(dispatch: Dispatch) -> bool:
     """Whether every ``collect`` of ``dispatch`` is orchestra's own, which reads the plan's ranks, shard and
     collectors, never its arguments: a finished call may then drop its data arguments (``Plan.without_data``). A
     user's collect may read them (``plan.data_args()``), so its call keeps them."""
-    own = (Dispatch.collect, _Shard.collect, _RankZero.collect, _FromRank.collect, _Metrics.collect)
-    return all(type(s).collect in own for s in _flatten(dispatch))
+    memo = getattr(dispatch, "__dict__", None)  # (asked when every call ends; a transform's types never change)
+    known = memo.get("_collects_by_shape") if memo is not None else None
+    if known is None:
+        own = (Dispatch.collect, _Shard.collect, _RankZero.collect, _FromRank.collect, _Metrics.collect)
+        known = all(type(s).collect in own for s in _flatten(dispatch))
+        if memo is not None:
+            memo["_collects_by_shape"] = known
+    return known
 
 
 def stream() -> Dispatch:
