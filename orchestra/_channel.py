@@ -389,7 +389,7 @@ class Channel:
         joined (so a rank that cannot join leaves the call run by no rank), at once after that."""
         if rank == 0:
             self.sent += 1
-        reply = ChannelReply(call_id, rank, self.loop.create_future(), self, endpoint)
+        reply = ChannelReply(call_id, rank, asyncio.Future(loop=self.loop), self, endpoint)
         self._pending[call_id] = reply
         self._pending_by_rank[rank].add(call_id)
         self._write(rank, call_id, frame)

@@ -983,8 +983,10 @@ class _Endpoint:
             plan = stream_transform().check(plan)
         check_final(plan, spec.dispatch)
         check_forwarded(plan)
-        _check_columns(plan, spec)
-        _check_padded_stream(plan, spec)
+        if spec.requires:
+            _check_columns(plan, spec)
+        if plan.shard is not None and plan.shard.pad:
+            _check_padded_stream(plan, spec)
         if shared._start is None:
             shared.start()
         inv = Invocation(g, spec, plan, self.timeout)

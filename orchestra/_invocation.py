@@ -58,7 +58,7 @@ class Slot:
         self._on_fail = on_fail
         self.refs: list[ray.ObjectRef] = []
         self.outputs: list[asyncio.Future] = []  # each resolves to an Output (or a plain value)
-        self.done = asyncio.get_running_loop().create_future()
+        self.done = asyncio.Future(loop=asyncio.get_running_loop())
         self.call_refs: list[Any] = []  # every ObjectRef / generator sent for this slot, for cancellation
         self._waiters: list[asyncio.Future] = []
         self._open = 0  # outputs whose done callback has not run yet (a quick answer for ``finished``)
@@ -74,7 +74,8 @@ class Slot:
         self.verified = False
         out.add_done_callback(self._output_done)
         self.outputs.append(out)
-        self._notify()
+        if self._waiters:
+            self._notify()
 
     def _output_done(self, f: asyncio.Future) -> None:
         self._open -= 1
@@ -96,7 +97,8 @@ class Slot:
                 self.failed = True
                 if self._on_fail is not None:
                     self._on_fail()
-        self._notify()
+        if self._waiters:
+            self._notify()
         if self._on_change is not None:
             self._on_change()
 
@@ -163,7 +165,7 @@ class Invocation:
         self.group, self.endpoint = target.name, spec.name
         self.loop = asyncio.get_running_loop()
         self.slots: list[Slot] = []
-        self.submitted: asyncio.Future = self.loop.create_future()
+        self.submitted: asyncio.Future = asyncio.Future(loop=self.loop)
         self.timeout = timeout
         self.deadline = None if timeout is None else self.loop.time() + timeout
         self.error: BaseException | None = None  # terminal: cancel, timeout, shutdown
@@ -1005,7 +1007,7 @@ class Invocation:
         e.g. in a collective whose peer is gone). False when the deadline passed first. ``asyncio.wait``
         (FIRST_EXCEPTION) plus the early end, told by the call's own hooks instead of a callback on each future:
         ``_check_done`` once every slot finished, a slot's ``on_fail``, ``_end`` (``_wake``)."""
-        waiter = self.loop.create_future()
+        waiter = asyncio.Future(loop=self.loop)
         self._wakes.append(waiter)
         remaining = self.remaining()
         timer = None if remaining is None else self.loop.call_later(
@@ -1363,6 +1365,8 @@ def _row_order(plan: Plan, slots: list[Slot]) -> list[Slot]:
     spec = plan.shard
     if spec is None:
         return slots
+    if len(slots) == len(plan.ranks) and plan.ranks == spec.dp_of_rank == spec.collectors == tuple(range(len(slots))):
+        return slots  # (one slot per rank, made in rank order, each collecting the DP piece of its number: sorted)
     return sorted(slots, key=lambda s: (0, spec.dp_of_rank[s.rank]) if s.collected else (1, s.rank))
 
 

@@ -210,11 +210,12 @@ def check_final(plan: Plan, dispatch: Dispatch) -> None:
     dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1}) if len(set(plan.ranks)) < len(plan.ranks) else []
     if dup:
         raise _error(plan, f"{dispatch!r} runs rank(s) {dup} more than once; list each rank once")
-    bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
-    if bad:
+    # (each refusal's list is made only once its C-level test failed: this runs twice on every call's path)
+    if plan.ranks and (min(plan.ranks) < 0 or max(plan.ranks) >= plan.world_size):
+        bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
         raise _error(plan, f"{dispatch!r} runs rank(s) {bad}, which do not exist in a group of {plan.world_size}")
     running = set(plan.ranks)
-    if plan.shard is not None:
+    if plan.shard is not None and len(running) < plan.world_size:  # (every rank runs exists, each once)
         left = [r for r in range(plan.world_size) if r not in running]
         if left:
             raise _error(plan, f"{dispatch!r}: shard() splits the rows over all {plan.world_size} ranks, but rank(s) "
@@ -222,7 +223,7 @@ def check_final(plan: Plan, dispatch: Dispatch) -> None:
                                f"(a pool) of just the ranks that should run, or run every rank after shard() (a "
                                f"transform after shard() may change arguments or collect, not drop ranks)")
     kept = plan.shard.collectors if plan.shard is not None else plan.collectors
-    if kept is not None:
+    if kept is not None and not running.issuperset(kept):
         missing = sorted(r for r in kept if r not in running)
         if missing:
             raise _error(plan, f"{dispatch!r} keeps the result of rank(s) {missing}, but only rank(s) "
