@@ -609,23 +609,24 @@ class Host:
             # rank: it writes none until every rank joined) and releases the others
             sock = _channel.connect(address, secret, self.rank)
             frames = sock.makefile("rb")  # (its buffer: a small frame read in one recv)
-            while True:
-                body = _channel.recv_frame(frames)
-                if body is None:
-                    return served
-                got_frame = True
-                call_id, kind, payload, value = self._run_frame(body)
-                self._fast_done(session, call_id, kind, payload, value)  # before the reply: see Host.retain
-                try:
-                    _channel.send_frame(sock, pickle.dumps((call_id, kind, payload),
-                                                           protocol=pickle.HIGHEST_PROTOCOL))
-                except OSError as e:  # the controller closed its side (its loop ended): no one reads replies now
-                    with self._kept_lock:
-                        self._kept.pop(call_id, None)  # nor takes this one
-                    log.debug("group %r rank %d: fast-path reply not sent, the controller left (%r)", self.group,
-                              self.rank, e)
-                    return served
-                served += 1
+            with _channel.batch_scheduled():  # a frame arriving here does not preempt the controller's writes
+                while True:
+                    body = _channel.recv_frame(frames)
+                    if body is None:
+                        return served
+                    got_frame = True
+                    call_id, kind, payload, value = self._run_frame(body)
+                    self._fast_done(session, call_id, kind, payload, value)  # before the reply: see Host.retain
+                    try:
+                        _channel.send_frame(sock, pickle.dumps((call_id, kind, payload),
+                                                               protocol=pickle.HIGHEST_PROTOCOL))
+                    except OSError as e:  # the controller closed its side (its loop ended): no one reads replies
+                        with self._kept_lock:
+                            self._kept.pop(call_id, None)  # nor takes this one
+                        log.debug("group %r rank %d: fast-path reply not sent, the controller left (%r)",
+                                  self.group, self.rank, e)
+                        return served
+                    served += 1
         finally:
             if frames is not None:
                 frames.close()  # (first: the socket's descriptor is closed once no file of it is open)

@@ -26,6 +26,11 @@ class Recorder(Worker):
     def history(self) -> list[str]:
         return list(self.log)
 
+    @endpoint
+    def policy(self) -> int:
+        """The scheduling policy of the thread running this call (``os.SCHED_*``)."""
+        return os.sched_getscheduler(0)
+
     @endpoint(D.shard())
     def double(self, b: Batch) -> Batch:
         self.log.append("double")

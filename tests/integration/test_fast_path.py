@@ -58,6 +58,20 @@ async def test_repeated_calls_take_the_fast_path_with_the_general_paths_results(
     assert all(s["double"]["calls"] >= 1 and s["double"]["rows_out"] >= 2 for s in stats)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="scheduling policies are Linux's")
+async def test_a_rank_serves_its_channel_as_sched_batch_and_takes_its_policy_back_after(g):
+    """A frame woke a rank that then preempted the controller in the middle of writing the same call to the other
+    ranks; the serve thread is SCHED_BATCH while it holds the channel (a woken SCHED_BATCH thread preempts no one)
+    and its own policy again once the channel is released."""
+    await _open(g)
+    assert await g.policy() == [os.SCHED_BATCH] * 2
+    g.fast_path = False  # the channel released: the ranks' loops return, the next call comes through Ray
+    try:
+        assert await g.policy() == [os.SCHED_OTHER] * 2
+    finally:
+        g.fast_path = True
+
+
 async def test_repeated_shard_calls_are_written_into_a_frame_template_and_get_their_own_results(g):
     await _open(g)
     used = g._shared.templates.used
