@@ -214,12 +214,31 @@ class ChannelReply:
     future of the first copy. ``forwardable()`` is what a downstream call carries: the Output itself (it rides in
     the downstream call's arguments) or, for a reply the rank kept, the Ray ref of ``Host.take_result``."""
 
-    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref", "channel", "endpoint")
+    __slots__ = ("call_id", "rank", "out", "payload", "ray_ref", "channel", "endpoint", "first")
 
     def __init__(self, call_id: str, rank: int, out: asyncio.Future, channel: Channel, endpoint: str = "") -> None:
         self.call_id, self.rank, self.out, self.channel, self.endpoint = call_id, rank, out, channel, endpoint
         self.payload: bytes | None = None
         self.ray_ref: Any = None
+        # a done callback of ``out`` that the reply's arrival runs at once, in the same turn of the loop, instead of
+        # scheduling it (the call's own bookkeeping: one turn of the loop and one scheduled callback less a reply)
+        self.first: Callable[[asyncio.Future], None] | None = None
+
+    def settle(self, value: Any, error: BaseException | None = None) -> None:
+        """Complete ``out`` with ``value`` (or ``error``), running ``first`` at once when it is still registered."""
+        first = self.first
+        now = first is not None and self.out.remove_done_callback(first)
+        if error is None:
+            self.out.set_result(value)
+        else:
+            self.out.set_exception(error)
+        if now:
+            try:
+                first(self.out)
+            except Exception as e:  # noqa: BLE001 - reported as the loop reports a failed callback (asyncio's Handle)
+                self.out.get_loop().call_exception_handler(
+                    {"message": f"exception in the callback of fast-path reply {self.call_id}", "exception": e,
+                     "future": self.out})
 
     def task_id(self) -> _backend.TaskId:
         return _backend.TaskId(self.call_id)
@@ -633,13 +652,13 @@ class Channel:
             try:
                 value = loads_frame(payload, private=True)  # the first copy: later reads unpickle ``payload`` again
             except Exception as e:  # noqa: BLE001 - e.g. a class the controller cannot import: this call fails
-                reply.out.set_exception(_backend.ReplyUnreadable(e))
+                reply.settle(None, _backend.ReplyUnreadable(e))
                 return
             if kind == "ok":
                 reply.payload = payload
-                reply.out.set_result(value)
+                reply.settle(value)
             else:
-                reply.out.set_exception(value)
+                reply.settle(None, value)
         else:  # "kept": too large for a frame; the rank stores it as usual when asked on its control lane
             self._take(reply, conn.rank, call_id)
 

@@ -65,17 +65,20 @@ class Slot:
         self.verified = False  # finished, and no future of it failed (``Invocation.wait`` skips it from then on)
         self.failed = False  # its end or one of its outputs failed (cancelled ones do not count, as in ``outcome``)
 
-    def add(self, ref: ray.ObjectRef, out: asyncio.Future | None = None) -> None:
-        """Record an output ref; ``out`` resolves to its value (Ray's per-ref completion when not given)."""
+    def add(self, ref: ray.ObjectRef, out: asyncio.Future | None = None) -> Callable[[asyncio.Future], None]:
+        """Record an output ref; ``out`` resolves to its value (Ray's per-ref completion when not given). Returns the
+        done callback it registered on ``out`` (a fast-path reply runs it as it arrives: ``ChannelReply.first``)."""
         self.refs.append(ref)
         if out is None:
             out = _replies.one(ref)
         self._open += 1
         self.verified = False
-        out.add_done_callback(self._output_done)
+        done = self._output_done
+        out.add_done_callback(done)
         self.outputs.append(out)
         if self._waiters:
             self._notify()
+        return done
 
     def _output_done(self, f: asyncio.Future) -> None:
         self._open -= 1
@@ -400,7 +403,7 @@ class Invocation:
                 reply = channel.call(r, frame, call_id, name)
                 slot = self._slot(r, r in collectors)
                 slot.call_refs.append(reply)
-                slot.add(reply, reply.out)
+                reply.first = slot.add(reply, reply.out)
                 slot.finish()
                 slots.append(slot)
             self._set_slots(_row_order(plan, slots))
