@@ -10,8 +10,10 @@ frames the controller wrote to rank 0 for those two calls, captured, are run by 
 (``Host._run_frame`` and the reply's pickling, what the serve thread does per call less its socket reads and writes),
 ``--calls`` times in a row: hot, each call's code and data still in the caches of the core that runs it.
 
-Prints JSON: per call, ``hot_us`` and ``python_calls`` (in this process; the count of Python calls, C functions
-included, does not move between runs of the same code), ``serve_thread_us`` and ``rank_process_us`` (in the Ray ranks,
+Prints JSON: per call, ``hot_us``, ``cold_us`` (the same path with 32 MiB written between two calls, so that each
+call finds the caches full of other data, as a woken rank does: close to ``serve_thread_us``, without Ray) and
+``python_calls`` (in this process; the count of Python calls, C functions included, does not move between runs of
+the same code), ``serve_thread_us`` and ``rank_process_us`` (in the Ray ranks,
 averaged over the ranks; medians over the rounds) and ``serve_over_hot``. On 2 cores shared by the controller and
 4 ranks every call wakes 5 processes, so each rank runs its part of a call cold; the ratio says what that costs.
 The clock ticks are 10 ms: over 2000 calls a figure moves in steps of 5 µs. Then ``--calls`` more of each with a
@@ -35,6 +37,7 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 import orchestra as orc
@@ -102,9 +105,15 @@ class _HotRuntime:
         return [], None
 
 
-def _hot(frame: bytes, role: str, calls: int) -> tuple[float, float]:
-    """CPU µs per call of the call path run ``calls`` times in a row here, and the Python calls it makes per call
-    (cProfile's count, C functions included: the same in every run of the same code)."""
+COLD_BYTES = 32 << 20  # touched between two cold calls: more than this machine's caches hold
+
+
+def _hot(frame: bytes, role: str, calls: int) -> tuple[float, float, float]:
+    """CPU µs per call of the call path run ``calls`` times in a row here; the same with every cache line of
+    ``COLD_BYTES`` written between two calls (cold: what a rank woken by each call on a busy machine pays, measured
+    without Ray, so that a change to the path can be compared in one process), median of 3 batches of
+    ``calls // 2``; and the Python calls it makes per call (cProfile's count, C functions included: the same in
+    every run of the same code)."""
     host = Host("rank_path", 0, 1, 0, {}, runtime=_HotRuntime())
     host.setup({}, {role: (Stepper, (), {})})
 
@@ -117,11 +126,21 @@ def _hot(frame: bytes, role: str, calls: int) -> tuple[float, float]:
     t0 = time.thread_time()
     run(calls)
     us = (time.thread_time() - t0) / calls * 1e6
+    junk = np.ones(COLD_BYTES, dtype=np.uint8)
+    batches = []
+    for _ in range(3):
+        spent = 0.0
+        for _ in range(max(calls // 2, 1)):
+            junk[::64] += 1  # one write in every 64-byte line
+            t0 = time.thread_time()
+            run(1)
+            spent += time.thread_time() - t0
+        batches.append(spent / max(calls // 2, 1) * 1e6)
     prof = cProfile.Profile()
     prof.enable()
     run(100)
     prof.disable()
-    return us, pstats.Stats(prof).total_calls / 100
+    return us, statistics.median(batches), pstats.Stats(prof).total_calls / 100
 
 
 _SECTIONS = ("run_frame", "loads_frame", "resolve", "endpoint", "dumps_frame", "fast_done")
@@ -290,9 +309,10 @@ async def measure(ranks: int, calls: int, rounds: int) -> dict[str, dict[str, fl
     role = pickle.loads(captured["step"])[1]
     out = {}
     for name in cases:
-        hot, python_calls = _hot(captured[name], role, calls)
+        hot, cold, python_calls = _hot(captured[name], role, calls)
         s = statistics.median(serve[name])
-        out[name] = {"hot_us": round(hot, 1), "python_calls": round(python_calls, 1), "serve_thread_us": round(s, 1),
+        out[name] = {"hot_us": round(hot, 1), "cold_us": round(cold, 1), "python_calls": round(python_calls, 1),
+                     "serve_thread_us": round(s, 1),
                      "rank_process_us": round(statistics.median(process[name]), 1),
                      "serve_over_hot": round(s / hot, 2), "sections_us": sections[name]}
     controller = await _controller_sections(ranks, calls)

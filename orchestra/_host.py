@@ -942,7 +942,8 @@ class Host:
         controller-made shard's rows sit (the controller split the batch)."""
         if not shared and len(args) + len(kwargs) == 1:  # one argument, this rank's own: the usual shard call
             a = args[0] if args else next(iter(kwargs.values()))
-            if type(a) is Batch:  # a controller-made shard, passed as is: counted, nothing to resolve or copy
+            if type(a) is Batch:  # unpickled from this rank's own frame (a controller-made shard, or a concrete
+                # argument): counted, nothing to resolve or copy; the general branch below does the same for it
                 n = len(a)
                 counters["parts_in"] += 1
                 counters["rows_in"] += n

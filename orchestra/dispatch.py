@@ -58,8 +58,10 @@ class Plan:
     collectors: tuple[int, ...] | None = None  # without shard: the ranks whose results count (None: all)
 
     def with_(self, **changes: Any) -> Plan:
-        """A copy with some fields changed (``dataclasses.replace``'s result, made without its per-field calls:
-        this runs on every call's path; a Plan has no ``__post_init__``)."""
+        """A copy with some fields changed: ``dataclasses.replace``'s result, made for a Plan itself without its
+        per-field calls (this runs on every call's path; a Plan has no ``__post_init__``)."""
+        if type(self) is not Plan:  # a subclass may have fields or a __post_init__ of its own
+            return replace(self, **changes)
         unknown = changes.keys() - _PLAN_FIELDS
         if unknown:
             raise TypeError(f"Plan has no field(s) {sorted(unknown)}")
