@@ -554,10 +554,10 @@ class Batch:
         if isinstance(key, str):
             if key in self._nt:
                 return self._nt[key]
-            try:
-                return self._td[key]  # (a column at the top level: what ``get`` gives, with fewer Python calls)
-            except KeyError:
-                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}") from None
+            value = self._td.get(key, None)  # (one lookup, no key view; ``td[key]`` would unwrap a NonTensorData)
+            if value is None:  # (a TensorDict holds no None: the column is not there)
+                raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}")
+            return value
         return self._rows(key)
 
     def __setitem__(self, key: str, value: Any) -> None:

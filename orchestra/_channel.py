@@ -126,6 +126,8 @@ def batch_scheduled() -> Any:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError) as e:  # (no such call here, or not allowed)
         log.debug("fast path: the serve thread keeps its scheduling policy (%r)", e)
+        before = None
+    if before is None:  # (the loop runs outside the handler: its own errors carry no context of this one)
         yield
         return
     try:

@@ -212,12 +212,11 @@ def check_final(plan: Plan, dispatch: Dispatch) -> None:
     dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1}) if len(set(plan.ranks)) < len(plan.ranks) else []
     if dup:
         raise _error(plan, f"{dispatch!r} runs rank(s) {dup} more than once; list each rank once")
-    # (each refusal's list is made only once its C-level test failed: this runs twice on every call's path)
-    if plan.ranks and (min(plan.ranks) < 0 or max(plan.ranks) >= plan.world_size):
-        bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
+    bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
+    if bad:
         raise _error(plan, f"{dispatch!r} runs rank(s) {bad}, which do not exist in a group of {plan.world_size}")
     running = set(plan.ranks)
-    if plan.shard is not None and len(running) < plan.world_size:  # (every rank runs exists, each once)
+    if plan.shard is not None:
         left = [r for r in range(plan.world_size) if r not in running]
         if left:
             raise _error(plan, f"{dispatch!r}: shard() splits the rows over all {plan.world_size} ranks, but rank(s) "
@@ -225,7 +224,7 @@ def check_final(plan: Plan, dispatch: Dispatch) -> None:
                                f"(a pool) of just the ranks that should run, or run every rank after shard() (a "
                                f"transform after shard() may change arguments or collect, not drop ranks)")
     kept = plan.shard.collectors if plan.shard is not None else plan.collectors
-    if kept is not None and not running.issuperset(kept):
+    if kept is not None:
         missing = sorted(r for r in kept if r not in running)
         if missing:
             raise _error(plan, f"{dispatch!r} keeps the result of rank(s) {missing}, but only rank(s) "
@@ -582,7 +581,9 @@ def collects_by_shape(dispatch: Dispatch) -> bool:
     """Whether every ``collect`` of ``dispatch`` is orchestra's own, which reads the plan's ranks, shard and
     collectors, never its arguments: a finished call may then drop its data arguments (``Plan.without_data``). A
     user's collect may read them (``plan.data_args()``), so its call keeps them."""
-    memo = getattr(dispatch, "__dict__", None)  # (asked when every call ends; a transform's types never change)
+    # asked when every call ends; the answer for one of orchestra's own transforms (a Chain, whose steps never change)
+    # is kept on it; a user's transform is asked each time, its attributes left as they are
+    memo = dispatch.__dict__ if type(dispatch).__module__ == __name__ else None
     known = memo.get("_collects_by_shape") if memo is not None else None
     if known is None:
         own = (Dispatch.collect, _Shard.collect, _RankZero.collect, _FromRank.collect, _Metrics.collect)

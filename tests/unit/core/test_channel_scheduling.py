@@ -58,3 +58,21 @@ def test_where_the_policy_cannot_be_set_the_loop_runs_as_it_was(monkeypatch):
 
     before, inside = _in_thread(run)
     assert inside == before
+
+
+def test_where_the_policy_cannot_be_set_an_error_of_the_loop_carries_no_context_of_it(monkeypatch):
+    """The loop ran inside the handler of the refusal, so its own error (a reset socket) came with "During handling
+    of the above exception, another exception occurred" and the PermissionError in the rank's report."""
+    def refuse(*args):
+        raise PermissionError("not here")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+
+    def run():
+        try:
+            with _channel.batch_scheduled():
+                raise ConnectionResetError("the controller left")
+        except ConnectionResetError as e:
+            return e.__context__
+
+    assert _in_thread(run) is None

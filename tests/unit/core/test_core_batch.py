@@ -900,3 +900,17 @@ def test_exclude_refuses_a_name_the_batch_lacks_as_select_does():
     with pytest.raises(KeyError, match="exclude: no column.*advantage"):
         b.exclude("advantage")
     assert b.exclude("advantages").keys() == ["x"]
+
+
+def test_a_column_read_by_name_is_what_the_tensordict_holds_for_it():
+    """``b[key]`` read a TensorDict entry with ``td[key]`` for a moment (session 38), which unwraps a NonTensorData put
+    into ``b.tensors`` past the construction check into its content; it gives what ``b.tensors.get(key)`` gives."""
+    from tensordict import NonTensorData
+
+    b = Batch.from_dict({"x": torch.arange(3.0)})
+    b.tensors["note"] = "hello"  # stored as NonTensorData (the wire refuses it when sent; in-process it reads)
+    assert isinstance(b["note"], NonTensorData)
+    assert b["note"] is b.tensors.get("note")
+    assert b["x"] is b.tensors.get("x")
+    with pytest.raises(KeyError, match="no column 'nope'"):
+        b["nope"]
