@@ -51,7 +51,7 @@ def _refuse(obj: Any) -> Any:
 
 def registered_for(*types: type) -> dict[type, Any]:
     """The reduction registered now for each of ``types`` (None: none), as ``reductions()`` would hold it, without
-    merging the tables: copyreg's and cloudpickle's, looked up map by map (a call's frame template reads two on
+    merging the tables: copyreg's and cloudpickle's, looked up map by map (a call's frame template reads Batch's on
     every call)."""
     table = cloudpickle.CloudPickler.dispatch_table
     maps = table.maps if type(table) is collections.ChainMap else (table,)
