@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
+import anyio
+import pytest
+
+import orchestra as orc
 from orchestra import Worker, endpoint
 from orchestra import dispatch as D
 
@@ -37,3 +42,18 @@ class Holding(Worker):
     def slow(self, s: float = 0.0) -> int:
         time.sleep(s)
         return self.rank
+
+
+async def fail_cancel_and_hold(g: Any) -> None:
+    """On group ``g`` (a Holding with a ``boom`` endpoint that raises): one call that fails, one ``hold`` cancelled
+    while it runs, then one ``hold`` that returns (the rank's lane runs it after the cancelled call ended)."""
+    with pytest.raises(orc.WorkerError):
+        await g.boom()
+    reset()
+    fut = g.hold()
+    await anyio.to_thread.run_sync(began)
+    fut.cancel()
+    with pytest.raises(orc.CallCancelledError):
+        await fut
+    RELEASE.set()
+    await g.hold()

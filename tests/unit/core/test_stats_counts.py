@@ -51,16 +51,7 @@ async def test_failed_and_cancelled_calls_are_counted_apart_from_the_calls_that_
     g = WorkerGroup(_pool(1), Counted, group_name="counted")
     await g.ready()
     try:
-        with pytest.raises(orc.WorkerError):
-            await g.boom()
-        holding.reset()
-        fut = g.hold()
-        await anyio.to_thread.run_sync(holding.began)
-        fut.cancel()
-        with pytest.raises(orc.CallCancelledError):
-            await fut
-        holding.RELEASE.set()
-        await g.hold()  # (the rank's lane runs it after the cancelled call ended)
+        await holding.fail_cancel_and_hold(g)
         st = (await g.stats())[0]
         assert (st["boom"]["calls"], st["boom"]["errors"], st["boom"]["cancelled"]) == (1, 1, 0)
         assert st["boom"]["seconds"] > 0.01  # the time it ran, as before

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import anyio
 import pytest
 import torch
 
@@ -117,16 +116,7 @@ async def test_failed_and_cancelled_calls_are_spans_marked_as_such():
     await g.ready()
     try:
         async with orc.Tracer(g) as tracer:
-            with pytest.raises(orc.WorkerError):
-                await g.boom()
-            holding.reset()
-            fut = g.hold()
-            await anyio.to_thread.run_sync(holding.began)
-            fut.cancel()
-            with pytest.raises(orc.CallCancelledError):
-                await fut
-            holding.RELEASE.set()
-            await g.hold()  # (the rank's lane runs it after the cancelled call ended)
+            await holding.fail_cancel_and_hold(g)
         all_spans = [e for e in tracer.events() if e["ph"] == "X"]
         assert len(all_spans) == 3
         boom = [e for e in all_spans if e["name"] == "marked.boom"]
