@@ -446,24 +446,31 @@ def _cut_by_column(td: TensorDict) -> bool:
 def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> Batch:
     # flat columns of n rows each, as __reduce__ wrote them: made without the constructor's checks of what holds
     # (a Batch is rebuilt on every call's path, on the rank and in the controller); every value is a plain dense
-    # tensor made here, so only the names say whether a column was nested (a tuple key). (One loop, no
-    # comprehension: each Python frame a call runs costs it a few µs on a rank woken cold.)
+    # tensor made here, so only the names say whether a column was nested (a tuple key). Flat columns are kept as a
+    # plain dict until something asks for the TensorDict (``Batch._td``): an endpoint that reads a column, its
+    # length or its bytes never builds one (each Python frame a call runs costs it a few µs on a rank woken cold).
     columns = {}
-    flat = _NEW_UNSAFE is not None
+    flat = True
     for k, w in tensors.items():
         columns[k] = _small_from_wire(*w) if len(w) == 3 else _tensor_from_wire(*w)
         if type(k) is not str:
             flat = False
-    td = (_NEW_UNSAFE(columns, batch_size=torch.Size((n,)), nested=False) if flat
-          else TensorDict(columns, batch_size=[n]))
     # as Batch(td, non_tensors, meta, _pad=pad, _validate=False) makes it, without the checks a TensorDict of
-    # one row dimension made just above passes
+    # one row dimension made from these columns passes
     b = Batch.__new__(Batch)
-    b._td = td
+    b._t = (n, columns) if flat else TensorDict(columns, batch_size=[n])
     b._nt = dict(non_tensors) if non_tensors else {}
     b.meta = dict(meta) if meta else {}
     b._pad = pad
     return b
+
+
+def _built(n: int, columns: dict) -> TensorDict:
+    """The TensorDict of a Batch's flat columns kept as a dict (``_rebuild``): made without its checks, which
+    plain dense tensors of ``n`` rows named by strings pass."""
+    if _NEW_UNSAFE is not None:
+        return _NEW_UNSAFE(columns, batch_size=torch.Size((n,)), nested=False)
+    return TensorDict(columns, batch_size=[n])
 
 
 class Batch:
@@ -474,7 +481,9 @@ class Batch:
     (``b["x"] = b["x"] + 1``) rather than writing into them, or take ``b.clone()`` first.
     """
 
-    __slots__ = ("_td", "_nt", "meta", "_pad")
+    # ``_t``: the tensor columns, a TensorDict — or, for a batch unpickled from the wire with flat columns only,
+    # (rows, {name: tensor}) until something asks for the TensorDict (``_td``; see ``_rebuild``)
+    __slots__ = ("_t", "_nt", "meta", "_pad")
 
     def __init__(
         self,
@@ -505,7 +514,7 @@ class Batch:
             td = TensorDict(dict(td.items()), batch_size=td.batch_size[:1])
         if _validate and given:
             td = _checked(td)
-        self._td = td
+        self._t = td
         self._nt = {k: _as_object_array(v, k) for k, v in nt.items()} if _validate else nt
         self.meta = dict(meta or {})
         self._pad = _pad
@@ -546,15 +555,30 @@ class Batch:
         n = next(iter(n_t | n_o), 0)
         return cls(TensorDict(tensors, batch_size=[n]), others, meta)
 
+    @property
+    def _td(self) -> TensorDict:
+        """The tensor columns as a TensorDict, built now when the batch still holds them as a dict (``_rebuild``)."""
+        t = self._t
+        if type(t) is tuple:
+            t = self._t = _built(*t)
+        return t
+
+    @_td.setter
+    def _td(self, td: TensorDict) -> None:
+        self._t = td
+
     # -- basic protocol -------------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._td.batch_size[0]  # (an int: torch.Size holds ints)
+        t = self._t
+        return t[0] if type(t) is tuple else t.batch_size[0]  # (an int: torch.Size holds ints)
 
     def __getitem__(self, key: str | slice | Sequence[int] | torch.Tensor) -> Any:
         if isinstance(key, str):
             if key in self._nt:
                 return self._nt[key]
-            value = self._td.get(key, None)  # (one lookup, no key view; ``td[key]`` would unwrap a NonTensorData)
+            t = self._t
+            # (one lookup, no key view; ``td[key]`` would unwrap a NonTensorData)
+            value = t[1].get(key) if type(t) is tuple else t.get(key, None)
             if value is None:  # (a TensorDict holds no None: the column is not there)
                 raise KeyError(f"no column {key!r}; the batch has {sorted(self.keys())}")
             return value
@@ -585,11 +609,13 @@ class Batch:
             del self._td[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._nt or key in self._td.keys()
+        t = self._t
+        return key in self._nt or (key in t[1] if type(t) is tuple else key in t.keys())
 
     def keys(self) -> list[str]:
         """All column names: tensor columns first, then non-tensor columns."""
-        return [*self._td.keys(), *self._nt.keys()]
+        t = self._t
+        return [*(t[1] if type(t) is tuple else t.keys()), *self._nt.keys()]
 
     @property
     def tensors(self) -> TensorDict:
@@ -612,6 +638,14 @@ class Batch:
         # tensor columns summed over the top level when every column there is a plain dense tensor (the usual case,
         # and cheaper than walking the leaves: this runs on every call's path, on both sides), else over every leaf
         total = 0
+        t = self._t
+        if type(t) is tuple:  # flat columns kept as a dict: every one a plain dense tensor (``_rebuild``)
+            for c in t[1].values():
+                total += c.numel() * c.element_size()
+            if self._nt:
+                for a in self._nt.values():
+                    total += a.nbytes
+            return total
         for t in self._td.values():
             if type(t) is not torch.Tensor or t.is_nested:  # nesting of any kind: every leaf, as it always was
                 total = sum(x.numel() * x.element_size() for x in self._td.values(include_nested=True,

@@ -22,7 +22,7 @@ from ._host import CONCURRENCY_GROUPS, host_class, method_name
 from ._invocation import Invocation, check_forwarded, closed_error, convert_error
 from ._pool import ResourcePool
 from ._worker import EndpointSpec, MeshInfo, Worker, endpoints_of
-from .dispatch import Plan, check_final
+from .dispatch import Plan, check_final, every_rank
 from .dispatch import stream as stream_transform
 
 __all__ = ["WorkerGroup"]
@@ -976,7 +976,7 @@ class _Endpoint:
                 raise DispatchError(f"group {g.name!r}, endpoint {spec.name!r}: {e}; signature is "
                                     f"{spec.name}{spec.signature}") from None
         world = g.world_size
-        plan = Plan(group=g, endpoint=spec.name, world_size=world, ranks=tuple(range(world)), args=args,
+        plan = Plan(group=g, endpoint=spec.name, world_size=world, ranks=every_rank(world), args=args,
                     kwargs=kwargs)
         plan = spec.dispatch.check(plan)
         if self.stream and not plan.stream:

@@ -106,8 +106,16 @@ class Slot:
             self._on_change()
 
     def finished(self) -> bool:
-        # the count is exact once every output's callback ran; until then, look at the outputs themselves
-        return self.done.done() and (self._open == 0 or all(o.done() for o in self.outputs))
+        # the count is exact once every output's callback ran; until then, look at the outputs themselves (a loop,
+        # not all(): this runs at every reply of every call, mostly on a slot whose output is not in yet)
+        if not self.done.done():
+            return False
+        if self._open == 0:
+            return True
+        for o in self.outputs:
+            if not o.done():
+                return False
+        return True
 
     def watch(self) -> asyncio.Future:
         """A future resolved at the next new output or at the end (check state after taking it, then await)."""
@@ -140,6 +148,8 @@ def check_forwarded(plan: Plan) -> None:
     value per rank (``broadcast()``) in a shard call or a union, where it would be read as rows (every rank's copy
     of the same rows one after the other)."""
     for a in plan.data_args():
+        if isinstance(a, Batch):  # (a Batch argument reads no future)
+            continue
         comps = components(a)
         for c in comps:
             if not isinstance(c, Invocation):
@@ -173,8 +183,10 @@ class Invocation:
         self.deadline = None if timeout is None else self.loop.time() + timeout
         self.error: BaseException | None = None  # terminal: cancel, timeout, shutdown
         self._ended: asyncio.Future | None = None  # made when someone waits: fails when the call ends early
-        self.upstreams: list[Invocation] = [c for a in plan.data_args() for c in components(a)
-                                            if isinstance(c, Invocation)]
+        self.upstreams: list[Invocation] = []
+        for a in plan.data_args():
+            if not isinstance(a, Batch):  # (a Batch argument reads no future)
+                self.upstreams.extend(c for c in components(a) if isinstance(c, Invocation))
         self.collect: Callable[[list[Any]], Any] | None = None
         self.concat_all = False
         self._awaited = False  # a first await took the replies as received; later ones fetch their own copies
@@ -404,7 +416,9 @@ class Invocation:
                 slot = self._slot(r, r in collectors)
                 slot.call_refs.append(reply)
                 reply.first = slot.add(reply, reply.out)
-                slot.finish()
+                # its only output: finish() without its notifications, which have no one to tell yet (the call has
+                # no slots until _set_slots, so its _check_done returns at once, and no one watches these)
+                slot.done.set_result(None)
                 slots.append(slot)
             self._set_slots(_row_order(plan, slots))
             return

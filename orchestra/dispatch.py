@@ -69,6 +69,8 @@ class Plan:
         fields_ = new.__dict__
         fields_.update(self.__dict__)
         fields_.update(changes)
+        if "args" in changes:
+            fields_.pop("_data", None)  # (``data_args``' memo is of the arguments it had)
         return new
 
     def without_data(self, placeholder: Any) -> Plan:
@@ -82,8 +84,16 @@ class Plan:
 
     def data_args(self) -> list[Any]:
         """The Batch and DataFuture arguments of the call (in positional, then keyword order)."""
-        # (``_is_data`` written out: this runs several times on every call's path)
-        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, Batch) or hasattr(type(a), "_orc_sources")]
+        # the positional ones found once per plan (this runs several times on every call's path): ``args`` is a
+        # tuple of a frozen Plan, and ``with_`` drops the memo with it; ``kwargs`` is a dict a transform could write
+        # into, so it is read every time. Each caller gets a list of its own. (``_is_data`` written out.)
+        found = self.__dict__.get("_data")
+        if found is None:
+            found = self.__dict__["_data"] = tuple(
+                [a for a in self.args if isinstance(a, Batch) or hasattr(type(a), "_orc_sources")])
+        if not self.kwargs:
+            return list(found)
+        return [*found, *[a for a in self.kwargs.values() if isinstance(a, Batch) or hasattr(type(a), "_orc_sources")]]
 
     def where(self) -> str:
         return f"group {self.group.name!r}, endpoint {self.endpoint!r}"
@@ -96,6 +106,18 @@ def _is_data(x: Any) -> bool:
     # a DataFuture is recognised by what it offers (the sources a call reads), so that dispatch imports neither
     # the future nor the group: both sit above it
     return isinstance(x, Batch) or hasattr(type(x), "_orc_sources")
+
+
+_EVERY_RANK: dict[int, tuple[int, ...]] = {}
+
+
+def every_rank(world_size: int) -> tuple[int, ...]:
+    """``tuple(range(world_size))``, one object per size: a call's plan starts with it, and ``check_final`` knows
+    it by identity (every rank once, each in range: nothing to check)."""
+    ranks = _EVERY_RANK.get(world_size)
+    if ranks is None:
+        ranks = _EVERY_RANK[world_size] = tuple(range(world_size))
+    return ranks
 
 
 def _rows_known(x: Any) -> int | None:
@@ -208,15 +230,17 @@ def check_final(plan: Plan, dispatch: Dispatch) -> None:
     user's transform after ``shard()`` included). Run by the group on the plan that ``check`` made, and again on
     the one ``split`` made, before anything is sent: every rank runs at most once; a shard runs every rank (the
     rows of the others would be lost); the ranks whose results are kept all run."""
-    # on every call: one pass (a set) in the usual case, the count only to name the ranks listed twice
-    dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1}) if len(set(plan.ranks)) < len(plan.ranks) else []
-    if dup:
-        raise _error(plan, f"{dispatch!r} runs rank(s) {dup} more than once; list each rank once")
-    bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
-    if bad:
-        raise _error(plan, f"{dispatch!r} runs rank(s) {bad}, which do not exist in a group of {plan.world_size}")
     running = set(plan.ranks)
-    if plan.shard is not None:
+    every = plan.ranks is _EVERY_RANK.get(plan.world_size)  # (the call's own ranks, unchanged: each rank once)
+    if not every:
+        # one pass (a set) in the usual case, the count only to name the ranks listed twice
+        dup = sorted({r for r in plan.ranks if plan.ranks.count(r) > 1}) if len(running) < len(plan.ranks) else []
+        if dup:
+            raise _error(plan, f"{dispatch!r} runs rank(s) {dup} more than once; list each rank once")
+        bad = sorted(r for r in plan.ranks if not 0 <= r < plan.world_size)
+        if bad:
+            raise _error(plan, f"{dispatch!r} runs rank(s) {bad}, which do not exist in a group of {plan.world_size}")
+    if plan.shard is not None and not every:
         left = [r for r in range(plan.world_size) if r not in running]
         if left:
             raise _error(plan, f"{dispatch!r}: shard() splits the rows over all {plan.world_size} ranks, but rank(s) "

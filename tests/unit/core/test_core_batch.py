@@ -600,6 +600,37 @@ def test_a_batch_rebuilt_from_the_wire_is_the_batch_sent():
         assert sorted(back._td.keys(True, True), key=str) == sorted(b._td.keys(True, True), key=str)
 
 
+def test_a_batch_off_the_wire_builds_its_tensordict_only_when_asked_and_reads_the_same_before_and_after():
+    """A batch of flat columns unpickled keeps them as a dict: its columns, length, bytes, names and membership are
+    read from it (no TensorDict built: an endpoint that reads a column pays for none); the first use that needs the
+    TensorDict builds it from the same tensors, and every read after is what it was before. Large columns (out of
+    band) and a batch with non-tensor columns alike; a nested one is a TensorDict from the start."""
+    from tensordict import TensorDict
+
+    big = Batch.from_dict({"x": torch.arange(4), "w": torch.ones(4, 5000), "s": list("abcd")}, meta={"m": 1})
+    for sent in (Batch.from_dict({"x": torch.arange(4)}), big, Batch.from_dict({"x": torch.arange(0)})):
+        b = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+        x = b["x"]
+        facts = (len(b), b.nbytes, b.keys(), "x" in b, "nope" in b, "s" in b)
+        with pytest.raises(KeyError, match=r"no column 'nope'; the batch has"):
+            b["nope"]
+        assert type(b._t) is tuple  # nothing above built the TensorDict
+        assert facts == (len(sent), sent.nbytes, sent.keys(), True, False, "s" in sent)
+        td = b.tensors
+        assert type(td) is TensorDict and td.batch_size == torch.Size([len(sent)]) and b._t is td
+        assert b["x"] is x and td["x"] is x  # the same tensor objects, not copies
+        assert (len(b), b.nbytes, b.keys(), "x" in b, "nope" in b, "s" in b) == facts
+        assert b == sent and b.meta == sent.meta
+    b = pickle.loads(pickle.dumps(Batch.from_dict({"x": torch.arange(4)}), protocol=pickle.HIGHEST_PROTOCOL))
+    b["y"] = torch.zeros(4)  # a write builds it first, and lands in it
+    assert type(b._t) is TensorDict and b.keys() == ["x", "y"] and b.tensors["y"].shape == (4,)
+    b = pickle.loads(pickle.dumps(Batch.from_dict({"x": torch.arange(4)}), protocol=pickle.HIGHEST_PROTOCOL))
+    again = pickle.loads(pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL))  # sent on as it came
+    assert again == b and b.split([1, 3])[1]["x"].tolist() == [1, 2, 3]
+    nested = Batch(TensorDict({"a": {"b": torch.arange(3)}}, batch_size=[3]))
+    assert type(pickle.loads(pickle.dumps(nested, protocol=pickle.HIGHEST_PROTOCOL))._t) is TensorDict
+
+
 def test_rebuilding_a_read_only_column_warns_nowhere_and_leaves_the_users_warning_alone():
     """torch warns once per process when a tensor is made from a read-only array (a frame's large columns are
     such views): orchestra's first such conversion spends that warning, silenced, and later ones convert without a

@@ -365,3 +365,38 @@ def test_only_ranks_narrows_an_earlier_choice_of_ranks_and_never_adds_one():
                                             r"transform chose rank\(s\) \[0\]"):
         (D.broadcast() | D.rank_zero() | D.only_ranks(0, 1)).check(plan(world=3))
     assert (D.only_ranks(0, 2) | D.only_ranks(2)).check(plan(world=3)).ranks == (2,)
+
+
+def test_a_plans_data_arguments_follow_its_arguments():
+    """``data_args`` keeps what it found among a plan's positional arguments: a copy with other arguments finds
+    theirs, a keyword dict written into after a first look is read again, and each caller gets a list of its
+    own."""
+    a, b, c = rows(4), rows(4), rows(4)
+    p = plan(a, 7, k=b)
+    assert p.data_args() == [a, b]
+    p.data_args().append("mine")  # a caller's list is its own
+    assert p.data_args() == [a, b]
+    q = p.with_(args=(c,))
+    assert q.data_args() == [c, b] and p.data_args() == [a, b]
+    assert p.with_(kwargs={}).data_args() == [a]
+    p.kwargs["more"] = c  # (a Plan is frozen, its kwargs dict is not)
+    assert p.data_args() == [a, b, c]
+    f = FakeFuture()
+    assert plan(f, a).data_args() == [f, a]
+
+
+def test_a_plan_of_every_rank_is_still_checked_for_the_results_it_keeps():
+    """``check_final`` knows the ranks a call starts with (``every_rank``) by identity and skips their checks; the
+    ranks whose results are kept are checked all the same, and an equal tuple made by a transform is checked
+    fully."""
+    p = Plan(group=FakeGroup(), endpoint="step", world_size=3, ranks=D.every_rank(3), args=(rows(6),), kwargs={})
+    assert D.every_rank(3) is D.every_rank(3) == (0, 1, 2)
+    D.check_final(p, D.broadcast())
+    with pytest.raises(DispatchError, match=r"keeps the result of rank\(s\) \[5\]"):
+        D.check_final(p.with_(collectors=(0, 5)), D.broadcast())
+    with pytest.raises(DispatchError, match=r"keeps the result of rank\(s\) \[0.5\]"):
+        D.check_final(p.with_(shard=D.ShardSpec((0, 1, 2), 3, (0.5,))), D.shard())
+    with pytest.raises(DispatchError, match=r"rank\(s\) \[2\] would not run"):
+        D.check_final(p.with_(ranks=(0, 1, 0.5), shard=D.ShardSpec((0, 1, 2), 3, (0, 1))), D.shard())
+    with pytest.raises(DispatchError, match=r"rank\(s\) \[3\], which do not exist"):
+        D.check_final(p.with_(ranks=(0, 1, 3)), D.broadcast())
