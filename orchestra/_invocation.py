@@ -52,13 +52,13 @@ class Slot:
     """The outputs of one executing rank, in order; grows while a streaming endpoint yields."""
 
     def __init__(self, rank: int, collected: bool, on_change: Callable[[], None] | None = None,
-                 on_fail: Callable[[], None] | None = None) -> None:
+                 on_fail: Callable[[], None] | None = None, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.rank, self.collected = rank, collected
         self._on_change = on_change  # after any output or the end is done (a failure: ``on_fail`` first)
         self._on_fail = on_fail
         self.refs: list[ray.ObjectRef] = []
         self.outputs: list[asyncio.Future] = []  # each resolves to an Output (or a plain value)
-        self.done = asyncio.Future(loop=asyncio.get_running_loop())
+        self.done = asyncio.Future(loop=loop or asyncio.get_running_loop())  # (``loop``: the running one, known)
         self.call_refs: list[Any] = []  # every ObjectRef / generator sent for this slot, for cancellation
         self._waiters: list[asyncio.Future] = []
         self._open = 0  # outputs whose done callback has not run yet (a quick answer for ``finished``)
@@ -308,7 +308,7 @@ class Invocation:
         self._check_done()
 
     def _slot(self, rank: int, collected: bool) -> Slot:
-        return Slot(rank, collected, self._check_done, self._wake)
+        return Slot(rank, collected, self._check_done, self._wake, self.loop)
 
     def _wake(self) -> None:
         """Wake the waits under way (``_wait_some``): every rank finished, one failed, or the call ended early."""
