@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import math
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -465,6 +466,9 @@ def _rebuild(n: int, tensors: dict, non_tensors: dict, meta: dict, pad: int) -> 
     return b
 
 
+_BUILD_LOCK = threading.Lock()  # one TensorDict per batch off the wire, whichever threads ask at once (``Batch._td``)
+
+
 def _built(n: int, columns: dict) -> TensorDict:
     """The TensorDict of a Batch's flat columns kept as a dict (``_rebuild``): made without its checks, which
     plain dense tensors of ``n`` rows named by strings pass."""
@@ -560,7 +564,10 @@ class Batch:
         """The tensor columns as a TensorDict, built now when the batch still holds them as a dict (``_rebuild``)."""
         t = self._t
         if type(t) is tuple:
-            t = self._t = _built(*t)
+            with _BUILD_LOCK:  # (two threads must not each build one: a write into the one not kept would be lost)
+                t = self._t
+                if type(t) is tuple:
+                    t = self._t = _built(*t)
         return t
 
     @_td.setter
@@ -609,8 +616,12 @@ class Batch:
             del self._td[key]
 
     def __contains__(self, key: object) -> bool:
+        if key in self._nt:
+            return True
         t = self._t
-        return key in self._nt or (key in t[1] if type(t) is tuple else key in t.keys())
+        if type(t) is tuple and type(key) is str:  # (any other key asks the TensorDict: ("x",) names "x" there)
+            return key in t[1]
+        return key in self._td.keys()
 
     def keys(self) -> list[str]:
         """All column names: tensor columns first, then non-tensor columns."""

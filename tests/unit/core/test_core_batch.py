@@ -631,6 +631,64 @@ def test_a_batch_off_the_wire_builds_its_tensordict_only_when_asked_and_reads_th
     assert type(pickle.loads(pickle.dumps(nested, protocol=pickle.HIGHEST_PROTOCOL))._t) is TensorDict
 
 
+def test_a_batch_off_the_wire_answers_membership_as_its_tensordict_does():
+    """Review of the dict form: ``key in b`` answered from the dict said False for ``("x",)`` (a TensorDict takes a
+    1-tuple as its one name; ``requires=[("x",)]`` passed at the controller and was refused on the rank) and False for
+    a key that is not a name at all (TensorDict raises TypeError): a key that is not a string asks the TensorDict."""
+    sent = Batch.from_dict({"x": torch.arange(4), "s": list("abcd")})
+    for b in (sent, pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))):
+        assert "x" in b and "s" in b and ("x",) in b and ("nope",) not in b and "nope" not in b
+        with pytest.raises(TypeError):
+            1 in b
+        assert b.select(("x",)).keys() == ["x"]
+
+
+def test_a_batch_off_the_wire_builds_one_tensordict_whichever_threads_ask():
+    """Review of the dict form: two threads asking a batch off the wire for its TensorDict at once could each build
+    one, and a write through the one the batch did not keep was lost: the build runs under a lock, checked again
+    inside it. Then many threads at once, a few thousand times, all get the batch's one TensorDict."""
+    import sys
+    import threading
+
+    from orchestra import _batch
+
+    seen = []
+    built = _batch._built
+
+    def watched(n, columns):
+        seen.append(_batch._BUILD_LOCK.locked())
+        return built(n, columns)
+
+    src = pickle.dumps(Batch.from_dict({f"c{i}": torch.arange(4) for i in range(20)}), protocol=5)
+    b = pickle.loads(src)
+    _batch._built, saved = watched, _batch._built
+    try:
+        assert b.tensors is b.tensors and seen == [True]  # built once, under the lock
+    finally:
+        _batch._built = saved
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(300):
+            b = pickle.loads(src)
+            got = [None] * 4
+            start = threading.Barrier(4)
+
+            def read(i: int) -> None:
+                start.wait()
+                got[i] = b.tensors
+                got[i][f"new{i}"] = torch.zeros(4)
+
+            threads = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert all(g is b.tensors for g in got) and {f"new{i}" for i in range(4)} <= set(b.keys())
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_rebuilding_a_read_only_column_warns_nowhere_and_leaves_the_users_warning_alone():
     """torch warns once per process when a tensor is made from a read-only array (a frame's large columns are
     such views): orchestra's first such conversion spends that warning, silenced, and later ones convert without a
