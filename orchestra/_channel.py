@@ -329,6 +329,10 @@ class _Conn:
         if not data:
             self.channel._lost(self, None)
             return
+        if not self.inbuf and self.rank is not None and len(data) > _LEN.size \
+                and _LEN.unpack_from(data)[0] == len(data) - _LEN.size:  # one whole frame, the usual reply: as is
+            self.channel._frame(self, data[_LEN.size:])
+            return
         self.inbuf += data
         buf = self.inbuf
         while len(buf) >= _LEN.size:
