@@ -5,8 +5,10 @@ are cut at their length prefixes; a stranger's first frame that is not a hello i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
+from collections.abc import Iterator
 
 from orchestra import _channel
 
@@ -39,14 +41,24 @@ def _framed(body: bytes) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def test_replies_are_cut_at_their_frames_however_the_reads_fall():
-    loop = asyncio.get_running_loop()
+@contextlib.contextmanager
+def _connected(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[_channel._Conn, _Recorder, socket.socket]]:
+    """A ``_Conn`` over one end of a socket pair (read by hand: one read per ``_on_read``), its recording channel,
+    and the other end, the rank's."""
     ours, theirs = socket.socketpair()
     try:
         ours.setblocking(False)
         channel = _Recorder(loop)
         conn = _channel._Conn(channel, ours)  # type: ignore[arg-type]
-        loop.remove_reader(ours.fileno())  # (read by hand below, one read per call)
+        loop.remove_reader(ours.fileno())
+        yield conn, channel, theirs
+    finally:
+        ours.close()
+        theirs.close()
+
+
+async def test_replies_are_cut_at_their_frames_however_the_reads_fall():
+    with _connected(asyncio.get_running_loop()) as (conn, channel, theirs):
         conn.rank = 2
         theirs.sendall(_framed(b"one"))
         conn._on_read()
@@ -72,22 +84,10 @@ async def test_replies_are_cut_at_their_frames_however_the_reads_fall():
         theirs.close()
         conn._on_read()
         assert channel.lost == [None]
-    finally:
-        ours.close()
-        theirs.close()
 
 
 async def test_a_strangers_first_whole_frame_that_is_no_hello_is_refused():
-    loop = asyncio.get_running_loop()
-    ours, theirs = socket.socketpair()
-    try:
-        ours.setblocking(False)
-        channel = _Recorder(loop)
-        conn = _channel._Conn(channel, ours)  # type: ignore[arg-type]
-        loop.remove_reader(ours.fileno())
+    with _connected(asyncio.get_running_loop()) as (conn, channel, theirs):
         theirs.sendall(_framed(b"x" * (_channel._HELLO_BYTES + 1)))  # rank not known yet: only a hello is read
         conn._on_read()
         assert channel.frames == [] and len(channel.refused) == 1 and "not a hello" in channel.refused[0]
-    finally:
-        ours.close()
-        theirs.close()
