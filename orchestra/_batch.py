@@ -570,10 +570,6 @@ class Batch:
                     t = self._t = _built(*t)
         return t
 
-    @_td.setter
-    def _td(self, td: TensorDict) -> None:
-        self._t = td
-
     # -- basic protocol -------------------------------------------------------------------------------------------
     def __len__(self) -> int:
         t = self._t

@@ -150,12 +150,12 @@ def send_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def _read_rest(stream: BinaryIO, data: bytes | None, n: int) -> bytes | None:
-    """``n`` bytes of ``stream`` of which ``data`` (one read's, shorter) came first; None at its end (also inside
-    them). A buffered stream gives them in one read, a raw one (``buffering=0``: no read-ahead) in as many as the
-    socket needs."""
-    if data is None:
-        return None
+def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
+    """``n`` bytes of ``stream``; None at its end (also inside them). A buffered stream gives them in one read, a raw
+    one (``buffering=0``: no read-ahead) in as many as the socket needs."""
+    data = stream.read(n)
+    if data is None or len(data) == n:
+        return data
     got = bytearray(data)
     while len(got) < n:
         more = stream.read(n - len(got))
@@ -168,17 +168,10 @@ def _read_rest(stream: BinaryIO, data: bytes | None, n: int) -> bytes | None:
 def recv_frame(stream: BinaryIO) -> bytes | None:
     """Read one frame from the file of a blocking socket (``sock.makefile("rb")``: the rank's side, whose buffer cuts
     what one ``recv`` brings into frames, so a small frame costs one system call); None at the end of the stream."""
-    # (each read's usual outcome tested here: two Python calls less per frame on a rank woken cold)
-    head = stream.read(_LEN.size)
-    if head is None or len(head) != _LEN.size:
-        head = _read_rest(stream, head, _LEN.size)
-        if head is None:
-            return None
-    n = _LEN.unpack(head)[0]
-    body = stream.read(n)
-    if body is None or len(body) != n:
-        return _read_rest(stream, body, n)
-    return body
+    head = _read_exact(stream, _LEN.size)
+    if head is None:
+        return None
+    return _read_exact(stream, _LEN.unpack(head)[0])
 
 
 def connect(address: str | tuple[str, int], secret: bytes, rank: int) -> socket.socket:
